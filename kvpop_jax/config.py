@@ -1,0 +1,249 @@
+"""Frozen, validated configs: the base Qwen3 architecture and the KVpop retrofit.
+
+`Qwen3Config` mirrors the fields of a HuggingFace Qwen3 `config.json` that the model
+uses; `KVpopConfig` holds the sparse-attention budget (s, w, k), the scorer and every
+loss knob of the paper (Table 3 defaults). Both validate on construction and name the
+bad value in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+
+
+def _require_positive(cls_name: str, **values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture of a Qwen3 causal LM (the subset of HF's config.json we use)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        _require_positive(
+            "Qwen3Config",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "Qwen3Config.num_attention_heads must be divisible by num_key_value_heads, got "
+                f"{self.num_attention_heads} heads and {self.num_key_value_heads} kv heads"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"Qwen3Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (the GQA group size G)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":
+        """Builds the config from a HF `config.json` dict, file, or checkpoint directory."""
+        if not isinstance(source, Mapping):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path!r}")
+            with open(path) as f:
+                try:
+                    source = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from e
+        hf = dict(source)
+        model_type = hf.get("model_type", "qwen3")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; kvpop-jax supports {SUPPORTED_MODEL_TYPES}"
+            )
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in (None, "default"):
+                raise ValueError(
+                    f"unsupported rope_scaling type {kind!r}; only plain RoPE ('default') is supported"
+                )
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict that `transformers.Qwen3Config` reads back."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+
+
+SCORERS = ("linear", "mlp", "mlstm")
+AGGREGATIONS = ("max", "mean")
+NORMALIZERS = ("sparse", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVpopConfig:
+    """The KVpop retrofit: budget B = sinks + window + topk and the training knobs.
+
+    Defaults follow the paper (Table 3 and Appendix B). Knobs the paper leaves unset
+    (ε, ω_min, τ_ω, c_min, c_max, sampler sizes) get the values documented inline.
+    """
+
+    sinks: int = 4  # s
+    window: int = 256  # w, protected recent window
+    topk: int = 2016  # k, long-range budget
+    scorer: str = "mlp"  # linear | mlp | mlstm
+    scorer_hidden: int = 64  # MLP hidden width per KV head
+    mlstm_dim: int = 32  # mLSTM feature dim per head (Hedgehog: projected to d/2, features d)
+    mlstm_chunk: int = 64  # chunk length of the chunkwise-parallel mLSTM
+    mlstm_gate_softcap: float = 15.0  # soft-cap of gate pre-activations
+    delayed_readout: bool = True  # mLSTM scores u = q - w from the state after q
+    gamma_min: float = 0.999
+    gamma_max: float = 0.999999
+    decay_step: int = 1  # n in Eq. 5; only 1 supports static priorities
+    loss_temperature: float = 1.0  # τ in Eq. 7
+    margin_weighting: bool = True  # Eq. 23
+    omega_min: float = 0.1  # ω_min in Eq. 23
+    tau_omega: float = 1.0  # τ_ω in Eq. 23
+    balance_weighting: bool = True  # Eq. 24
+    balance_min: float = 0.2  # c_min in Eq. 24
+    balance_max: float = 5.0  # c_max in Eq. 24
+    eps: float = 1e-6  # ε inside log(ε + m) in Eq. 3
+    aggregate: str = "max"  # GQA aggregation of the target (Eq. 14 / 15)
+    count_normalize: bool = True  # divide by N_t (Eq. 16-17)
+    normalizer: str = "sparse"  # LSE for the target: sparse (Eq. 9) or dense (Eq. 28)
+    num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
+    late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
+    kl_topk: int = 256  # teacher top-k logits for distillation
+    kl_temperature: float = 1.0
+    retention_loss_weight: float = 1.0
+
+    def __post_init__(self):
+        for name in ("sinks", "window", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
+        if self.window < 1:
+            raise ValueError(f"KVpopConfig.window must be >= 1 (the newest token is always kept), got {self.window}")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"KVpopConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
+        if self.aggregate not in AGGREGATIONS:
+            raise ValueError(f"KVpopConfig.aggregate must be one of {AGGREGATIONS}, got {self.aggregate!r}")
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(f"KVpopConfig.normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+        if self.decay_step != 1:
+            raise ValueError(
+                f"KVpopConfig.decay_step must be 1 (static priorities need n = 1), got {self.decay_step!r}"
+            )
+        if not 0.0 < self.gamma_min < self.gamma_max < 1.0:
+            raise ValueError(
+                "KVpopConfig needs 0 < gamma_min < gamma_max < 1, got "
+                f"gamma_min={self.gamma_min!r}, gamma_max={self.gamma_max!r}"
+            )
+        _require_positive(
+            "KVpopConfig",
+            scorer_hidden=self.scorer_hidden,
+            mlstm_dim=self.mlstm_dim,
+            mlstm_chunk=self.mlstm_chunk,
+            num_query_samples=self.num_query_samples,
+            kl_topk=self.kl_topk,
+        )
+        if self.mlstm_dim % 2:
+            raise ValueError(f"KVpopConfig.mlstm_dim must be even (Hedgehog halves it), got {self.mlstm_dim}")
+        for name in ("loss_temperature", "tau_omega", "eps", "kl_temperature", "mlstm_gate_softcap"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"KVpopConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.omega_min <= 1.0:
+            raise ValueError(f"KVpopConfig.omega_min must be in [0, 1], got {self.omega_min!r}")
+        if not 0.0 < self.balance_min <= self.balance_max:
+            raise ValueError(
+                f"KVpopConfig needs 0 < balance_min <= balance_max, got {self.balance_min!r}, {self.balance_max!r}"
+            )
+        if not 0.0 <= self.late_bias_fraction <= 1.0:
+            raise ValueError(f"KVpopConfig.late_bias_fraction must be in [0, 1], got {self.late_bias_fraction!r}")
+
+    @property
+    def budget(self) -> int:
+        """B = s + w + k: KV entries kept per head."""
+        return self.sinks + self.window + self.topk
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Training needs sequences longer than the budget, or nothing is ever evicted."""
+        if seq_len <= self.budget:
+            raise ValueError(
+                f"sequence length {seq_len} must exceed the KVpop budget B = s + w + k = "
+                f"{self.sinks} + {self.window} + {self.topk} = {self.budget}; nothing would be evicted"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "KVpopConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KVpopConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
