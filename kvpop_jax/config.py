@@ -39,9 +39,15 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | tuple[int, ...] | None = None
+    # The KVpop retrofit (None: a dense model). Carried in config.json under "kvpop".
+    kvpop: "KVpopConfig | None" = None
 
     def __post_init__(self):
+        if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.kvpop is not None and not isinstance(self.kvpop, KVpopConfig):
+            raise TypeError(f"Qwen3Config.kvpop must be a KVpopConfig or None, got {type(self.kvpop).__name__}")
         _require_positive(
             "Qwen3Config",
             vocab_size=self.vocab_size,
@@ -70,7 +76,11 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":
-        """Builds the config from a HF `config.json` dict, file, or checkpoint directory."""
+        """Builds the config from a HF `config.json` dict, file, or checkpoint directory.
+
+        A "kvpop" entry (written by `save_pretrained` for a retrofitted model) becomes
+        `config.kvpop`; transformers ignores it, so the file still loads there.
+        """
         if not isinstance(source, Mapping):
             path = os.fspath(source)
             if os.path.isdir(path):
@@ -88,13 +98,23 @@ class Qwen3Config:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; kvpop-jax supports {SUPPORTED_MODEL_TYPES}"
             )
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters {rope_type, rope_theta}.
+        rope_theta = hf.get("rope_theta", 1_000_000.0)
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = hf.get(key)
+            if not rope:
+                continue
+            kind = rope.get("rope_type", rope.get("type"))
             if kind not in (None, "default"):
                 raise ValueError(
-                    f"unsupported rope_scaling type {kind!r}; only plain RoPE ('default') is supported"
+                    f"unsupported {key} type {kind!r}; only plain RoPE ('default') is supported"
                 )
+            rope_theta = rope.get("rope_theta", rope_theta)
+        if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+            raise ValueError(
+                f"unsupported sliding-window layers (use_sliding_window={hf.get('use_sliding_window')!r}, "
+                f"layer_types={hf.get('layer_types')!r}); only full attention is supported"
+            )
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return cls(
@@ -105,13 +125,14 @@ class Qwen3Config:
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads", heads),
             head_dim=head_dim,
-            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             attention_bias=bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
+            kvpop=KVpopConfig.from_dict(hf["kvpop"]) if hf.get("kvpop") else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -127,14 +148,15 @@ class Qwen3Config:
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "torch_dtype": "float32",
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            **({"kvpop": self.kvpop.to_dict()} if self.kvpop is not None else {}),
         }
 
 

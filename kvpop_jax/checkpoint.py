@@ -1,0 +1,295 @@
+"""HuggingFace safetensors <-> Flax params, table-driven and lazy.
+
+`load_pretrained` reads a HF Qwen3 directory (one `model.safetensors` or shards listed
+in `model.safetensors.index.json`) one tensor at a time: each tensor is read from the
+memory-mapped file, transformed, cast and put on device before the next one is read,
+so an 8B model never needs two host copies. `save_pretrained` writes the inverse,
+atomically (temp file + rename), with an index when sharded. Pickles (`.bin`, `.pt`)
+are refused: nothing here ever runs code from a checkpoint.
+
+KVpop parameters (scorers, decay) live under `layers_{i}/self_attn/kvpop/...` and are
+stored verbatim as `model.layers.{i}.self_attn.kvpop.<path>`; the KVpop settings ride in
+`config.json` under "kvpop", so a retrofitted model reloads as a KVpop model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save as safetensors_save_bytes
+
+from kvpop_jax.config import Qwen3Config
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+# ---------------------------------------------------------------------------------------
+# The name table: HF template -> (param path template, transform). `{i}` is the layer.
+
+
+def _linear_to(w, c):  # HF [out, in] -> [in, out]
+    return w.T
+
+
+def _linear_from(w, c):
+    return w.T
+
+
+def _in_heads_to(w, c):  # HF [H*D, E] -> [E, H, D]
+    return w.T.reshape(w.shape[1], -1, c.head_dim)
+
+
+def _in_heads_from(w, c):
+    return w.reshape(w.shape[0], -1).T
+
+
+def _out_heads_to(w, c):  # HF [E, H*D] -> [H, D, E]
+    return w.T.reshape(-1, c.head_dim, w.shape[0])
+
+
+def _out_heads_from(w, c):
+    return w.reshape(-1, w.shape[-1]).T
+
+
+def _bias_heads_to(w, c):  # HF [H*D] -> [H, D]
+    return w.reshape(-1, c.head_dim)
+
+
+def _bias_heads_from(w, c):
+    return w.reshape(-1)
+
+
+def _copy(w, c):
+    return w
+
+
+TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
+    "copy": (_copy, _copy),
+    "linear": (_linear_to, _linear_from),
+    "in_heads": (_in_heads_to, _in_heads_from),
+    "out_heads": (_out_heads_to, _out_heads_from),
+    "bias_heads": (_bias_heads_to, _bias_heads_from),
+}
+
+GLOBAL_TABLE = [
+    ("model.embed_tokens.weight", "embed_tokens/embedding", "copy"),
+    ("model.norm.weight", "norm/scale", "copy"),
+    ("lm_head.weight", "lm_head/kernel", "linear"),
+]
+LAYER_TABLE = [
+    ("model.layers.{i}.input_layernorm.weight", "layers_{i}/input_layernorm/scale", "copy"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers_{i}/post_attention_layernorm/scale", "copy"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers_{i}/self_attn/q_proj/kernel", "in_heads"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers_{i}/self_attn/k_proj/kernel", "in_heads"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers_{i}/self_attn/v_proj/kernel", "in_heads"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers_{i}/self_attn/o_proj/kernel", "out_heads"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers_{i}/self_attn/q_proj/bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers_{i}/self_attn/k_proj/bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers_{i}/self_attn/v_proj/bias", "bias_heads"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers_{i}/self_attn/o_proj/bias", "copy"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers_{i}/self_attn/q_norm/scale", "copy"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers_{i}/self_attn/k_norm/scale", "copy"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers_{i}/mlp/gate_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj/kernel", "linear"),
+]
+KVPOP_SUBTREE = "kvpop"
+
+
+def name_map(config: Qwen3Config, param_paths: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """HF tensor name -> (param path "a/b/c", transform) for every param of the model."""
+    by_path: dict[str, tuple[str, str]] = {}
+    for hf, path, kind in GLOBAL_TABLE:
+        by_path[path] = (hf, kind)
+    for i in range(config.num_hidden_layers):
+        for hf, path, kind in LAYER_TABLE:
+            by_path[path.format(i=i)] = (hf.format(i=i), kind)
+    out = {}
+    for path in param_paths:
+        if path in by_path:
+            hf, kind = by_path[path]
+        else:
+            parts = path.split("/")
+            if KVPOP_SUBTREE not in parts or not parts[0].startswith("layers_"):
+                raise KeyError(f"parameter {path!r} has no HuggingFace name in the conversion table")
+            layer = parts[0].removeprefix("layers_")
+            hf, kind = f"model.layers.{layer}." + ".".join(parts[1:]), "copy"
+        out[hf] = (path, kind)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index or the single file."""
+    index = os.path.join(path, INDEX_FILE)
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"corrupt safetensors index {index!r}: {e}") from e
+        files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
+        for fn in sorted(set(files.values())):
+            if not os.path.isfile(fn):
+                raise FileNotFoundError(f"shard {fn!r} listed in {index!r} does not exist")
+        return files
+    if os.path.isfile(single):
+        return {name: single for name in _open(single).keys()}
+    pickles = sorted(f for f in os.listdir(path) if f.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ValueError(
+            f"{path!r} holds only pickle weights {pickles}; kvpop-jax loads safetensors only "
+            "(pickles can run code). Convert once with transformers: "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True)`"
+        )
+    raise FileNotFoundError(f"no weights in {path!r}: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _open(filename: str):
+    try:
+        return safe_open(filename, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    *,
+    config: Qwen3Config | None = None,
+    shardings: Any = None,
+) -> tuple[Qwen3Config, dict]:
+    """Loads a HF Qwen3 checkpoint directory -> (config, params).
+
+    Args:
+      path: directory with config.json and safetensors weights.
+      dtype: parameter dtype (float32 default; bf16 for large models).
+      config: override the config read from the directory (e.g. to add `kvpop`); KVpop
+        parameters missing from the file are then an error unless `allow_missing_kvpop`.
+      shardings: optional pytree of `jax.sharding.Sharding` matching the params; each
+        tensor is placed straight onto its shards.
+    """
+    from kvpop_jax.modeling import abstract_params  # local: modeling imports attention only
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    config = config or Qwen3Config.from_hf(path)
+    files = _weight_files(path)
+
+    expected = traverse_util.flatten_dict(abstract_params(config, dtype), sep="/")
+    names = name_map(config, expected)
+    file_names = set(files)
+    tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(names) - file_names)
+    unexpected = sorted(file_names - set(names) - tied_extra)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} does not match the config: missing tensors {missing}, unexpected tensors {unexpected}"
+        )
+    flat_shardings = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else {}
+
+    handles: dict[str, Any] = {}
+    flat: dict[str, jax.Array] = {}
+    for hf_name, (param_path, kind) in names.items():
+        fn = files[hf_name]
+        if fn not in handles:
+            handles[fn] = _open(fn)
+        try:
+            tensor = handles[fn].get_tensor(hf_name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"corrupt safetensors file {fn!r} reading {hf_name!r}: {e}") from e
+        want = expected[param_path]
+        hf_shape = tuple(TRANSFORMS[kind][1](np.empty(want.shape, np.int8), config).shape)
+        if tuple(tensor.shape) != hf_shape:
+            raise ValueError(
+                f"shape mismatch for tensor {hf_name!r}: expected {hf_shape} from config.json, got {tuple(tensor.shape)}"
+            )
+        value = np.asarray(TRANSFORMS[kind][0](tensor, config)).astype(want.dtype)
+        sharding = flat_shardings.get(param_path)
+        flat[param_path] = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+        del tensor, value
+    return config, traverse_util.unflatten_dict(flat, sep="/")
+
+
+# ---------------------------------------------------------------------------------------
+# Saving
+
+
+def _atomic_write_bytes(filename: str, data: bytes) -> None:
+    directory = os.path.dirname(filename) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_pretrained(
+    config: Qwen3Config,
+    params: dict,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> None:
+    """Writes params as a HF-compatible checkpoint (safetensors + config.json).
+
+    Tied embeddings are written once (no `lm_head.weight`), as HF does. Tensors keep
+    their dtype. With more than `max_shard_bytes` of weights the files are sharded
+    `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json`.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    names = name_map(config, flat)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    total = 0
+    for hf_name in sorted(names):
+        param_path, kind = names[hf_name]
+        tensor = np.ascontiguousarray(TRANSFORMS[kind][1](np.asarray(jax.device_get(flat[param_path])), config))
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = tensor
+        size += tensor.nbytes
+        total += tensor.nbytes
+    # Remove files of an earlier save so a re-save never mixes layouts.
+    for stale in os.listdir(path):
+        if stale == INDEX_FILE or (stale.startswith("model") and stale.endswith(".safetensors")):
+            os.unlink(os.path.join(path, stale))
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        _atomic_write_bytes(os.path.join(path, SINGLE_FILE), safetensors_save_bytes(shards[0], metadata=metadata))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_write_bytes(os.path.join(path, fn), safetensors_save_bytes(shard, metadata=metadata))
+            weight_map.update({n: fn for n in shard})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _atomic_write_bytes(os.path.join(path, INDEX_FILE), json.dumps(index, indent=2).encode())
+    dtypes = {str(t.dtype) for shard in shards for t in shard.values()}
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    _atomic_write_bytes(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2).encode())

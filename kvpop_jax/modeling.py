@@ -1,0 +1,252 @@
+"""Qwen3 causal LM in Flax Linen (dense attention; KVpop plugs in through `attention.py`).
+
+Parameter layout (the table in `checkpoint.py` maps HF names onto it):
+
+  embed_tokens/embedding            [vocab, embed]
+  layers_{i}/input_layernorm/scale  [embed]
+  layers_{i}/self_attn/{q,k,v}_proj/kernel  [embed, heads, head_dim]   (+ bias [heads, head_dim])
+  layers_{i}/self_attn/o_proj/kernel        [heads, head_dim, embed]   (+ bias [embed])
+  layers_{i}/self_attn/{q,k}_norm/scale     [head_dim]
+  layers_{i}/post_attention_layernorm/scale [embed]
+  layers_{i}/mlp/{gate,up}_proj/kernel [embed, mlp];  mlp/down_proj/kernel [mlp, embed]
+  norm/scale [embed];  lm_head/kernel [embed, vocab]  (absent when embeddings are tied:
+  the head then *is* embed_tokens/embedding, shared, not copied)
+
+Shapes: B batch, S query length, T key length (cache), E embed, H heads, K kv heads,
+D head_dim, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kvpop_jax import attention as attn_lib
+from kvpop_jax.config import Qwen3Config
+
+Dtype = Any
+
+
+@flax.struct.dataclass
+class DenseCache:
+    """Dense per-layer KV cache for decoding.
+
+    k, v: [L, B, T, K, D] (T = max cache length); length: int32 [] tokens written so far.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype: Dtype = jnp.float32) -> "DenseCache":
+        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32))
+
+
+@flax.struct.dataclass
+class CausalLMOutput:
+    """logits [B, S, V] float32; cache (DenseCache or None); aux: per-layer extras (KVpop)."""
+
+    logits: jax.Array
+    cache: DenseCache | None = None
+    aux: Any = None
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # HF casts back to the input dtype before the weight multiply.
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions int [B, S] -> cos, sin float32 [B, S, D] (HF layout: two halves repeated)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [B, S, H, D]; cos, sin [B, S, D]."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: Qwen3Config
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        dense = lambda feats, axis, name: nn.DenseGeneral(  # noqa: E731
+            feats, axis=axis, use_bias=c.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
+        self.q_proj = dense((c.num_attention_heads, c.head_dim), -1, "q_proj")
+        self.k_proj = dense((c.num_key_value_heads, c.head_dim), -1, "k_proj")
+        self.v_proj = dense((c.num_key_value_heads, c.head_dim), -1, "v_proj")
+        self.o_proj = dense(c.hidden_size, (-2, -1), "o_proj")
+        self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+        self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+
+    def project_qkv(self, x_BSE: jax.Array, positions: jax.Array):
+        """x [B, S, E] -> q [B, S, H, D], k, v [B, S, K, D] (normed, rotated)."""
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        q = apply_rope(self.q_norm(self.q_proj(x_BSE)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x_BSE)), cos, sin)
+        v = self.v_proj(x_BSE)
+        return q, k, v
+
+    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None):
+        """Returns (out [B, S, E], new layer cache (k, v) or None)."""
+        q, k, v = self.project_qkv(x_BSE, positions)
+        if layer_cache is None:
+            out, _ = attn_lib.dense_attention(
+                q, k, v, q_positions=positions, kv_positions=positions,
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            )
+            new_cache = None
+        else:
+            cache_k, cache_v = layer_cache
+            b, t = cache_k.shape[:2]
+            cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_length, axis=1)
+            cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_length, axis=1)
+            slots = jnp.arange(t, dtype=jnp.int32)
+            kv_valid = jnp.broadcast_to(slots < cache_length + x_BSE.shape[1], (b, t))
+            # Slot i holds the token at position i (positions start at 0 for cached decoding).
+            out, _ = attn_lib.dense_attention(
+                q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
+            )
+            new_cache = (cache_k, cache_v)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nn.Module):
+    config: Qwen3Config
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSE):
+        c = self.config
+        dense = lambda feats, name: nn.Dense(  # noqa: E731
+            feats, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
+        gate = dense(c.intermediate_size, "gate_proj")(x_BSE)
+        up = dense(c.intermediate_size, "up_proj")(x_BSE)
+        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: Qwen3Config
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None):
+        c = self.config
+        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BSE)
+        h, new_cache = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
+            h, positions, segment_ids, layer_cache, cache_length
+        )
+        x_BSE = x_BSE + h
+        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BSE)
+        x_BSE = x_BSE + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        return x_BSE, new_cache
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 decoder-only LM.
+
+    `apply({"params": p}, input_ids)` -> CausalLMOutput with logits [B, S, V] (float32).
+    `positions` (int [B, S], default 0..S-1) and `segment_ids` (int [B, S], optional;
+    attention is reset between segments) support packed sequences. With `cache`
+    (a DenseCache), the new tokens are written at `cache.length` and attend to the whole
+    cache; positions then default to `cache.length + arange(S)`.
+    """
+
+    config: Qwen3Config
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.initializers.normal(0.02),
+        )
+        self.layers = [
+            DecoderLayer(c, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)
+        ]
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def __call__(self, input_ids, positions=None, segment_ids=None, cache: DenseCache | None = None):
+        b, s = input_ids.shape
+        if positions is None:
+            start = 0 if cache is None else cache.length
+            positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids are not supported together with a decoding cache")
+        x = self.embed_tokens(input_ids)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            x, lc = layer(x, positions, segment_ids, layer_cache, None if cache is None else cache.length)
+            if lc is not None:
+                new_k.append(lc[0])
+                new_v.append(lc[1])
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = DenseCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + s)
+        return CausalLMOutput(logits=logits.astype(jnp.float32), cache=new_cache)
+
+    def decode_step(self, input_ids, cache: DenseCache):
+        """One (or a few) new tokens [B, S] against the cache -> CausalLMOutput with the new cache."""
+        return self(input_ids, cache=cache)
+
+
+def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32) -> dict:
+    """Random parameters (for tests and from-scratch training)."""
+    model = Qwen3ForCausalLM(config, param_dtype=dtype)
+    return model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
+    """ShapeDtypeStructs of the parameter tree, without allocating anything."""
+    return jax.eval_shape(lambda r: init_params(config, r, dtype), jax.random.key(0))
+
+
+__all__ = [
+    "CausalLMOutput",
+    "DenseCache",
+    "Qwen3ForCausalLM",
+    "abstract_params",
+    "init_params",
+    "apply_rope",
+    "rope_cos_sin",
+]

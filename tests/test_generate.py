@@ -1,0 +1,59 @@
+"""Sampling filters against numpy, and the jitted decode loop against the full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_HF_CONFIGS
+from kvpop_jax import Qwen3Config
+from kvpop_jax.generate import generate
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from kvpop_jax.sampling import SamplingConfig, filter_min_p, filter_top_k, filter_top_p, sample
+
+
+def test_filters_match_numpy(rng):
+    logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
+    kept_k = np.asarray(filter_top_k(jnp.asarray(logits), 7)) > -1e29
+    assert (kept_k.sum(-1) == 7).all()
+    for row, keep in zip(logits, kept_k):
+        assert set(np.flatnonzero(keep)) == set(np.argsort(-row)[:7])
+    kept_p = np.asarray(filter_top_p(jnp.asarray(logits), 0.8)) > -1e29
+    for row, keep in zip(logits, kept_p):
+        probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        order = np.argsort(-probs)
+        n = int(np.searchsorted(np.cumsum(probs[order]), 0.8) + 1)
+        assert set(np.flatnonzero(keep)) == set(order[:n])
+    kept_m = np.asarray(filter_min_p(jnp.asarray(logits), 0.1)) > -1e29
+    for row, keep in zip(logits, kept_m):
+        probs = np.exp(row - row.max())
+        assert set(np.flatnonzero(keep)) == set(np.flatnonzero(probs >= 0.1 * probs.max() * (1 - 1e-6)))
+
+
+def test_sample_respects_filters_and_greedy(rng):
+    logits = jnp.asarray(rng.normal(size=(4, 30)).astype(np.float32))
+    assert (sample(jax.random.key(0), logits, SamplingConfig.greedy()) == jnp.argmax(logits, -1)).all()
+    allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
+    for seed in range(20):
+        tok = np.asarray(sample(jax.random.key(seed), logits, SamplingConfig(1.0, 1.0, 3, 0.0)))
+        assert all(t in a for t, a in zip(tok, allowed))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0.0)
+
+
+def test_greedy_generate_matches_full_forward(rng):
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(1))
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 5)))
+    tokens, lengths = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy())
+    seq = prompt
+    for _ in range(6):
+        nxt = jnp.argmax(model.apply({"params": params}, seq).logits[:, -1], -1)
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(seq[:, 5:]))
+    assert (np.asarray(lengths) == 6).all()
+    # EOS stops a row: use the first generated token of row 0 as EOS.
+    eos = int(tokens[0, 0])
+    _, lengths = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(), eos_ids=(eos,))
+    assert int(lengths[0]) == 1
