@@ -1,0 +1,253 @@
+"""Training losses: boundary-aware retention loss, query sampling, top-k KL distillation.
+
+Retention loss (Eq. 7, Appendix B.4–B.6). At a sampled query position q whose
+long-range budget is saturated, the teacher (policy.py) says whether the newly eligible
+token `t_new = q − w` enters the top-k (`y = +1`) or not (`y = −1`), and which token it
+must beat (`t_bnd`). The student is trained with a pairwise logistic loss on its own
+effective scores `r̂_x(q) = r̂_x + (q − x) log γ_h` (Eq. 5, n = 1), so the comparison is
+`r̂_new − r̂_bnd + (t_bnd − t_new) log γ_h`: the decay term stays in (it is the
+difference of static priorities) and gives log γ its gradient.
+
+Distillation: forward KL(teacher ‖ student) on the teacher's top-K logits (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _gather_q(x: jax.Array, q_idx: jax.Array) -> jax.Array:
+    """x [B, H, S] at q_idx [B, Nq] -> [B, H, Nq]."""
+    idx = jnp.broadcast_to(q_idx[:, None, :], (x.shape[0], x.shape[1], q_idx.shape[1]))
+    return jnp.take_along_axis(x, idx, axis=2)
+
+
+def _gather_t(x: jax.Array, t: jax.Array) -> jax.Array:
+    """x [B, H, S] at token positions t [B, H, Nq] (clipped into range) -> [B, H, Nq]."""
+    return jnp.take_along_axis(x, jnp.clip(t, 0, x.shape[2] - 1), axis=2)
+
+
+def boundary_weights(
+    target_margin: jax.Array,
+    y: jax.Array,
+    valid: jax.Array,
+    *,
+    margin_weighting: bool,
+    omega_min: float,
+    tau_omega: float,
+    balance_weighting: bool,
+    balance_min: float,
+    balance_max: float,
+) -> jax.Array:
+    """Example weights ω of Eq. 7: margin weight (Eq. 23) × keep/drop balance (Eq. 24).
+
+    Args:
+      target_margin: float [B, H, N], Δ^tgt = y (r_tgt_new(q) − r_tgt_bnd(q)) (Eq. 22).
+      y: float [B, H, N] in {+1, −1}; valid: bool [B, H, N].
+      margin_weighting, omega_min, tau_omega: Eq. 23 (off: weight 1).
+      balance_weighting, balance_min, balance_max: Eq. 24 with ρ_h the fraction of valid
+        y = +1 per head over batch and samples (off: weight 1).
+
+    Returns:
+      float32 [B, H, N], stop-gradient, 0 on invalid examples and mean 1 over the valid
+      ones (all 0 when none is valid).
+    """
+    validf = valid.astype(jnp.float32)
+    w = jnp.ones_like(validf)
+    if margin_weighting:
+        w = w * (omega_min + (1.0 - omega_min) * jax.nn.sigmoid(target_margin / tau_omega))  # Eq. 23
+    if balance_weighting:
+        keep = (y > 0).astype(jnp.float32) * validf
+        n_head = validf.sum(axis=(0, 2), keepdims=True)
+        rho = keep.sum(axis=(0, 2), keepdims=True) / jnp.maximum(n_head, 1.0)  # ρ_h
+        w_keep = jnp.clip(0.5 / jnp.maximum(rho, 1e-12), balance_min, balance_max)  # Eq. 24
+        w_drop = jnp.clip(0.5 / jnp.maximum(1.0 - rho, 1e-12), balance_min, balance_max)
+        w = w * jnp.where(y > 0, w_keep, w_drop)
+    w = w * validf
+    mean = w.sum() / jnp.maximum(validf.sum(), 1.0)
+    return jax.lax.stop_gradient(w / jnp.where(mean > 0, mean, 1.0))
+
+
+def retention_loss(
+    scores: jax.Array,
+    log_gamma: jax.Array,
+    target_scores: jax.Array,
+    boundary: Any,
+    q_idx: jax.Array,
+    *,
+    temperature: float,
+    margin_weighting: bool,
+    omega_min: float,
+    tau_omega: float,
+    balance_weighting: bool,
+    balance_min: float,
+    balance_max: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Boundary-aware retention loss (Eq. 7) at sampled query positions.
+
+    Args:
+      scores: float [B, H, S], the student's raw scores r̂_t (H = KV heads).
+      log_gamma: float [H] (or broadcastable to [B, H, 1]), log γ_h < 0; receives gradient.
+      target_scores: float [B, H, S], r_tgt (stop-gradient; only enters the weights).
+      boundary: any object with fields `t_new`, `t_bnd` (int), `y` (±1) and `valid`
+        (bool), each [B, H, S] indexed by query position q (policy.teacher_boundary).
+      q_idx: int [B, Nq] sampled query positions (`sample_query_positions`).
+      temperature: τ of Eq. 7. The other knobs: see `boundary_weights`.
+
+    Returns:
+      (loss, metrics): loss is the float32 scalar mean over valid examples of
+      ω · softplus(−y (r̂_new(q) − r̂_bnd(q)) / τ) (0 when none is valid, never NaN).
+      metrics (float32 scalars): `boundary_accuracy` (fraction of valid examples with
+      y · (r̂_new(q) − r̂_bnd(q)) > 0), `keep_rate` (fraction with y = +1), `num_valid`.
+    """
+    if scores.ndim != 3 or target_scores.shape != scores.shape:
+        raise ValueError(f"scores and target_scores must both be [B, H, S], got {scores.shape}, {target_scores.shape}")
+    for name in ("t_new", "t_bnd", "y", "valid"):
+        field = getattr(boundary, name)
+        if field.shape != scores.shape:
+            raise ValueError(f"boundary.{name} must be [B, H, S] = {scores.shape}, got {field.shape}")
+    if q_idx.ndim != 2 or q_idx.shape[0] != scores.shape[0]:
+        raise ValueError(f"q_idx must be [B, Nq] with B = {scores.shape[0]}, got {q_idx.shape}")
+    scores = scores.astype(jnp.float32)
+    target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
+    log_gamma = jnp.asarray(log_gamma, jnp.float32)
+    if log_gamma.ndim == 1:
+        log_gamma = log_gamma[None, :, None]
+
+    t_new = _gather_q(boundary.t_new, q_idx)
+    t_bnd = _gather_q(boundary.t_bnd, q_idx)
+    y = _gather_q(boundary.y, q_idx).astype(jnp.float32)
+    valid = _gather_q(boundary.valid, q_idx).astype(bool)
+    valid &= (t_new >= 0) & (t_bnd >= 0)  # an invalid index never reaches the loss
+    y = jnp.where(valid, y, 1.0)
+    age_gap = (t_bnd - t_new).astype(jnp.float32)  # (q − t_new) − (q − t_bnd), Eq. 5 with n = 1
+
+    diff = _gather_t(scores, t_new) - _gather_t(scores, t_bnd) + age_gap * log_gamma
+    target_diff = _gather_t(target_scores, t_new) - _gather_t(target_scores, t_bnd)
+    target_diff = target_diff + age_gap * jax.lax.stop_gradient(log_gamma)
+    weights = boundary_weights(
+        y * target_diff,  # Eq. 22
+        y,
+        valid,
+        margin_weighting=margin_weighting,
+        omega_min=omega_min,
+        tau_omega=tau_omega,
+        balance_weighting=balance_weighting,
+        balance_min=balance_min,
+        balance_max=balance_max,
+    )
+    per_example = jax.nn.softplus(-y * diff / temperature)  # Eq. 7
+    validf = valid.astype(jnp.float32)
+    num_valid = validf.sum()
+    denom = jnp.maximum(num_valid, 1.0)
+    loss = jnp.sum(jnp.where(valid, weights * per_example, 0.0)) / denom
+    metrics = {
+        "boundary_accuracy": jnp.sum(jnp.where(valid & (y * diff > 0), 1.0, 0.0)) / denom,
+        "keep_rate": jnp.sum(jnp.where(valid & (y > 0), 1.0, 0.0)) / denom,
+        "num_valid": num_valid,
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def sample_query_positions(
+    rng: jax.Array,
+    *,
+    batch: int,
+    seq_len: int,
+    num: int,
+    min_q: int,
+    late_bias_fraction: float,
+) -> jax.Array:
+    """Query positions for the retention loss (Appendix B.6), int32 [batch, num].
+
+    Every position is saturated: `min_q <= q < seq_len` with `min_q = s + w + k` (Eq. 25).
+    Per row, `round(num · late_bias_fraction)` samples are late-biased and the rest
+    uniform. Late-biased samples have a linearly increasing density,
+    `q = min_q + floor((seq_len − min_q) · sqrt(u))`, u ~ U[0, 1): P(q) ∝ 2(q − min_q) + 1,
+    mean two thirds of the way into the saturated range, no scale to tune, never out of
+    range. Positions may repeat. Deterministic in `rng`.
+    """
+    if num < 1 or batch < 1:
+        raise ValueError(f"batch and num must be >= 1, got batch={batch}, num={num}")
+    if min_q < 0:
+        raise ValueError(f"min_q must be >= 0, got {min_q}")
+    if min_q >= seq_len:
+        raise ValueError(
+            f"no saturated query position: min_q = s + w + k = {min_q} >= seq_len = {seq_len}; "
+            "the sequence must be longer than the KVpop budget"
+        )
+    if not 0.0 <= late_bias_fraction <= 1.0:
+        raise ValueError(f"late_bias_fraction must be in [0, 1], got {late_bias_fraction!r}")
+    span = seq_len - min_q
+    num_late = int(round(num * late_bias_fraction))
+    k_uniform, k_late = jax.random.split(rng)
+    uniform = jax.random.randint(k_uniform, (batch, num - num_late), min_q, seq_len, dtype=jnp.int32)
+    u = jax.random.uniform(k_late, (batch, num_late), jnp.float32)
+    late = min_q + jnp.floor(span * jnp.sqrt(u)).astype(jnp.int32)
+    late = jnp.clip(late, min_q, seq_len - 1)  # float rounding guard
+    return jnp.concatenate([uniform, late], axis=1)
+
+
+def teacher_topk(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The teacher's top-k logits per token: (values [..., k] in logits' dtype, indices int32)."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k must be in [1, vocab={logits.shape[-1]}], got {k}")
+    values, indices = jax.lax.top_k(logits, k)
+    return values, indices.astype(jnp.int32)
+
+
+def topk_kl_loss(
+    student_logits: jax.Array,
+    teacher_topk_logits: jax.Array,
+    teacher_topk_indices: jax.Array,
+    *,
+    temperature: float = 1.0,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Forward KL(teacher ‖ student) on the teacher's top-K (DESIGN.md: Distillation).
+
+    The teacher distribution p̃ is the softmax over its K kept logits (zero elsewhere);
+    the student log-probs are the full-vocabulary log_softmax gathered at the indices:
+
+        KL = Σ_{i ∈ topK} p̃_i (log p̃_i − log q_i),   q = softmax(student / T)
+
+    This is the exact KL between two full-vocabulary distributions (p̃ has no mass
+    off the top-K, so those terms vanish): it is >= 0 and 0 iff the student puts all
+    its mass on the top-K in the teacher's proportions. Renormalizing the student over
+    the top-K as well would leave the student's mass outside the top-K unpenalized
+    (any amount of it costs nothing), so we do not. No T² factor is applied.
+
+    Args:
+      student_logits: [B, S, V]; teacher_topk_logits: [B, S, K];
+      teacher_topk_indices: int [B, S, K] vocabulary ids of the teacher's top-K.
+      temperature: T, dividing both teacher and student logits.
+      mask: optional [B, S] (bool or 0/1); tokens that count.
+
+    Returns:
+      float32 scalar: mean KL over tokens in the mask (0 when none).
+    """
+    if teacher_topk_logits.shape != teacher_topk_indices.shape:
+        raise ValueError(
+            f"teacher logits {teacher_topk_logits.shape} and indices {teacher_topk_indices.shape} differ in shape"
+        )
+    if student_logits.shape[:-1] != teacher_topk_logits.shape[:-1]:
+        raise ValueError(
+            f"student logits {student_logits.shape} and teacher top-k {teacher_topk_logits.shape} "
+            "differ in leading (batch, sequence) shape"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    student_logp = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+    student_logp = jnp.take_along_axis(student_logp, teacher_topk_indices, axis=-1)  # [B, S, K]
+    teacher_logp = jax.nn.log_softmax(
+        jax.lax.stop_gradient(teacher_topk_logits).astype(jnp.float32) / temperature, axis=-1
+    )
+    teacher_p = jnp.exp(teacher_logp)
+    per_token = jnp.sum(jnp.where(teacher_p > 0, teacher_p * (teacher_logp - student_logp), 0.0), axis=-1)
+    if mask is None:
+        return per_token.mean()
+    maskf = mask.astype(jnp.float32)
+    return jnp.sum(per_token * maskf) / jnp.maximum(maskf.sum(), 1.0)

@@ -1,0 +1,252 @@
+"""Future-attention target for the importance scorers (paper Section 3.2, Appendix D).
+
+The target of key t is the attention mass it receives from the queries that come
+after it has left the protected window, `d >= t + w` (Eq. 2, 31):
+
+    log m̄_t^(h,g) = LSE_{d : t+w <= d < S} [ℓ^(h,g)(d, t) − LSE_d^(h,g)]
+
+with `ℓ(d, t) = <q_d, k_t> · scale` and the per-query normalizer `LSE_d` (dense causal,
+Eq. 28, or the sparse one returned by the masked attention pass, Eq. 9/34). The
+blockwise pass below is the transposed attention of Appendix D.2: the keys own the
+computation and a loop over blocks of query positions keeps an online log-sum-exp,
+so no `S × S` array is ever built (memory O(S · block)).
+
+Conventions (DESIGN.md wins over the paper where they differ):
+  * q [B, S, Hq, D], k [B, S, Hkv, D]; query head h*G + g reads KV head h.
+  * lse [B, Hq, S] float32, natural log.
+  * A key with no future query (t + w >= S) has log m̄ = −inf exactly (the log of an
+    empty sum); its target is then log(ε + 0) = log ε, finite. Inside the loops the
+    running max starts at a finite −1e30 so that no inf − inf is ever formed.
+  * `r_tgt = Agg_g log(ε + m^(g))` with `m = m̄ / N_t`, `N_t = max(1, S − (t + w))`
+    (DESIGN.md; Eq. 2–3). Appendix B.2 instead puts ε before the count normalization,
+    `log(ε + m̄) − log N_t`; we follow DESIGN.md. Max aggregation is
+    `max_g log(ε + m^(g)) = log(ε + max_g m^(g))` (Eq. 3/14), mean is
+    `log(ε + mean_g m^(g))` (Eq. 15, probability-space mean).
+  * The target is a constant: every input passes through `stop_gradient`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite start of the running max: exp(_NEG − m) underflows to 0, never NaN
+
+LogMassFn = Callable[..., jax.Array]
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, lse: jax.Array | None, window: int | None) -> None:
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be [B, S, H, D], got q {q.shape} and k {k.shape}")
+    b, s, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"k {k.shape} does not match q {q.shape} in batch, sequence or head_dim")
+    if hq % k.shape[2]:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {k.shape[2]}")
+    if lse is not None and lse.shape != (b, hq, s):
+        raise ValueError(f"lse must be [B, Hq, S] = {(b, hq, s)}, got {lse.shape}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+
+
+def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
+    """(block, number of blocks, padding) covering S positions."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    blk = min(block_size, s)
+    nblk = -(-s // blk)
+    return blk, nblk, nblk * blk - s
+
+
+def future_attention_log_mass(
+    q: jax.Array,
+    k: jax.Array,
+    lse: jax.Array,
+    *,
+    window: int,
+    scale: float | None = None,
+    block_size: int = 128,
+) -> jax.Array:
+    """log m̄_t (Eq. 31) by the transposed blockwise pass (Appendix D.2).
+
+    Args:
+      q: [B, S, Hq, D] queries; k: [B, S, Hkv, D] keys (any float dtype).
+      lse: [B, Hq, S] per-query log-normalizers (natural log), dense or sparse.
+      window: w >= 0; key t collects mass from queries d with t + w <= d < S.
+      scale: logit scale, default D ** -0.5.
+      block_size: query positions per loop step; memory is O(B · Hq · S · block).
+
+    Returns:
+      float32 [B, Hq, S]: log m̄_t^(h,g) per query head and key position; −inf for keys
+      with no future query (t + w >= S). Not differentiated (inputs are stop-gradient).
+    """
+    _check_inputs(q, k, lse, window)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
+    blk, nblk, pad = _blocks(s, block_size)
+
+    qg = jnp.pad(q.reshape(b, s, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    q_blocks = qg.reshape(b, nblk, blk, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [N, B, Hkv, G, blk, D]
+    lse_g = jnp.pad(lse.astype(jnp.float32).reshape(b, hkv, g, s), ((0, 0), (0, 0), (0, 0), (0, pad)))
+    lse_blocks = lse_g.reshape(b, hkv, g, nblk, blk).transpose(3, 0, 1, 2, 4)  # [N, B, Hkv, G, blk]
+    starts = jnp.arange(nblk, dtype=jnp.int32) * blk
+    k_h = k.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]: the keys are the transposed pass's queries
+    t_pos = jnp.arange(s, dtype=jnp.int32)
+
+    def step(carry, xs):
+        m, l = carry  # running max and sum, [B, Hkv, G, S]
+        q_b, lse_b, start = xs
+        d_pos = start + jnp.arange(blk, dtype=jnp.int32)
+        logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_h, q_b, preferred_element_type=jnp.float32)
+        logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33: subtract the query normalizer
+        future = (d_pos[None, :] >= t_pos[:, None] + window) & (d_pos[None, :] < s)  # [S, blk]
+        logits = jnp.where(future, logits, -jnp.inf)
+        m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at _NEG
+        l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
+        return (m_new, l), None
+
+    init = (jnp.full((b, hkv, g, s), _NEG, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
+    (m, l), _ = jax.lax.scan(step, init, (q_blocks, lse_blocks, starts))
+    log_mass = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return log_mass.reshape(b, hq, s)
+
+
+def future_attention_log_mass_reference(
+    q: jax.Array,
+    k: jax.Array,
+    lse: jax.Array,
+    *,
+    window: int,
+    scale: float | None = None,
+    block_size: int = 128,
+) -> jax.Array:
+    """Dense reference of `future_attention_log_mass` (materializes [B, Hq, S, S]).
+
+    Same signature and result; `block_size` is accepted and ignored.
+    """
+    del block_size
+    _check_inputs(q, k, lse, window)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
+    qg = q.reshape(b, s, hkv, g, d)
+    logits = jnp.einsum("bdhgx,bthx->bhgdt", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = logits - lse.astype(jnp.float32).reshape(b, hkv, g, s)[..., None]  # ℓ(d, t) − LSE_d
+    pos = jnp.arange(s)
+    future = pos[:, None] >= pos[None, :] + window  # [d, t]
+    logits = jnp.where(future, logits, -jnp.inf)
+    return jax.nn.logsumexp(logits, axis=-2).reshape(b, hq, s)  # Eq. 31: reduce over d
+
+
+def dense_lse(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    scale: float | None = None,
+    block_size: int = 128,
+) -> jax.Array:
+    """Dense causal log-normalizer LSE_d (Eq. 28), blockwise over keys.
+
+    Args:
+      q: [B, S, Hq, D]; k: [B, S, Hkv, D].
+      scale: logit scale, default D ** -0.5.
+      block_size: key positions per loop step; memory is O(B · Hq · S · block).
+
+    Returns:
+      float32 [B, Hq, S], finite (every query sees at least key 0). Stop-gradient.
+    """
+    _check_inputs(q, k, None, None)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    blk, nblk, pad = _blocks(s, block_size)
+    qg = q.reshape(b, s, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
+    kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k_blocks = kp.reshape(b, nblk, blk, hkv, d).transpose(1, 0, 3, 2, 4)  # [N, B, Hkv, blk, D]
+    starts = jnp.arange(nblk, dtype=jnp.int32) * blk
+    d_pos = jnp.arange(s, dtype=jnp.int32)
+
+    def step(carry, xs):
+        m, l = carry  # [B, Hkv, G, S]
+        k_b, start = xs
+        t_pos = start + jnp.arange(blk, dtype=jnp.int32)
+        logits = jnp.einsum("bhgdx,bhtx->bhgdt", qg, k_b, preferred_element_type=jnp.float32) * scale
+        causal = (t_pos[None, :] <= d_pos[:, None]) & (t_pos[None, :] < s)
+        logits = jnp.where(causal, logits, -jnp.inf)
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
+        return (m_new, l), None
+
+    init = (jnp.full((b, hkv, g, s), _NEG, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
+    (m, l), _ = jax.lax.scan(step, init, (k_blocks, starts))
+    return (m + jnp.log(l)).reshape(b, hq, s)
+
+
+def future_query_count(seq_len: int, window: int) -> jax.Array:
+    """N_t = max(1, S − (t + w)) (Eq. 2 / 16), float32 [S]."""
+    t = jnp.arange(seq_len, dtype=jnp.float32)
+    return jnp.maximum(1.0, seq_len - (t + window))
+
+
+def future_attention_target(
+    q: jax.Array,
+    k: jax.Array,
+    lse: jax.Array,
+    *,
+    window: int,
+    eps: float,
+    aggregate: str = "max",
+    normalize: bool = True,
+    scale: float | None = None,
+    log_mass_fn: LogMassFn | None = None,
+) -> jax.Array:
+    """Future-utility target r_tgt per KV head (Eq. 2–3, DESIGN.md).
+
+    `r_tgt[b, h, t] = log(ε + Agg_g m_t^(h,g))` with `m = m̄ / N_t` when `normalize`
+    (else `m = m̄`), Agg = max (Eq. 14) or probability-space mean (Eq. 15). Computed in
+    log space (`logaddexp(log ε, ·)`), so tiny masses never underflow to log ε early.
+
+    Args:
+      q: [B, S, Hq, D] and k: [B, S, Hkv, D], the student's own queries and keys.
+      lse: [B, Hq, S] per-query normalizers: sparse (from the masked pass, Eq. 9) or
+        dense (`dense_lse`, Eq. 28). With the sparse normalizer m̄ may exceed 1.
+      window: w; eps: ε > 0 inside the log.
+      aggregate: "max" or "mean" over the G query heads sharing a KV head.
+      normalize: divide by the future-query count N_t (Eq. 2 / 16).
+      scale: logit scale, default D ** -0.5.
+      log_mass_fn: computes log m̄ with `future_attention_log_mass`'s signature
+        (e.g. the Pallas kernel); default the blockwise XLA pass.
+
+    Returns:
+      float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
+      no gradient flows to q, k or lse.
+    """
+    _check_inputs(q, k, lse, window)
+    if aggregate not in ("max", "mean"):
+        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    b, s, hq, _ = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
+    q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
+    log_m = log_mass_fn(q, k, lse, window=window, scale=scale).astype(jnp.float32)
+    log_m = log_m.reshape(b, hkv, g, s)
+    if normalize:
+        log_m = log_m - jnp.log(future_query_count(s, window))  # Eq. 2
+    if aggregate == "max":
+        log_agg = log_m.max(axis=2)  # Eq. 14
+    else:
+        log_agg = jax.nn.logsumexp(log_m, axis=2) - math.log(g)  # Eq. 15
+    return jax.lax.stop_gradient(jnp.logaddexp(math.log(eps), log_agg))  # Eq. 3

@@ -1,0 +1,253 @@
+"""Retention loss, query sampler and top-k KL against plain numpy / python loops."""
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvpop_jax import losses
+
+B, H, S, NQ = 2, 3, 24, 10
+KNOBS = dict(temperature=0.7, omega_min=0.1, tau_omega=0.5, balance_min=0.2, balance_max=5.0)
+
+
+def _random_problem(rng, valid_frac=0.7):
+    """Random scores and boundaries [B, H, S] (not policy-consistent: the loss must not care)."""
+    q = np.arange(S)
+    t_new = np.broadcast_to(q - 4, (B, H, S)).astype(np.int32)
+    t_bnd = rng.integers(0, S, size=(B, H, S)).astype(np.int32)
+    y = np.where(rng.random((B, H, S)) < 0.35, 1, -1).astype(np.int32)
+    valid = (rng.random((B, H, S)) < valid_frac) & (t_new >= 0)
+    boundary = types.SimpleNamespace(t_new=t_new, t_bnd=t_bnd, y=y, valid=valid)
+    scores = rng.normal(size=(B, H, S)).astype(np.float32)
+    target = rng.normal(size=(B, H, S)).astype(np.float32) * 2.0
+    log_gamma = -rng.uniform(0.01, 0.2, size=(H,)).astype(np.float32)
+    q_idx = rng.integers(0, S, size=(B, NQ)).astype(np.int32)
+    return scores, log_gamma, target, boundary, q_idx
+
+
+def _loop_retention_loss(scores, log_gamma, target, bd, q_idx, *, margin_weighting, balance_weighting):
+    """Eq. 7, 22–24 one example at a time in python floats."""
+    ex = []
+    for b in range(B):
+        for h in range(H):
+            for q in q_idx[b]:
+                if not bd.valid[b, h, q]:
+                    continue
+                tn, tb, y = int(bd.t_new[b, h, q]), int(bd.t_bnd[b, h, q]), float(bd.y[b, h, q])
+                lg = float(log_gamma[h])
+                diff = scores[b, h, tn] + (q - tn) * lg - (scores[b, h, tb] + (q - tb) * lg)  # Eq. 5
+                tdiff = target[b, h, tn] + (q - tn) * lg - (target[b, h, tb] + (q - tb) * lg)
+                ex.append(dict(h=h, y=y, diff=float(diff), margin=y * float(tdiff)))
+    if not ex:
+        return 0.0, 0.0, 0.0, 0
+    w = []
+    for e in ex:
+        wi = 1.0
+        if margin_weighting:
+            sig = 1.0 / (1.0 + math.exp(-e["margin"] / KNOBS["tau_omega"]))
+            wi *= KNOBS["omega_min"] + (1 - KNOBS["omega_min"]) * sig
+        if balance_weighting:
+            head = [f for f in ex if f["h"] == e["h"]]
+            rho = sum(f["y"] > 0 for f in head) / len(head)
+            raw = 1 / (2 * rho) if e["y"] > 0 else 1 / (2 * (1 - rho))
+            wi *= min(max(raw, KNOBS["balance_min"]), KNOBS["balance_max"])
+        w.append(wi)
+    mean_w = sum(w) / len(w)
+    loss = sum(
+        wi / mean_w * math.log1p(math.exp(-e["y"] * e["diff"] / KNOBS["temperature"])) for wi, e in zip(w, ex)
+    ) / len(ex)
+    acc = sum(e["y"] * e["diff"] > 0 for e in ex) / len(ex)
+    keep = sum(e["y"] > 0 for e in ex) / len(ex)
+    return loss, acc, keep, len(ex)
+
+
+@pytest.mark.parametrize("margin_weighting, balance_weighting", [(True, True), (False, False), (True, False)])
+def test_retention_loss_matches_python_loop(rng, margin_weighting, balance_weighting):
+    scores, log_gamma, target, bd, q_idx = _random_problem(rng)
+    loss, metrics = losses.retention_loss(
+        scores, log_gamma, target, bd, q_idx,
+        margin_weighting=margin_weighting, balance_weighting=balance_weighting, **KNOBS,
+    )
+    want, acc, keep, n = _loop_retention_loss(
+        scores, log_gamma, target, bd, q_idx, margin_weighting=margin_weighting, balance_weighting=balance_weighting
+    )
+    assert n > 0 and loss.shape == () and loss.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["boundary_accuracy"]), acc, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["keep_rate"]), keep, rtol=1e-6)
+    assert float(metrics["num_valid"]) == n
+
+
+def test_weights_have_mean_one_over_valid(rng):
+    margin = rng.normal(size=(B, H, NQ)).astype(np.float32)
+    y = np.where(rng.random((B, H, NQ)) < 0.2, 1.0, -1.0).astype(np.float32)
+    valid = rng.random((B, H, NQ)) < 0.6
+    kw = {k: v for k, v in KNOBS.items() if k != "temperature"}
+    w = np.asarray(losses.boundary_weights(margin, y, valid, margin_weighting=True, balance_weighting=True, **kw))
+    np.testing.assert_allclose(w[valid].mean(), 1.0, rtol=1e-6)
+    assert np.all(w[~valid] == 0) and np.all(w[valid] > 0)
+    assert w[valid].std() > 0.05  # the weights do something
+    # Balance: per head, keep and drop decisions carry equal total weight when unclipped.
+    w_bal = np.asarray(losses.boundary_weights(margin, y, valid, margin_weighting=False, balance_weighting=True, **kw))
+    checked = 0
+    for h in range(H):
+        keep = valid[:, h] & (y[:, h] > 0)
+        drop = valid[:, h] & (y[:, h] < 0)
+        rho = keep.sum() / valid[:, h].sum()
+        if 0.1 < rho < 0.9:
+            np.testing.assert_allclose(w_bal[:, h][keep].sum(), w_bal[:, h][drop].sum(), rtol=1e-5)
+            checked += 1
+    assert checked > 0
+    none = np.asarray(losses.boundary_weights(margin, y, np.zeros_like(valid), margin_weighting=True,
+                                              balance_weighting=True, **kw))
+    assert np.all(none == 0)
+
+
+def test_retention_loss_gradients(rng):
+    scores, log_gamma, target, bd, q_idx = _random_problem(rng)
+
+    def loss_fn(scores, log_gamma, target):
+        return losses.retention_loss(
+            scores, log_gamma, target, bd, q_idx, margin_weighting=True, balance_weighting=True, **KNOBS
+        )[0]
+
+    g_scores, g_gamma, g_target = jax.grad(loss_fn, argnums=(0, 1, 2))(scores, log_gamma, target)
+    assert np.all(np.isfinite(np.asarray(g_scores))) and np.any(np.asarray(g_scores) != 0)
+    assert np.all(np.isfinite(np.asarray(g_gamma))) and np.any(np.asarray(g_gamma) != 0)
+    assert np.all(np.asarray(g_target) == 0)
+
+
+def test_retention_loss_without_valid_examples_is_zero(rng):
+    scores, log_gamma, target, bd, q_idx = _random_problem(rng)
+    bd = types.SimpleNamespace(t_new=bd.t_new, t_bnd=bd.t_bnd, y=bd.y, valid=np.zeros_like(bd.valid))
+
+    def loss_fn(scores):
+        return losses.retention_loss(
+            scores, log_gamma, target, bd, q_idx, margin_weighting=True, balance_weighting=True, **KNOBS
+        )
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(scores)
+    assert float(loss) == 0.0 and float(metrics["num_valid"]) == 0
+    assert np.all(np.asarray(grad) == 0)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+def test_retention_loss_prefers_correct_order(rng):
+    """Scores that agree with every label give accuracy 1 and a smaller loss than flipped ones."""
+    scores, log_gamma, target, bd, q_idx = _random_problem(rng)
+    log_gamma = np.zeros_like(log_gamma)
+    # Label each query by the true order of its two tokens under the scores.
+    s_new = np.take_along_axis(scores, np.clip(bd.t_new, 0, S - 1), axis=2)
+    s_bnd = np.take_along_axis(scores, bd.t_bnd, axis=2)
+    y = np.where(s_new > s_bnd, 1, -1).astype(np.int32)
+    valid = bd.valid & (s_new != s_bnd)
+    good = types.SimpleNamespace(t_new=bd.t_new, t_bnd=bd.t_bnd, y=y, valid=valid)
+    bad = types.SimpleNamespace(t_new=bd.t_new, t_bnd=bd.t_bnd, y=-y, valid=valid)
+    kw = dict(margin_weighting=False, balance_weighting=False, **KNOBS)
+    loss_good, m_good = losses.retention_loss(scores, log_gamma, target, good, q_idx, **kw)
+    loss_bad, m_bad = losses.retention_loss(scores, log_gamma, target, bad, q_idx, **kw)
+    assert float(m_good["boundary_accuracy"]) == 1.0 and float(m_bad["boundary_accuracy"]) == 0.0
+    assert float(loss_good) < math.log(2) < float(loss_bad)
+
+
+def test_sampler_bounds_determinism_and_bias():
+    key = jax.random.PRNGKey(3)
+    kw = dict(batch=4, seq_len=200, num=400, min_q=60)
+    a = losses.sample_query_positions(key, late_bias_fraction=0.5, **kw)
+    b = losses.sample_query_positions(key, late_bias_fraction=0.5, **kw)
+    c = losses.sample_query_positions(jax.random.PRNGKey(4), late_bias_fraction=0.5, **kw)
+    assert a.shape == (4, 400) and a.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.any(np.asarray(a) != np.asarray(c))
+    a = np.asarray(a)
+    assert a.min() >= 60 and a.max() <= 199
+    uniform = np.asarray(losses.sample_query_positions(key, late_bias_fraction=0.0, **kw))
+    late = np.asarray(losses.sample_query_positions(key, late_bias_fraction=1.0, **kw))
+    for x in (uniform, late):
+        assert x.min() >= 60 and x.max() <= 199
+    mid = 60 + 140 / 2
+    assert abs(uniform.mean() - mid) < 6  # uniform mean (60 + 199) / 2
+    assert abs(late.mean() - (60 + 140 * 2 / 3)) < 6  # density ∝ (q − min_q): mean 2/3 of the way
+    assert late.max() == 199  # the last position is reachable
+    edge = np.asarray(losses.sample_query_positions(key, batch=2, seq_len=8, num=16, min_q=7, late_bias_fraction=0.5))
+    assert np.all(edge == 7)  # a single saturated position
+
+
+def test_sampler_rejects_sequences_within_budget():
+    with pytest.raises(ValueError, match=r"min_q = s \+ w \+ k = 64 >= seq_len = 64"):
+        losses.sample_query_positions(jax.random.PRNGKey(0), batch=1, seq_len=64, num=4, min_q=64,
+                                      late_bias_fraction=0.5)
+    with pytest.raises(ValueError, match="late_bias_fraction"):
+        losses.sample_query_positions(jax.random.PRNGKey(0), batch=1, seq_len=64, num=4, min_q=8,
+                                      late_bias_fraction=1.5)
+
+
+def _np_topk_kl(student, t_logits, t_idx, temperature, mask):
+    s = student.astype(np.float64) / temperature
+    s_logp = s - (s.max(-1, keepdims=True) + np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    t = t_logits.astype(np.float64) / temperature
+    p = np.exp(t - t.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    kl = (p * (np.log(p) - np.take_along_axis(s_logp, t_idx, -1))).sum(-1)
+    return (kl * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_kl_matches_numpy(rng, temperature):
+    bsz, seq, vocab, k = 2, 5, 40, 7
+    teacher = rng.normal(size=(bsz, seq, vocab)).astype(np.float32) * 3
+    student = rng.normal(size=(bsz, seq, vocab)).astype(np.float32) * 3
+    values, indices = losses.teacher_topk(teacher, k)
+    np.testing.assert_array_equal(np.asarray(indices), np.argsort(-teacher, axis=-1)[..., :k])
+    np.testing.assert_allclose(np.asarray(values), -np.sort(-teacher, axis=-1)[..., :k])
+    mask = rng.random((bsz, seq)) < 0.7
+    mask[0, 0] = True
+    got = losses.topk_kl_loss(student, values, indices, temperature=temperature, mask=mask)
+    want = _np_topk_kl(student, np.asarray(values), np.asarray(indices), temperature, mask)
+    assert got.shape == () and got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    unmasked = losses.topk_kl_loss(student, values, indices, temperature=temperature)
+    np.testing.assert_allclose(
+        float(unmasked), _np_topk_kl(student, np.asarray(values), np.asarray(indices), temperature,
+                                     np.ones((bsz, seq))), rtol=1e-5)
+
+
+def test_topk_kl_zero_only_when_student_matches_teacher(rng):
+    bsz, seq, vocab, k = 2, 4, 30, 5
+    teacher = rng.normal(size=(bsz, seq, vocab)).astype(np.float32) * 2
+    values, indices = losses.teacher_topk(teacher, k)
+    # Student = teacher on the top-k, (almost) no mass elsewhere: KL = 0.
+    student = np.full_like(teacher, -1e9)
+    np.put_along_axis(student, np.asarray(indices), np.asarray(values), axis=-1)
+    assert abs(float(losses.topk_kl_loss(student, values, indices))) < 1e-6
+    # A shift of all student logits changes nothing (softmax invariance).
+    assert abs(float(losses.topk_kl_loss(student + 5.0, values, indices))) < 1e-6
+    # The same top-k proportions but mass left outside the top-k is penalized: −log Σ_topk q.
+    student_full = teacher.copy()
+    got = float(losses.topk_kl_loss(student_full, values, indices))
+    in_topk = np.take_along_axis(jax.nn.softmax(teacher, -1), np.asarray(indices), -1).sum(-1)
+    np.testing.assert_allclose(got, float(np.mean(-np.log(in_topk))), rtol=1e-4)
+    assert got > 1e-3
+    # Wrong proportions on the top-k are penalized too.
+    np.put_along_axis(student, np.asarray(indices), np.asarray(values)[..., ::-1], axis=-1)
+    assert float(losses.topk_kl_loss(student, values, indices)) > 1e-2
+    # An empty mask gives 0, not NaN.
+    assert float(losses.topk_kl_loss(student, values, indices, mask=np.zeros((bsz, seq), bool))) == 0.0
+
+
+def test_topk_kl_gradient(rng):
+    bsz, seq, vocab, k = 2, 3, 20, 4
+    teacher = rng.normal(size=(bsz, seq, vocab)).astype(np.float32)
+    student = rng.normal(size=(bsz, seq, vocab)).astype(np.float32)
+    values, indices = losses.teacher_topk(teacher, k)
+    g_student, g_teacher = jax.grad(lambda s, t: losses.topk_kl_loss(s, t, indices), argnums=(0, 1))(student, values)
+    g_student = np.asarray(g_student)
+    assert np.all(np.isfinite(g_student)) and np.any(g_student != 0)
+    np.testing.assert_allclose(g_student.sum(-1), 0.0, atol=1e-6)  # log_softmax gradient sums to 0
+    assert np.all(np.asarray(g_teacher) == 0)  # the teacher is a constant
+    with pytest.raises(ValueError, match="k must be"):
+        losses.teacher_topk(teacher, vocab + 1)
