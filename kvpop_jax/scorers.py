@@ -1,0 +1,335 @@
+"""Importance scorers: headwise linear, MLP and mLSTM (paper Sec. 3.3, App. A and E).
+
+Every scorer reads the cached keys and values `k, v [B, S, Hkv, D]` of one layer, forms
+`x = [k; v]` per KV head (Eq. 35), detaches it (`stop_gradient`: the retention loss
+trains only the scorer, Sec. 3.3) and returns raw scores `[B, Hkv, S]` in float32.
+Weights are headwise: one matrix per KV head, stored with a leading `Hkv` axis and
+applied with einsum. Parameters are float32 and all compute is float32.
+
+The mLSTM scorer (Eq. 37-42) keeps a stabilized matrix memory per KV head. With
+delayed readout the score of token u reads the state after token `min(u + w, S - 1)`
+with u's own query features (Eq. 41): at query position q the newly eligible token is
+`u = q - w` (DESIGN.md). The last w tokens of a sequence never become eligible inside
+it; they read the final state, which is what a decoder that stops at S - 1 would see.
+Three forms compute the same scores: `mlstm_recurrent` (token scan, mirrors decoding),
+`mlstm_chunkwise` (chunk scan with a parallel quadratic form inside; the training
+default) and `mlstm_quadratic` (materializes S x S; the test reference).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpop_jax.config import KVpopConfig
+
+NO_WRITE = -1e30  # log input gate of a padding token: writes nothing, keeps m finite
+MLSTM_MODES = ("chunkwise", "recurrent", "quadratic")
+
+
+class MLSTMState(NamedTuple):
+    """Stabilized mLSTM state per KV head; the true state is `exp(m) * (C, n)`.
+
+    C: [B, Hkv, d, dv] matrix memory (Eq. 38); n: [B, Hkv, d] normalizer (Eq. 39);
+    m: [B, Hkv] log-scale stabilizer (max-state of xLSTM). All float32.
+    """
+
+    C: jax.Array
+    n: jax.Array
+    m: jax.Array
+
+
+def hedgehog(z: jax.Array) -> jax.Array:
+    """Hedgehog feature map `[softmax(z); softmax(-z)]` over the last axis (App. A): [..., e] -> [..., 2e]."""
+    return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1)
+
+
+def scorer_input(k: jax.Array, v: jax.Array) -> jax.Array:
+    """`x = [k; v]` per KV head (Eq. 35), float32 and detached: [..., Hkv, D] x2 -> [..., Hkv, 2D]."""
+    x = jnp.concatenate([k.astype(jnp.float32), v.astype(jnp.float32)], axis=-1)
+    return jax.lax.stop_gradient(x)
+
+
+def delay_for(seq_len: int, window: int, delayed: bool) -> int:
+    """Effective readout delay: `min(w, S - 1)` (a longer delay also reads the final state)."""
+    return min(window, seq_len - 1) if delayed else 0
+
+
+# ----------------------------------------------------------------------------- mLSTM math
+# Arrays are head-major: q, k [B, H, T, d], v [B, H, T, dv], log input gate i and log
+# forget gate log_f [B, H, T] (soft-capped pre-activation and log-sigmoid of it, Eq. 40).
+
+
+def mlstm_init_state(batch: int, heads: int, d: int, dv: int) -> MLSTMState:
+    """Empty memory: C = 0, n = 0, m = 0 (m_0 is arbitrary since C_0 = n_0 = 0)."""
+    z = jnp.zeros
+    return MLSTMState(z((batch, heads, d, dv), jnp.float32), z((batch, heads, d), jnp.float32),
+                      z((batch, heads), jnp.float32))
+
+
+def mlstm_step(state: MLSTMState, k: jax.Array, v: jax.Array, i: jax.Array, log_f: jax.Array) -> MLSTMState:
+    """Writes one token: k [B, H, d], v [B, H, dv], i, log_f [B, H] (Eq. 38-39, stabilized)."""
+    m = jnp.maximum(log_f + state.m, i)
+    decay, write = jnp.exp(log_f + state.m - m), jnp.exp(i - m)
+    C = decay[..., None, None] * state.C + write[..., None, None] * k[..., :, None] * v[..., None, :]
+    n = decay[..., None] * state.n + write[..., None] * k
+    return MLSTMState(C, n, m)
+
+
+def mlstm_readout(state: MLSTMState, q: jax.Array) -> jax.Array:
+    """Reads the memory with query features q [B, H, d] -> h [B, H, dv] (Eq. 41).
+
+    Denominator `max(|q^T n|, exp(-m))`, i.e. `max(|q^T n_true|, 1)` on the true state:
+    the standard stabilized mLSTM normalizer, which also keeps an almost empty memory
+    from blowing up the first reads.
+    """
+    num = jnp.einsum("bhd,bhde->bhe", q, state.C)
+    den = jnp.einsum("bhd,bhd->bh", q, state.n)
+    return num / jnp.maximum(jnp.abs(den), jnp.exp(-state.m))[..., None]
+
+
+def _shift_for_delay(q, k, v, i, log_f, delay: int, length: int):
+    """Pads the time axis to `length` with no-op tokens (f = 1, i = NO_WRITE) and shifts
+    the queries right by `delay`, so that readout position t serves token u = t - delay."""
+    s = q.shape[2]
+
+    def pad(x, before, value=0.0):
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (before, length - before - s)
+        return jnp.pad(x, widths, constant_values=value)
+
+    return pad(q, delay), pad(k, 0), pad(v, 0), pad(i, 0, NO_WRITE), pad(log_f, 0)
+
+
+def mlstm_recurrent(q, k, v, i, log_f, delay: int) -> jax.Array:
+    """Token-by-token scan (the decoding order): h [B, H, S, dv], h_u reads state min(u + delay, S - 1)."""
+    s = q.shape[2]
+    q, k, v, i, log_f = _shift_for_delay(q, k, v, i, log_f, delay, s + delay)
+    b, h, _, d = k.shape
+
+    def body(state, xs):
+        q_t, k_t, v_t, i_t, f_t = xs
+        state = mlstm_step(state, k_t, v_t, i_t, f_t)
+        return state, mlstm_readout(state, q_t)
+
+    xs = [jnp.moveaxis(x, 2, 0) for x in (q, k, v, i, log_f)]
+    _, out = jax.lax.scan(body, mlstm_init_state(b, h, d, v.shape[-1]), xs)
+    return jnp.moveaxis(out, 0, 2)[:, :, delay:]
+
+
+def _chunk(carry: MLSTMState, xs):
+    """One chunk: parallel quadratic form inside, carried state from earlier chunks."""
+    C, n, m = carry
+    q, k, v, i, log_f = xs  # [B, H, L, .]
+    L = q.shape[2]
+    b = jnp.cumsum(log_f, axis=-1)  # log decay from the chunk start, inclusive
+    g = b + m[..., None]  # log weight of the carried state at each position
+    D = b[..., :, None] - b[..., None, :] + i[..., None, :]  # [B, H, L, L] log write weights
+    D = jnp.where(np.tril(np.ones((L, L), bool)), D, -jnp.inf)
+    m_row = jnp.maximum(g, D.max(axis=-1))  # equals the recurrent max-state
+    inter = jnp.exp(g - m_row)
+    P = jnp.exp(D - m_row[..., None]) * jnp.einsum("bhjd,bhsd->bhjs", q, k)
+    num = inter[..., None] * jnp.einsum("bhjd,bhde->bhje", q, C) + jnp.einsum("bhjs,bhse->bhje", P, v)
+    den = inter * jnp.einsum("bhjd,bhd->bhj", q, n) + P.sum(axis=-1)
+    out = num / jnp.maximum(jnp.abs(den), jnp.exp(-m_row))[..., None]
+    m_new = m_row[..., -1]
+    decay = jnp.exp(g[..., -1] - m_new)
+    w = jnp.exp(b[..., -1:] - b + i - m_new[..., None])  # [B, H, L] weight of each write
+    C = decay[..., None, None] * C + jnp.einsum("bhs,bhsd,bhse->bhde", w, k, v)
+    n = decay[..., None] * n + jnp.einsum("bhs,bhsd->bhd", w, k)
+    return MLSTMState(C, n, m_new), out
+
+
+def mlstm_chunkwise(q, k, v, i, log_f, delay: int, chunk: int) -> jax.Array:
+    """Chunkwise-parallel form (training default): h [B, H, S, dv]; pads to a chunk multiple."""
+    s = q.shape[2]
+    length = -(-(s + delay) // chunk) * chunk
+    q, k, v, i, log_f = _shift_for_delay(q, k, v, i, log_f, delay, length)
+    b, h, _, d = k.shape
+
+    def split(x):  # [B, H, N*L, ...] -> [N, B, H, L, ...]
+        return jnp.moveaxis(x.reshape(b, h, length // chunk, chunk, *x.shape[3:]), 2, 0)
+
+    _, out = jax.lax.scan(_chunk, mlstm_init_state(b, h, d, v.shape[-1]),
+                          [split(x) for x in (q, k, v, i, log_f)])
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, length, -1)
+    return out[:, :, delay:delay + s]
+
+
+def mlstm_quadratic(q, k, v, i, log_f, delay: int) -> jax.Array:
+    """Reference: materializes the [S, S] log-decay matrix from the definition. h [B, H, S, dv]."""
+    s = q.shape[2]
+    t_of_u = np.minimum(np.arange(s) + delay, s - 1)  # state each token reads
+    F = jnp.cumsum(log_f, axis=-1)  # log prod f_1..f_t
+    Ft = F[..., t_of_u]  # decay of the (empty, m_0 = 0) initial state
+    D = Ft[..., :, None] - F[..., None, :] + i[..., None, :]  # [B, H, U, S]
+    D = jnp.where(np.arange(s)[None, :] <= t_of_u[:, None], D, -jnp.inf)
+    m = jnp.maximum(Ft, D.max(axis=-1))
+    P = jnp.exp(D - m[..., None]) * jnp.einsum("bhud,bhsd->bhus", q, k)
+    num = jnp.einsum("bhus,bhse->bhue", P, v)
+    return num / jnp.maximum(jnp.abs(P.sum(axis=-1)), jnp.exp(-m))[..., None]
+
+
+_MLSTM_FORMS = {"recurrent": mlstm_recurrent, "quadratic": mlstm_quadratic}
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _headwise_init(scale: float = 1.0):
+    """Lecun-normal per head for a [H, fan_in, fan_out] weight."""
+    return nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                            batch_axis=(0,))
+
+
+def _pathway_init(pathway: int):
+    """[H, 2D, e] weight that reads only the key (0) or value (1) half of x = [k; v] at init
+    (App. E.5: q/k features start from the key pathway, values from the value pathway)."""
+
+    def init(key, shape, dtype=jnp.float32):
+        heads, two_d, e = shape
+        w = _headwise_init()(key, (heads, two_d // 2, e), dtype)
+        zeros = jnp.zeros_like(w)
+        return jnp.concatenate([w, zeros] if pathway == 0 else [zeros, w], axis=1)
+
+    return init
+
+
+def _linspace_init(start: float, stop: float):
+    return lambda key, shape, dtype=jnp.float32: jnp.linspace(start, stop, shape[0], dtype=dtype)
+
+
+class LinearScorer(nn.Module):
+    """Headwise linear scorer `r = w_h^T x + b_h` (Eq. 36). Zero-init: all scores start equal."""
+
+    num_kv_heads: int
+    head_dim: int
+    config: KVpopConfig
+
+    @nn.compact
+    def __call__(self, k: jax.Array, v: jax.Array) -> jax.Array:
+        """k, v [B, S, Hkv, D] -> scores [B, Hkv, S] float32."""
+        x = scorer_input(k, v)
+        w = self.param("w", nn.initializers.zeros, (self.num_kv_heads, 2 * self.head_dim), jnp.float32)
+        b = self.param("b", nn.initializers.zeros, (self.num_kv_heads,), jnp.float32)
+        return jnp.einsum("bshi,hi->bhs", x, w) + b[:, None]
+
+
+class MLPScorer(nn.Module):
+    """Headwise two-layer SiLU MLP (Sec. 3.3, Eq. 36); the last layer is zero-initialized."""
+
+    num_kv_heads: int
+    head_dim: int
+    config: KVpopConfig
+
+    @nn.compact
+    def __call__(self, k: jax.Array, v: jax.Array) -> jax.Array:
+        """k, v [B, S, Hkv, D] -> scores [B, Hkv, S] float32."""
+        h, hidden = self.num_kv_heads, self.config.scorer_hidden
+        x = scorer_input(k, v)
+        w1 = self.param("w1", _headwise_init(), (h, 2 * self.head_dim, hidden), jnp.float32)
+        b1 = self.param("b1", nn.initializers.zeros, (h, hidden), jnp.float32)
+        w2 = self.param("w2", nn.initializers.zeros, (h, hidden), jnp.float32)
+        b2 = self.param("b2", nn.initializers.zeros, (h,), jnp.float32)
+        z = jax.nn.silu(jnp.einsum("bshi,hie->bshe", x, w1) + b1)
+        return jnp.einsum("bshe,he->bhs", z, w2) + b2[:, None]
+
+
+class MLSTMScorer(nn.Module):
+    """Headwise mLSTM scorer with Hedgehog features and delayed readout (Eq. 37-42).
+
+    Per KV head: q~, k~ = hedgehog(W x) with W: 2D -> d/2 (features d = mlstm_dim);
+    v~ = W_v x with W_v: 2D -> dv, dv = `value_dim` or d/2 (App. A: all three
+    projections are 2D -> d/2); scalar gates i = exp(i~), f = sigmoid(f~) with
+    pre-activations soft-capped to +-mlstm_gate_softcap; no output gate;
+    score = a^T SiLU(h) + b (Eq. 42 without the optional norm), `a` zero-initialized.
+    Forget-gate biases start at linspace(3, 6) over heads (long memory early, E.5),
+    input-gate biases at 0, gate weights small.
+
+    Decoding: `init_state`, `step` (write token q) and `readout` (score token u = q - w
+    from its cached k, v) are methods for `apply(..., method=...)`.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    config: KVpopConfig
+    value_dim: int | None = None
+
+    def setup(self):
+        h, two_d, d = self.num_kv_heads, 2 * self.head_dim, self.config.mlstm_dim
+        f32 = jnp.float32
+        self.w_q = self.param("w_q", _pathway_init(0), (h, two_d, d // 2), f32)
+        self.w_k = self.param("w_k", _pathway_init(0), (h, two_d, d // 2), f32)
+        self.w_v = self.param("w_v", _pathway_init(1), (h, two_d, self.dv), f32)
+        self.w_gates = self.param("w_gates", _headwise_init(0.01), (h, two_d, 2), f32)  # [input, forget]
+        self.b_igate = self.param("b_igate", nn.initializers.zeros, (h,), f32)
+        self.b_fgate = self.param("b_fgate", _linspace_init(3.0, 6.0), (h,), f32)
+        self.a = self.param("a", nn.initializers.zeros, (h, self.dv), f32)  # Eq. 42, neutral start
+        self.b = self.param("b", nn.initializers.zeros, (h,), f32)
+
+    @property
+    def dv(self) -> int:
+        return self.value_dim or self.config.mlstm_dim // 2
+
+    def features(self, k: jax.Array, v: jax.Array):
+        """k, v [..., Hkv, D] -> q~, k~ [..., Hkv, d], v~ [..., Hkv, dv], log i, log f [..., Hkv].
+
+        Eq. 37 (Hedgehog features) and Eq. 40 (gates, pre-activations soft-capped).
+        """
+        x = scorer_input(k, v)
+        cap = self.config.mlstm_gate_softcap
+        q = hedgehog(jnp.einsum("...hi,hie->...he", x, self.w_q))
+        kk = hedgehog(jnp.einsum("...hi,hie->...he", x, self.w_k))
+        vv = jnp.einsum("...hi,hie->...he", x, self.w_v)
+        gates = jnp.einsum("...hi,hig->...hg", x, self.w_gates)
+        i_pre = cap * jnp.tanh((gates[..., 0] + self.b_igate) / cap)
+        f_pre = cap * jnp.tanh((gates[..., 1] + self.b_fgate) / cap)
+        return q, kk, vv, i_pre, jax.nn.log_sigmoid(f_pre)
+
+    def project(self, h: jax.Array) -> jax.Array:
+        """h [B, Hkv, ..., dv] -> scores [B, Hkv, ...] (Eq. 42)."""
+        a = self.a.reshape(self.a.shape[0], *([1] * (h.ndim - 3)), self.a.shape[1])
+        b = self.b.reshape(self.b.shape[0], *([1] * (h.ndim - 3)))
+        return jnp.sum(jax.nn.silu(h) * a, axis=-1) + b
+
+    def __call__(self, k: jax.Array, v: jax.Array, mode: str = "chunkwise") -> jax.Array:
+        """k, v [B, S, Hkv, D] -> scores [B, Hkv, S] float32; mode in MLSTM_MODES."""
+        if mode not in MLSTM_MODES:
+            raise ValueError(f"mode must be one of {MLSTM_MODES}, got {mode!r}")
+        feats = [jnp.moveaxis(t, 1, 2) for t in self.features(k, v)]  # head-major
+        delay = delay_for(k.shape[1], self.config.window, self.config.delayed_readout)
+        if mode == "chunkwise":
+            h = mlstm_chunkwise(*feats, delay=delay, chunk=self.config.mlstm_chunk)
+        else:
+            h = _MLSTM_FORMS[mode](*feats, delay=delay)
+        return self.project(h)
+
+    def init_state(self, batch: int) -> MLSTMState:
+        """Empty state: C [B, Hkv, d, dv], n [B, Hkv, d], m [B, Hkv]."""
+        return mlstm_init_state(batch, self.num_kv_heads, self.config.mlstm_dim, self.dv)
+
+    def step(self, state: MLSTMState, k_t: jax.Array, v_t: jax.Array) -> MLSTMState:
+        """Writes token t given its cached k_t, v_t [B, Hkv, D]."""
+        _, kk, vv, i_pre, log_f = self.features(k_t, v_t)
+        return mlstm_step(state, kk, vv, i_pre, log_f)
+
+    def readout(self, state: MLSTMState, k_u: jax.Array, v_u: jax.Array) -> jax.Array:
+        """Scores token u from its cached k_u, v_u [B, Hkv, D] against `state` -> [B, Hkv].
+
+        Decoding with delayed readout: at step q call `step` with token q, then score
+        u = q - w (u = q without delay). This reproduces the parallel scores exactly.
+        """
+        q, *_ = self.features(k_u, v_u)
+        return self.project(mlstm_readout(state, q)[:, :, None])[:, :, 0]
+
+
+SCORER_CLASSES = {"linear": LinearScorer, "mlp": MLPScorer, "mlstm": MLSTMScorer}
+
+
+def make_scorer(config: KVpopConfig, num_kv_heads: int, head_dim: int) -> nn.Module:
+    """The scorer named by `config.scorer`, for one layer with `num_kv_heads` heads of `head_dim`."""
+    return SCORER_CLASSES[config.scorer](num_kv_heads=num_kv_heads, head_dim=head_dim, config=config)
