@@ -63,3 +63,128 @@ def dense_attention(
     probs = jnp.exp(logits - lse[..., None])
     out = jnp.einsum("bhgst,bthd->bshgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, hq, d).astype(q.dtype), lse.reshape(b, hq, s)
+
+
+# --- KVpop-masked attention -------------------------------------------------------------
+
+KVPOP_IMPL_ENV = "KVPOP_ATTENTION_IMPL"  # xla | pallas | pallas_interpret; overrides the default
+
+
+def _check_kvpop_args(q, k, v, ranks, cutoffs, sinks, window):
+    b, s, hq, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}, got {k.shape}, {v.shape}")
+    hkv = k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    for name, x in (("ranks", ranks), ("cutoffs", cutoffs)):
+        if x.shape != (b, hkv, s) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be int [B, Hkv, S] = {(b, hkv, s)}, got {x.dtype}{x.shape}")
+    if sinks < 0 or window < 1:
+        raise ValueError(f"need sinks >= 0 and window >= 1 (query q always sees t = q), got {sinks}, {window}")
+
+
+def kvpop_block_mask(
+    q_pos: jax.Array, k_pos: jax.Array, ranks: jax.Array, cutoffs: jax.Array, *, sinks: int, window: int
+) -> jax.Array:
+    """The KVpop mask (DESIGN.md) on a tile: query positions `q_pos [Q]`, key positions `k_pos [T]`.
+
+    ranks: int [..., T] for the keys; cutoffs: int [..., Q] τ for the queries (S keeps every
+    eligible key, negative keeps none). Returns bool [..., Q, T]:
+    `t <= q ∧ (t < s ∨ q − t < w ∨ (s <= t <= q − w ∧ rank(t) <= τ_q))`.
+    """
+    diff = q_pos[:, None] - k_pos[None, :]
+    is_sink = (k_pos < sinks)[None, :]
+    eligible = (k_pos >= sinks)[None, :] & (diff >= window)
+    kept = ranks[..., None, :] <= cutoffs[..., :, None]
+    return (diff >= 0) & (is_sink | (diff < window) | (eligible & kept))
+
+
+def kvpop_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ranks: jax.Array,
+    cutoffs: jax.Array,
+    *,
+    sinks: int,
+    window: int,
+    scale: float | None = None,
+    block_q: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """KVpop-masked causal attention in plain XLA, one query block at a time (paper Eq. 26).
+
+    Args:
+      q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] (GQA: query head h*G + g reads KV head h).
+      ranks: int [B, Hkv, S], rank of each key under the static priority (0 = best).
+      cutoffs: int [B, Hkv, S], τ_q per query position (S: keep all eligible; < 0: none).
+      sinks, window: s and w (window >= 1).
+      scale: logit scale, default D ** -0.5.
+      block_q: queries per block; memory is O(S * block_q) per head in the forward and,
+        because each block is rematerialized (`jax.checkpoint`), in autodiff too.
+
+    Returns:
+      out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log over kept keys).
+      Differentiable in q, k, v (both outputs) by plain autodiff.
+    """
+    _check_kvpop_args(q, k, v, ranks, cutoffs, sinks, window)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    bq = min(block_q, s)
+    nb = -(-s // bq)
+    pad = nb * bq - s
+    q_blocks = jnp.pad(_group_queries(q, hkv), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    q_blocks = jnp.moveaxis(q_blocks.reshape(b, nb, bq, hkv, g, d), 1, 0)  # [nb, B, bq, Hkv, G, D]
+    cut_blocks = jnp.pad(cutoffs.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+    cut_blocks = jnp.moveaxis(cut_blocks.reshape(b, hkv, nb, bq), 2, 0)  # [nb, B, Hkv, bq]
+    k_pos = jnp.arange(s, dtype=jnp.int32)
+    ranks = ranks.astype(jnp.int32)
+
+    def one_block(args):
+        q_blk, cut_blk, start = args
+        q_pos = start + jnp.arange(bq, dtype=jnp.int32)
+        mask = kvpop_block_mask(q_pos, k_pos, ranks, cut_blk, sinks=sinks, window=window)  # [B, Hkv, bq, S]
+        logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(mask[:, :, None], logits, NEG_INF)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, G, bq]
+        probs = jnp.exp(logits - lse[..., None])
+        out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype), lse
+
+    starts = jnp.arange(nb, dtype=jnp.int32) * bq
+    out, lse = jax.lax.map(jax.checkpoint(one_block, prevent_cse=False), (q_blocks, cut_blocks, starts))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * bq, hq, d)[:, :s]
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hq, nb * bq)[:, :, :s]
+    return out, lse
+
+
+def kvpop_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ranks: jax.Array,
+    cutoffs: jax.Array,
+    *,
+    sinks: int,
+    window: int,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """KVpop-masked attention, dispatched to a back end (same contract as the reference).
+
+    implementation: "xla" (`kvpop_attention_reference`), "pallas" (the Triton-lowered
+    kernel, `pallas_kernels.sparse_attention`) or "pallas_interpret" (the same kernel in
+    interpret mode, for CPU tests). None picks `$KVPOP_ATTENTION_IMPL` if set, else
+    "pallas" on GPU and "xla" elsewhere.
+    """
+    from pallas_kernels._common import resolve_implementation
+
+    impl = resolve_implementation(implementation, KVPOP_IMPL_ENV)
+    kwargs = dict(sinks=sinks, window=window, scale=scale)
+    if impl == "xla":
+        return kvpop_attention_reference(q, k, v, ranks, cutoffs, **kwargs)
+    from pallas_kernels.sparse_attention import sparse_attention
+
+    return sparse_attention(q, k, v, ranks, cutoffs, interpret=impl == "pallas_interpret", **kwargs)

@@ -1,0 +1,252 @@
+"""KVpop-masked attention (XLA reference and dispatcher) against a numpy brute force."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvpop_jax.attention import (
+    KVPOP_IMPL_ENV,
+    dense_attention,
+    kvpop_attention,
+    kvpop_attention_reference,
+)
+
+
+# --- numpy brute force (independent of kvpop_jax.policy) ---------------------------------
+
+
+def random_ranks(rng, b, hkv, s):
+    """A random permutation of 0..S-1 per (batch, KV head)."""
+    return np.stack([np.stack([rng.permutation(s) for _ in range(hkv)]) for _ in range(b)]).astype(np.int32)
+
+
+def running_cutoffs_np(ranks, *, sinks, window, topk):
+    """τ_q by a per-query sort: k-th smallest rank in E(q) = [s, q − w], or S if |E(q)| <= k."""
+    b, h, s = ranks.shape
+    cut = np.full((b, h, s), s, np.int32)
+    for q in range(s):
+        lo, hi = sinks, q - window
+        if hi - lo + 1 > topk:
+            cut[:, :, q] = np.sort(ranks[:, :, lo : hi + 1], axis=-1)[:, :, topk - 1] if topk > 0 else -1
+    return cut
+
+
+def kvpop_mask_np(ranks, cutoffs, *, sinks, window):
+    """bool [B, Hkv, S, S], one (q, t) at a time, straight from DESIGN.md."""
+    b, h, s = ranks.shape
+    m = np.zeros((b, h, s, s), bool)
+    for q in range(s):
+        for t in range(q + 1):
+            sink = t < sinks
+            win = q - t < window
+            long_range = (sinks <= t <= q - window) & (ranks[:, :, t] <= cutoffs[:, :, q])
+            m[:, :, q, t] = sink | win | long_range
+    return m
+
+
+def masked_attention_np(q, k, v, mask, scale=None):
+    """float64 masked softmax attention; returns out [B, S, Hq, D], lse [B, Hq, S]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    k = np.repeat(k, g, axis=2)
+    v = np.repeat(v, g, axis=2)
+    mask = np.repeat(mask, g, axis=1)  # [B, Hq, S, S]
+    logits = np.einsum("bqhd,bthd->bhqt", q, k) * scale
+    logits = np.where(mask, logits, -np.inf)
+    mx = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - mx).sum(-1)) + mx[..., 0]
+    p = np.exp(logits - lse[..., None])
+    return np.einsum("bhqt,bthd->bqhd", p, v), lse
+
+
+def random_qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
+    q = rng.standard_normal((b, s, hq, d))
+    k = rng.standard_normal((b, s, hkv, d))
+    v = rng.standard_normal((b, s, hkv, d))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+# --- tests --------------------------------------------------------------------------------
+
+CASES = [
+    # S, sinks, window, topk, Hq, Hkv, block_q
+    (37, 2, 5, 4, 4, 2, 16),  # S not a multiple of the block
+    (24, 0, 1, 3, 2, 2, 8),  # w = 1, no sinks
+    (20, 3, 4, 0, 4, 1, 64),  # k = 0, one block larger than S
+    (12, 4, 9, 2, 2, 1, 5),  # S <= s + w + k: nothing is ever evicted
+    (48, 1, 3, 40, 4, 4, 16),  # k >= |E(q)| everywhere: sentinel S
+]
+
+
+@pytest.mark.parametrize("seq, sinks, window, topk, hq, hkv, block_q", CASES)
+def test_reference_matches_brute_force(rng, seq, sinks, window, topk, hq, hkv, block_q):
+    b, d = 2, 8
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk)
+    mask = kvpop_mask_np(ranks, cut, sinks=sinks, window=window)
+    assert mask.sum(-1).max() <= sinks + window + topk
+    out, lse = kvpop_attention_reference(
+        q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window, block_q=block_q
+    )
+    want_out, want_lse = masked_attention_np(q, k, v, mask)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (b, hq, seq) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_random_cutoffs_and_scale(rng):
+    """Arbitrary (non-monotone) cutoffs in [-1, S] and a custom scale follow the same mask."""
+    b, seq, hq, hkv, d, sinks, window = 1, 29, 4, 2, 16, 3, 4
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = rng.integers(-1, seq + 1, (b, hkv, seq)).astype(np.int32)
+    out, lse = kvpop_attention_reference(
+        q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window, scale=0.3, block_q=8
+    )
+    mask = kvpop_mask_np(ranks, cut, sinks=sinks, window=window)
+    want_out, want_lse = masked_attention_np(q, k, v, mask, 0.3)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_infinite_budget_is_dense(rng):
+    b, seq, hq, hkv, d = 2, 33, 4, 2, 16
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = jnp.asarray(random_ranks(rng, b, hkv, seq))
+    cut = jnp.full((b, hkv, seq), seq, jnp.int32)  # sentinel: keep every eligible key
+    out, lse = kvpop_attention_reference(q, k, v, ranks, cut, sinks=2, window=3, block_q=16)
+    pos = jnp.broadcast_to(jnp.arange(seq), (b, seq))
+    want_out, want_lse = dense_attention(q, k, v, q_positions=pos, kv_positions=pos)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_with_every_long_range_key_masked(rng):
+    """Cutoff −1 drops all of E(q): only sinks and the window remain."""
+    b, seq, hq, hkv, d, sinks, window = 1, 30, 2, 1, 8, 2, 4
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = np.full((b, hkv, seq), -1, np.int32)
+    out, lse = kvpop_attention_reference(
+        q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window, block_q=8
+    )
+    t, qq = np.arange(seq)[None, :], np.arange(seq)[:, None]
+    local = (t <= qq) & ((t < sinks) | (qq - t < window))
+    want_out, want_lse = masked_attention_np(q, k, v, np.broadcast_to(local, (b, hkv, seq, seq)))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(out))) and np.all(np.isfinite(np.asarray(lse)))
+
+
+def test_gradients_match_full_mask_and_are_finite(rng):
+    """Blockwise + checkpointed autodiff == autodiff of a one-shot S×S masked softmax."""
+    b, seq, hq, hkv, d, sinks, window, topk = 1, 26, 4, 2, 8, 2, 3, 4
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk)
+    mask = jnp.asarray(np.repeat(kvpop_mask_np(ranks, cut, sinks=sinks, window=window), hq // hkv, axis=1))
+    w_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal((b, hq, seq)), jnp.float32)
+
+    def full_mask(q, k, v):
+        g = hq // hkv
+        logits = jnp.einsum("bqhd,bthd->bhqt", q, jnp.repeat(k, g, 2)) * d**-0.5
+        logits = jnp.where(mask, logits, -1e30)
+        lse = jax.nn.logsumexp(logits, -1)
+        out = jnp.einsum("bhqt,bthd->bqhd", jnp.exp(logits - lse[..., None]), jnp.repeat(v, g, 2))
+        return out, lse
+
+    def blockwise(q, k, v):
+        return kvpop_attention_reference(
+            q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window, block_q=8
+        )
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out * w_out) + jnp.sum(lse * w_lse)
+
+        return f
+
+    got = jax.grad(loss(blockwise), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(full_mask), argnums=(0, 1, 2))(q, k, v)
+    for g_got, g_want in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(g_got)))
+        np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_seq_by_seq_intermediate():
+    """Forward and backward jaxprs hold nothing of size S×S per head (block_q << S)."""
+    b, seq, hq, hkv, d = 1, 1024, 2, 1, 8
+    q = jax.ShapeDtypeStruct((b, seq, hq, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, seq, hkv, d), jnp.float32)
+    ints = jax.ShapeDtypeStruct((b, hkv, seq), jnp.int32)
+
+    def loss(q, k, v, ranks, cut):
+        out, lse = kvpop_attention_reference(q, k, v, ranks, cut, sinks=4, window=16, block_q=64)
+        return jnp.sum(out) + jnp.sum(lse)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv, ints, ints)
+
+    def largest(jaxpr):
+        size = 0
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                size = max(size, int(np.prod(getattr(var.aval, "shape", ()))))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                size = max(size, largest(sub))
+        return size
+
+    assert largest(jaxpr.jaxpr) < seq * seq // 4
+
+
+def test_bf16_runs_in_bf16(rng):
+    b, seq, hq, hkv, d = 1, 20, 2, 1, 16
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d, jnp.bfloat16)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = running_cutoffs_np(ranks, sinks=1, window=3, topk=4)
+    out, lse = kvpop_attention_reference(q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=1, window=3)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    want_out, want_lse = masked_attention_np(q, k, v, kvpop_mask_np(ranks, cut, sinks=1, window=3))
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
+
+
+def test_dispatcher_picks_xla_on_cpu_and_honours_env(rng, monkeypatch):
+    b, seq, hq, hkv, d = 1, 16, 2, 1, 16
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = jnp.asarray(random_ranks(rng, b, hkv, seq))
+    cut = jnp.asarray(running_cutoffs_np(np.asarray(ranks), sinks=1, window=2, topk=3))
+    kw = dict(sinks=1, window=2)
+    monkeypatch.delenv(KVPOP_IMPL_ENV, raising=False)
+    want = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
+    got = kvpop_attention(q, k, v, ranks, cut, **kw)
+    np.testing.assert_array_equal(got[0], want[0])
+    monkeypatch.setenv(KVPOP_IMPL_ENV, "pallas_interpret")
+    got = kvpop_attention(q, k, v, ranks, cut, **kw)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(KVPOP_IMPL_ENV, "cuda")
+    with pytest.raises(ValueError, match="KVPOP_ATTENTION_IMPL"):
+        kvpop_attention(q, k, v, ranks, cut, **kw)
+    # An explicit argument wins over the environment.
+    got = kvpop_attention(q, k, v, ranks, cut, implementation="xla", **kw)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_rejects_bad_arguments(rng):
+    q, k, v = random_qkv(rng, 1, 8, 2, 1, 16)
+    ranks = jnp.zeros((1, 1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="window"):
+        kvpop_attention_reference(q, k, v, ranks, ranks, sinks=1, window=0)
+    with pytest.raises(ValueError, match="ranks"):
+        kvpop_attention_reference(q, k, v, ranks[..., :4], ranks, sinks=1, window=2)
+    with pytest.raises(ValueError, match="multiple"):
+        q3, k2, v2 = q[:, :, :1].repeat(3, 2), k.repeat(2, 2), v.repeat(2, 2)
+        kvpop_attention_reference(q3, k2, v2, ranks, ranks, sinks=1, window=2)
