@@ -1,0 +1,292 @@
+"""train/data.py: sources, text extraction, length filter, packing invariants, shuffle, resume,
+host sharding. Local generated files and the demo tokenizer only (no network)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from eval.demo_tokenizer import build_tokenizer, save_tokenizer
+from train.data import DataConfig, PackedBatchIterator, load_documents, resolve_source
+
+CHARS = list("abcdefghij0123456789 ")
+S, B = 32, 4
+
+
+def random_texts(rng, n, lo=3, hi=40):
+    return ["".join(rng.choice(CHARS, size=rng.integers(lo, hi + 1))) for _ in range(n)]
+
+
+def write_jsonl(path, records):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def config(tmp_path, data, **kw):
+    return DataConfig(data=str(data), seq_len=kw.pop("seq_len", S), batch_size=kw.pop("batch_size", B),
+                      cache_dir=str(tmp_path / "hf_cache"), **kw)
+
+
+def doc_ids(tokenizer, text):
+    """What a plain-text document should become: <bos> + one token per char + <eos>."""
+    return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def segments(batches):
+    """Every document piece of the batches, in row order, as token-id lists."""
+    out = []
+    for batch in batches:
+        for ids, seg in zip(batch["input_ids"], batch["segment_ids"]):
+            out += [ids[seg == k].tolist() for k in range(1, seg.max() + 1)]
+    return out
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# --------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(batch_size=6, process_count=4), "divisible"),
+    (dict(process_index=2, process_count=2), "process_index"),
+    (dict(max_length=64), "split_documents"),
+    (dict(min_length=40), "min_length"),
+    (dict(seq_len=1), "seq_len"),
+    (dict(text_field="prompt+"), "text_field"),
+])
+def test_config_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DataConfig(**{"data": "x.jsonl", "seq_len": S, "batch_size": B, **kw})
+
+
+# --------------------------------------------------------------------------------- sources
+
+def _write(tmp_path, fmt, records):
+    import datasets
+
+    if fmt == "jsonl":
+        return write_jsonl(tmp_path / "d.jsonl", records)
+    if fmt == "json":  # one JSON array
+        (tmp_path / "d.json").write_text(json.dumps(records))
+        return str(tmp_path / "d.json")
+    if fmt == "directory":  # nested, split over two files, read in path order
+        write_jsonl(tmp_path / "dir" / "a" / "part0.jsonl", records[:3])
+        write_jsonl(tmp_path / "dir" / "b" / "part1.jsonl", records[3:])
+        return str(tmp_path / "dir")
+    if fmt == "glob":
+        write_jsonl(tmp_path / "g" / "part0.jsonl", records[:3])
+        write_jsonl(tmp_path / "g" / "part1.jsonl", records[3:])
+        (tmp_path / "g" / "notes.txt").write_text("not data")
+        return str(tmp_path / "g" / "part*.jsonl")
+    ds = datasets.Dataset.from_list(records)
+    if fmt == "parquet":
+        ds.to_parquet(str(tmp_path / "d.parquet"))
+        return str(tmp_path / "d.parquet")
+    ds.save_to_disk(str(tmp_path / "saved"))
+    if fmt == "saved":
+        return str(tmp_path / "saved")
+    (arrow,) = [f for f in os.listdir(tmp_path / "saved") if f.endswith(".arrow")]
+    return str(tmp_path / "saved" / arrow)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "directory", "glob", "saved", "arrow"])
+def test_local_sources(tmp_path, rng, fmt):
+    texts = random_texts(rng, 7, hi=20)
+    data = _write(tmp_path, fmt, [{"id": i, "text": t} for i, t in enumerate(texts)])
+    assert list(load_documents(config(tmp_path, data))) == texts
+    batches = PackedBatchIterator(config(tmp_path, data, shuffle=False), build_tokenizer())
+    assert segments(take(batches, 1))[0] == doc_ids(batches.tokenizer, texts[0])
+
+
+def test_missing_paths_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere/train.jsonl"):
+        resolve_source(str(tmp_path / "nowhere" / "train.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"no file matches"):
+        resolve_source(str(tmp_path / "*.parquet"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        resolve_source(str(tmp_path / "empty"))
+    assert resolve_source("nvidia/Nemotron-Math-v2").kind == "hub"
+
+
+def test_unreadable_file_is_named(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "ab"}\n{"text": \n')
+    with pytest.raises(ValueError, match="broken.jsonl"):
+        list(load_documents(config(tmp_path, path)))
+
+
+@pytest.mark.parametrize("field", ["auto", "prompt+missing"])
+def test_missing_text_field_lists_columns(tmp_path, field):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "question_id": 3}])
+    with pytest.raises(ValueError, match=r"available columns: \['prompt', 'question_id'\]"):
+        PackedBatchIterator(config(tmp_path, data, text_field=field), build_tokenizer())
+
+
+def test_tokenizer_from_checkpoint_dir(tmp_path, rng):
+    save_tokenizer(tmp_path / "ckpt")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in random_texts(rng, 5)])
+    batch = next(PackedBatchIterator(config(tmp_path, data), str(tmp_path / "ckpt")))
+    assert batch["input_ids"].shape == (B, S)
+
+
+# --------------------------------------------------------------------------------- text
+
+CHAT = [{"role": "user", "content": "a+b"}, {"role": "assistant", "content": "c0"}]
+
+
+def test_messages_use_chat_template(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "<bos>{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT, "text_len": 1}])
+    assert list(load_documents(config(tmp_path, data), tokenizer)) == ["<bos>u:a+b\na:c0\n"]
+    batches = PackedBatchIterator(config(tmp_path, data), tokenizer)
+    (doc,) = segments(take(batches, 1))[:1]
+    # The template's <bos> is the only one: special tokens are not added to rendered chats.
+    assert doc == tokenizer("u:a+b\na:c0\n")["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_messages_without_template_and_prompt_fields(tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    assert list(load_documents(config(tmp_path, chat), build_tokenizer())) == ["user: a+b\nassistant: c0\n"]
+    records = [{"prompt": "x1\n", "answer": "7", "completion": "y=7\n"}, {"prompt": "q", "answer": None, "completion": "z"}]
+    qa = write_jsonl(tmp_path / "qa.jsonl", records)
+    assert list(load_documents(config(tmp_path, qa))) == ["x1\ny=7\n", "qz"]  # completion before answer
+    assert list(load_documents(config(tmp_path, qa, text_field="prompt+answer"))) == ["x1\n7", "q"]
+
+
+# --------------------------------------------------------------------------------- packing
+
+@pytest.mark.parametrize("split_documents", [False, True])
+@pytest.mark.parametrize("reset_attention", [False, True])
+def test_packing_invariants(tmp_path, rng, split_documents, reset_attention):
+    texts = random_texts(rng, 40, hi=45)  # 5..47 tokens: some longer than S and than 42
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    cfg = config(tmp_path, data, shuffle=False, split_documents=split_documents,
+                 reset_attention=reset_attention, max_length=42 if split_documents else None)
+    batches = PackedBatchIterator(cfg, build_tokenizer())
+    tok = batches.tokenizer
+    kept = [doc_ids(tok, t) for t in texts if len(doc_ids(tok, t)) <= cfg.length_limit]
+    assert 0 < len(kept) < len(texts) and batches.num_documents == len(kept)
+    got = take(batches, 30)  # > 2 epochs
+
+    stream = []
+    for b in got:
+        ids, seg, pos, mask, tgt = (b[k] for k in ("input_ids", "segment_ids", "positions", "loss_mask", "targets"))
+        assert ids.shape == seg.shape == pos.shape == mask.shape == tgt.shape == (B, S)
+        assert ids.dtype == seg.dtype == pos.dtype == tgt.dtype == np.int32 and mask.dtype == np.float32
+        np.testing.assert_array_equal(tgt[:, :-1], ids[:, 1:])
+        for r in range(B):
+            n_real = int((seg[r] > 0).sum())
+            assert (seg[r, :n_real] > 0).all() and (seg[r, n_real:] == 0).all()  # padding only at the end
+            assert (ids[r, n_real:] == tok.pad_token_id).all()
+            assert (np.diff(seg[r, :n_real]) >= 0).all() and seg[r, 0] == 1 and np.all(np.diff(np.unique(seg[r, :n_real])) == 1)
+            if split_documents:
+                assert n_real == S  # continuous stream: no padding
+            for t in range(S):
+                same_next = t + 1 < S and seg[r, t] > 0 and seg[r, t + 1] == seg[r, t]
+                assert mask[r, t] == float(same_next)
+                start = t == 0 or seg[r, t] != seg[r, t - 1]
+                assert pos[r, t] == (t if not reset_attention else 0 if start else pos[r, t - 1] + 1)
+            stream += ids[r, :n_real].tolist()
+    flat = sum(kept, [])
+    repeats = len(stream) // len(flat) + 1
+    assert stream == (flat * repeats)[:len(stream)]  # every kept token exactly once per epoch, in order
+    if not split_documents:  # whole documents: every segment is one kept document
+        pieces = segments(got)
+        assert pieces == (kept * (len(pieces) // len(kept) + 1))[:len(pieces)]
+
+
+def test_length_filter(tmp_path, rng):
+    texts = random_texts(rng, 60, lo=0, hi=40)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    batches = PackedBatchIterator(config(tmp_path, data, shuffle=False, min_length=12, max_length=30),
+                                  build_tokenizer())
+    lengths = np.array([len(t) + 2 for t in texts])  # <bos> + chars + <eos>
+    assert batches.stats == {k: v for k, v in dict(kept=int(((lengths >= 12) & (lengths <= 30)).sum()),
+                                                   too_short=int((lengths < 12).sum()),
+                                                   too_long=int((lengths > 30).sum())).items() if v}
+    seen = {tuple(p) for p in segments(take(batches, 20))}
+    expected = {tuple(doc_ids(batches.tokenizer, t)) for t, n in zip(texts, lengths) if 12 <= n <= 30}
+    assert seen == expected
+
+
+# --------------------------------------------------------------------------------- shuffle
+
+def test_shuffle_is_deterministic_per_seed_and_epoch(tmp_path, rng):
+    texts = random_texts(rng, 30, hi=12)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    tokenizer = build_tokenizer()
+
+    def documents(seed, n=60):
+        return segments(take(PackedBatchIterator(config(tmp_path, data, seed=seed), tokenizer), 15))[:n]
+
+    a, b, c = documents(0), documents(0), documents(1)
+    assert a == b and a != c
+    all_docs = sorted(doc_ids(tokenizer, t) for t in texts)
+    assert sorted(a[:30]) == sorted(a[30:]) == sorted(c[:30]) == all_docs  # each epoch: every doc once
+    assert a[:30] != a[30:]  # a new order every epoch
+
+
+# --------------------------------------------------------------------------------- resume
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("split_documents", [False, True])
+def test_restore_continues_exactly(tmp_path, rng, streaming, split_documents):
+    texts = random_texts(rng, 25, hi=45)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    cfg = config(tmp_path, data, streaming=streaming, shuffle_buffer=8, split_documents=split_documents,
+                 max_length=60 if split_documents else None, seed=3)
+    tokenizer = build_tokenizer()
+    uninterrupted = take(PackedBatchIterator(cfg, tokenizer), 14)  # ~3 epochs
+
+    first = PackedBatchIterator(cfg, tokenizer)
+    assert_batches_equal(take(first, 5), uninterrupted[:5])
+    saved = json.loads(json.dumps(first.state()))
+    assert saved["batches"] == 5
+    resumed = PackedBatchIterator(cfg, tokenizer)
+    resumed.restore(saved)
+    assert_batches_equal(take(resumed, 9), uninterrupted[5:])
+    assert resumed.epoch >= 2
+
+    with pytest.raises(ValueError, match="seed"):
+        PackedBatchIterator(config(tmp_path, data, streaming=streaming, split_documents=split_documents,
+                                   max_length=60 if split_documents else None, seed=4), tokenizer).restore(saved)
+
+
+def test_stream_matches_in_memory_without_shuffle(tmp_path, rng):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in random_texts(rng, 20, hi=45)])
+    tokenizer = build_tokenizer()
+    memory = PackedBatchIterator(config(tmp_path, data, shuffle=False), tokenizer)
+    stream = PackedBatchIterator(config(tmp_path, data, shuffle=False, streaming=True), tokenizer)
+    assert memory.num_documents is not None and stream.num_documents is None
+    assert_batches_equal(take(memory, 8), take(stream, 8))
+
+
+# --------------------------------------------------------------------------------- hosts
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_hosts_get_disjoint_covering_slices(tmp_path, rng, process_count):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in random_texts(rng, 30)])
+    tokenizer = build_tokenizer()
+    single = take(PackedBatchIterator(config(tmp_path, data), tokenizer), 6)
+    hosts = [take(PackedBatchIterator(config(tmp_path, data, process_index=p, process_count=process_count),
+                                      tokenizer), 6) for p in range(process_count)]
+    for step, whole in enumerate(single):
+        for key, value in whole.items():
+            parts = [h[step][key] for h in hosts]
+            assert all(p.shape[0] == B // process_count for p in parts)
+            np.testing.assert_array_equal(np.concatenate(parts), value, err_msg=key)

@@ -1,0 +1,493 @@
+"""Training data: documents -> checkpoint-tokenizer ids -> packed rows of exactly S tokens.
+
+    config = DataConfig(data="nvidia/Nemotron-Math-v2", split="high_part00", seq_len=16384,
+                        batch_size=128, process_index=jax.process_index(),
+                        process_count=jax.process_count())
+    batches = PackedBatchIterator(config, checkpoint_dir)   # or a tokenizer object
+    batch = next(batches)           # dict of numpy arrays, each [B / process_count, S]
+    saved = batches.state()         # JSON-serializable; store it with the checkpoint
+    batches.restore(saved)          # continue exactly where `saved` was taken
+
+Sources (`data`): a hub name (streamed by default), or local .jsonl/.json/.parquet/.arrow files
+given as one file, a directory (searched recursively; a `save_to_disk` directory is loaded as
+such) or a glob. `split`/`subset` apply to hub names and saved datasets; local files are one
+split.
+
+Text (`text_field`): "auto" takes the first of `text`, `messages`, `prompt+completion`,
+`prompt+answer` the columns have. A field holding a list of {role, content} is a chat, rendered
+with the tokenizer's chat template (`role: content` lines when it has none) and tokenized without
+added special tokens (the template has them); plain text is tokenized with them (e.g. a <bos>).
+"a+b" concatenates fields as-is. EOS is appended unless the ids already end with it.
+
+Length filter: a document's length counts its EOS; documents outside [min_length, max_length]
+are dropped before packing (max_length defaults to S: the paper trains on sequences <= S).
+
+Packing (greedy, in the epoch's document order, rows filled one after another):
+- split_documents=False (default): a document that does not fit the rest of the row starts the
+  next row and the rest is padded; no document is ever cut, so every kept document is seen
+  whole, in one row.
+- split_documents=True: one continuous token stream chunked into rows of S; no padding, a
+  document may continue in the next row.
+The stream runs on across epochs: a row may end one epoch and start the next.
+
+Per row, shapes [B, S]:
+- input_ids int32; padding is tokenizer.pad_token_id (EOS when it has none).
+- targets int32: input_ids shifted left by one (the last column is padding).
+- segment_ids int32: 1, 2, ... for the document pieces of the row in order, 0 for padding.
+- positions int32: 0..S-1 when reset_attention=False (the paper: attention runs over the whole
+  packed row and segment_ids are informative only); else restart at 0 at every segment start.
+- loss_mask float32: 1 where the next token is in the same segment, so 0 on padding, on the last
+  token of every document piece (no EOS -> next document prediction) and on the row's last token.
+
+Epochs: document order is a permutation drawn from (seed, epoch) (identity if shuffle=False;
+for streams, HF's buffered shuffle seeded the same way). Hosts: every host builds the same
+global batch of `batch_size` rows and keeps its contiguous slice of batch_size / process_count
+rows, so batches do not depend on the host count (a run may resume on another one).
+
+State: {"version", "epoch", "index", "offset", "batches", "config"}: the next unpacked token is
+`offset` tokens into the document at `index` of `epoch`'s order. In memory, `index` counts kept
+documents; in a stream it counts raw examples, and restoring skips that many (reading, not
+tokenizing, them). "config" holds the settings that change the stream; restoring checks them.
+
+Memory: local files (streaming=False) are read with `datasets` (memory-mapped Arrow) and all kept
+documents are tokenized up front (progress bar): ~4 bytes per token held, fine for the demo and
+for up to ~10^8 tokens. Streams (hub default, or streaming=True) hold only the shuffle buffer
+(`shuffle_buffer` examples) and one chunk of tokenized documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import re
+from collections import Counter
+from typing import Any, Iterator
+
+import numpy as np
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_AUTO_FIELDS = ("text", "messages", "prompt+completion", "prompt+answer")
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_TOKENIZE_CHUNK = 256
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where documents come from and how they become [batch_size / process_count, seq_len] rows.
+
+    batch_size is the global number of rows per step (all hosts together). max_length=None
+    means seq_len. streaming=None streams hub datasets and reads local files up front.
+    """
+
+    data: str
+    seq_len: int
+    batch_size: int
+    text_field: str = "auto"
+    split: str = "train"
+    subset: str | None = None
+    seed: int = 0
+    shuffle: bool = True
+    reset_attention: bool = False
+    split_documents: bool = False
+    min_length: int = 2
+    max_length: int | None = None
+    process_index: int = 0
+    process_count: int = 1
+    streaming: bool | None = None
+    shuffle_buffer: int = 10_000
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        if not self.data:
+            raise ValueError("data must name a hub dataset or a local path, got ''")
+        if self.seq_len < 2 or self.batch_size < 1:
+            raise ValueError(f"need seq_len >= 2 and batch_size >= 1, got {self.seq_len}, {self.batch_size}")
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f"need 0 <= process_index < process_count, got {self.process_index}, {self.process_count}")
+        if self.batch_size % self.process_count:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by process_count={self.process_count}")
+        if self.min_length < 1 or self.min_length > self.length_limit:
+            raise ValueError(f"need 1 <= min_length <= max_length, got {self.min_length}, {self.length_limit}")
+        if not self.split_documents and self.length_limit > self.seq_len:
+            raise ValueError(f"max_length={self.max_length} > seq_len={self.seq_len} needs split_documents=True: "
+                             "a longer document cannot be packed whole")
+        if self.seed < 0 or self.shuffle_buffer < 1:
+            raise ValueError(f"need seed >= 0 and shuffle_buffer >= 1, got {self.seed}, {self.shuffle_buffer}")
+        if not all(self.text_field.split("+")):
+            raise ValueError(f"text_field must be 'auto', a field name or 'a+b', got {self.text_field!r}")
+
+    @property
+    def length_limit(self) -> int:
+        return self.seq_len if self.max_length is None else self.max_length
+
+    @property
+    def host_batch_size(self) -> int:
+        return self.batch_size // self.process_count
+
+
+# --------------------------------------------------------------------------------- sources
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    kind: str  # "hub", "files" or "saved" (a save_to_disk directory)
+    location: str
+    builder: str | None = None
+    files: tuple[str, ...] = ()
+
+
+def _extension(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
+
+
+def resolve_source(data: str) -> _Source:
+    """Decides what `data` names; raises FileNotFoundError naming it when a path matches nothing."""
+    path = os.path.expanduser(data)
+    if os.path.isdir(path):
+        if all(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json")):
+            return _Source("saved", path)
+        files = [f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                 if os.path.isfile(f) and _extension(f) in _FORMATS]
+        if not files:
+            raise FileNotFoundError(f"data={data}: the directory holds no {'/'.join(_FORMATS)} files")
+    elif os.path.isfile(path):
+        files = [path]
+    elif any(c in path for c in "*?["):
+        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        if not files:
+            raise FileNotFoundError(f"data={data}: no file matches this pattern")
+    elif not _HUB_NAME.fullmatch(data) or _extension(data) in _FORMATS or data.startswith("."):
+        raise FileNotFoundError(f"data={data}: no such file or directory")
+    else:
+        return _Source("hub", data)
+    files = sorted(files)
+    unknown = [f for f in files if _extension(f) not in _FORMATS]
+    formats = {_FORMATS.get(_extension(f)) for f in files}
+    if unknown:
+        raise ValueError(f"data={data}: unsupported file {unknown[0]} (use {'/'.join(_FORMATS)})")
+    if len(formats) > 1:
+        raise ValueError(f"data={data}: mixes file formats {sorted(formats)}; point it at one format")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise PermissionError(f"data={data}: cannot read {f}")
+    return _Source("files", data, formats.pop(), tuple(files))
+
+
+def _open_dataset(config: DataConfig, source: _Source):
+    """A `datasets.Dataset` (read up front) or `IterableDataset` (streamed)."""
+    import datasets
+
+    streaming = source.kind == "hub" if config.streaming is None else config.streaming
+    try:
+        if source.kind == "saved":
+            ds = datasets.load_from_disk(source.location)
+            if isinstance(ds, datasets.DatasetDict):
+                if config.split not in ds:
+                    raise ValueError(f"split {config.split!r} not in {sorted(ds)}")
+                ds = ds[config.split]
+            return ds.to_iterable_dataset() if streaming else ds
+        if source.kind == "files":
+            return datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
+                                         streaming=streaming, cache_dir=config.cache_dir)
+        return datasets.load_dataset(source.location, config.subset, split=config.split,
+                                     streaming=streaming, cache_dir=config.cache_dir)
+    except Exception as e:  # datasets raises many types; the user needs the path and the cause
+        where = ", ".join(source.files) if source.files else source.location
+        raise ValueError(f"data={config.data}: could not read {where}: {type(e).__name__}: {e}") from e
+
+
+# --------------------------------------------------------------------------------- text
+
+@dataclasses.dataclass(frozen=True)
+class _TextSpec:
+    fields: tuple[str, ...]
+    chat: bool
+
+
+def _text_spec(config: DataConfig, columns: list[str], first: dict) -> _TextSpec:
+    if config.text_field == "auto":
+        found = [f for f in _AUTO_FIELDS if all(p in columns for p in f.split("+"))]
+        if not found:
+            raise ValueError(f"data={config.data}: none of the text fields {list(_AUTO_FIELDS)} is present; "
+                             f"available columns: {columns}; set text_field")
+        field = found[0]
+    else:
+        field = config.text_field
+        missing = [p for p in field.split("+") if p not in columns]
+        if missing:
+            raise ValueError(f"data={config.data}: text field {missing[0]!r} not found; "
+                             f"available columns: {columns}")
+    fields = tuple(field.split("+"))
+    return _TextSpec(fields, chat=len(fields) == 1 and isinstance(first[fields[0]], list))
+
+
+def _render(example: dict, spec: _TextSpec, tokenizer) -> str:
+    if not spec.chat:
+        return "".join("" if example[f] is None else str(example[f]) for f in spec.fields)
+    # Arrow gives every message every key seen in the column; drop the absent (None) ones.
+    messages = [{k: v for k, v in m.items() if v is not None} for m in example[spec.fields[0]]]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+def _tokenize(texts: list[str], tokenizer, chat: bool) -> list[np.ndarray]:
+    """Token ids of each text, EOS-terminated, int32 [L]."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in tokenizer(texts, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]:
+        if not ids or ids[-1] != eos:
+            ids = list(ids) + [eos]
+        out.append(np.asarray(ids, np.int32))
+    return out
+
+
+def _chunks(iterable, size: int) -> Iterator[list]:
+    chunk = []
+    for item in iterable:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _columns_and_first(config: DataConfig, ds) -> tuple[list[str], dict]:
+    first = next(iter(ds), None)
+    if first is None:
+        raise ValueError(f"data={config.data}: the dataset is empty")
+    return list(ds.column_names or first.keys()), first
+
+
+def load_documents(config: DataConfig, tokenizer=None) -> Iterator[str]:
+    """The source's document texts in stored order (no shuffle, no filter), as they are tokenized."""
+    ds = _open_dataset(config, resolve_source(config.data))
+    spec = _text_spec(config, *_columns_and_first(config, ds))
+    return (_render(example, spec, tokenizer) for example in ds)
+
+
+def load_tokenizer(checkpoint_dir: str):
+    """The checkpoint's own tokenizer (`AutoTokenizer.from_pretrained`, offline)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    except Exception as e:
+        raise ValueError(f"no tokenizer could be loaded from {checkpoint_dir}: {e}") from e
+
+
+# --------------------------------------------------------------------------------- documents
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
+class _InMemoryDocuments:
+    """Every kept document tokenized up front; the epoch order indexes the kept ones."""
+
+    def __init__(self, config: DataConfig, tokenizer, ds, spec: _TextSpec):
+        from tqdm.auto import tqdm
+
+        self.config = config
+        self.tokens: list[np.ndarray] = []
+        self.stats = Counter()
+        bar = tqdm(total=len(ds), desc="tokenizing", unit="doc", disable=config.process_index != 0)
+        for chunk in _chunks(ds, _TOKENIZE_CHUNK):
+            for ids in _tokenize([_render(e, spec, tokenizer) for e in chunk], tokenizer, spec.chat):
+                verdict = _length_verdict(config, len(ids))
+                self.stats[verdict] += 1
+                if verdict == "kept":
+                    self.tokens.append(ids)
+            bar.update(len(chunk))
+        bar.close()
+        if not self.tokens:
+            raise ValueError(f"data={config.data}: no document has between {config.min_length} and "
+                             f"{config.length_limit} tokens ({dict(self.stats)})")
+
+    def order(self, epoch: int) -> np.ndarray:
+        n = len(self.tokens)
+        return np.random.default_rng(_epoch_seed(self.config.seed, epoch)).permutation(n) if self.config.shuffle else np.arange(n)
+
+    def epoch_documents(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
+        order = self.order(epoch)
+        for i in range(start, len(order)):
+            yield i, self.tokens[order[i]]
+
+
+class _StreamedDocuments:
+    """Documents tokenized a chunk at a time as the (buffer-shuffled) stream is read; the index
+    counts raw examples, so a resumed stream skips exactly the examples already read."""
+
+    def __init__(self, config: DataConfig, tokenizer, ds, spec: _TextSpec):
+        self.config, self.tokenizer, self.ds, self.spec = config, tokenizer, ds, spec
+        self.stats = Counter()
+
+    def epoch_documents(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray]]:
+        ds = self.ds
+        if self.config.shuffle:
+            ds = ds.shuffle(seed=_epoch_seed(self.config.seed, epoch), buffer_size=self.config.shuffle_buffer)
+        if start:
+            ds = ds.skip(start)
+        for chunk in _chunks(enumerate(ds, start), _TOKENIZE_CHUNK):
+            texts = [_render(e, self.spec, self.tokenizer) for _, e in chunk]
+            for (i, _), ids in zip(chunk, _tokenize(texts, self.tokenizer, self.spec.chat)):
+                verdict = _length_verdict(self.config, len(ids))
+                self.stats[verdict] += 1
+                if verdict == "kept":
+                    yield i, ids
+
+
+def _length_verdict(config: DataConfig, n_tokens: int) -> str:
+    if n_tokens < config.min_length:
+        return "too_short"
+    return "too_long" if n_tokens > config.length_limit else "kept"
+
+
+class _Cursor:
+    """Head of the endless document stream (epoch after epoch): document `index` of `epoch`'s
+    order, whose first `offset` tokens are already packed."""
+
+    def __init__(self, documents, epoch: int, index: int, offset: int):
+        self._documents, self.epoch = documents, epoch
+        self._stream = documents.epoch_documents(epoch, index)
+        self._next_document(offset)
+
+    def _next_document(self, offset: int = 0):
+        for fresh_epoch in (False, True):
+            item = next(self._stream, None)
+            if item is not None:
+                self.index, self._tokens = item
+                self.offset = offset
+                if offset >= len(self._tokens):
+                    raise ValueError(f"state offset {offset} is past document {self.index} of epoch {self.epoch}")
+                return
+            if fresh_epoch:
+                break
+            self.epoch += 1
+            self._stream = self._documents.epoch_documents(self.epoch, 0)
+        raise ValueError(f"epoch {self.epoch} has no document within the length limits")
+
+    def remaining(self) -> np.ndarray:
+        return self._tokens[self.offset:]
+
+    def consume(self, n: int):
+        self.offset += n
+        if self.offset == len(self._tokens):
+            self._next_document()
+
+
+# --------------------------------------------------------------------------------- packing
+
+def pack_row(cursor: _Cursor, seq_len: int, split_documents: bool, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedily fills one row from the cursor: (input_ids int32 [S], segment_ids int32 [S])."""
+    ids_S = np.full(seq_len, pad_id, np.int32)
+    segment_S = np.zeros(seq_len, np.int32)
+    fill = segment = 0
+    while fill < seq_len:
+        piece = cursor.remaining()
+        if len(piece) > seq_len - fill:
+            if not split_documents:
+                assert fill > 0, "the length filter admits no document longer than seq_len"
+                break
+            piece = piece[:seq_len - fill]
+        segment += 1
+        ids_S[fill:fill + len(piece)] = piece
+        segment_S[fill:fill + len(piece)] = segment
+        fill += len(piece)
+        cursor.consume(len(piece))
+    return ids_S, segment_S
+
+
+def row_features(ids_BxS: np.ndarray, segment_BxS: np.ndarray, reset_attention: bool, pad_id: int) -> dict[str, np.ndarray]:
+    """targets, positions and loss_mask of packed rows (see the module docstring), all [B, S]."""
+    B, S = ids_BxS.shape
+    arange_S = np.arange(S, dtype=np.int32)
+    if reset_attention:
+        starts_BxS = np.ones((B, S), bool)
+        starts_BxS[:, 1:] = segment_BxS[:, 1:] != segment_BxS[:, :-1]
+        positions_BxS = arange_S - np.maximum.accumulate(np.where(starts_BxS, arange_S, 0), axis=1)
+    else:
+        positions_BxS = np.broadcast_to(arange_S, (B, S))
+    loss_mask_BxS = np.zeros((B, S), np.float32)
+    loss_mask_BxS[:, :-1] = (segment_BxS[:, :-1] == segment_BxS[:, 1:]) & (segment_BxS[:, :-1] > 0)
+    targets_BxS = np.full((B, S), pad_id, np.int32)
+    targets_BxS[:, :-1] = ids_BxS[:, 1:]
+    return dict(input_ids=ids_BxS, targets=targets_BxS, positions=positions_BxS.astype(np.int32),
+                segment_ids=segment_BxS, loss_mask=loss_mask_BxS)
+
+
+class PackedBatchIterator:
+    """Endless iterator of this host's packed batches: dicts of numpy arrays, each
+    [batch_size / process_count, seq_len] (keys: input_ids, targets, positions, segment_ids,
+    loss_mask). `tokenizer` is a tokenizer or a checkpoint directory holding one."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any):
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token; documents need one as separator")
+        self.config, self.tokenizer = config, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ds = _open_dataset(config, resolve_source(config.data))
+        spec = _text_spec(config, *_columns_and_first(config, ds))
+        import datasets
+
+        streamed = isinstance(ds, datasets.IterableDataset)
+        self._documents = (_StreamedDocuments if streamed else _InMemoryDocuments)(config, tokenizer, ds, spec)
+        self.num_documents = None if streamed else len(self._documents.tokens)
+        if not streamed:
+            logging.info("data: %d documents kept, %s", self.num_documents, dict(self._documents.stats))
+        self._position = (0, 0, 0)  # epoch, index, offset: where the cursor (made lazily) starts
+        self._cursor: _Cursor | None = None
+        self._batches = 0
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Documents kept / too_long / too_short so far (all of them up front when in memory)."""
+        return dict(self._documents.stats)
+
+    @property
+    def epoch(self) -> int:
+        return self._cursor.epoch if self._cursor is not None else self._position[0]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        c = self.config
+        if self._cursor is None:
+            self._cursor = _Cursor(self._documents, *self._position)
+        rows = [pack_row(self._cursor, c.seq_len, c.split_documents, self.pad_id) for _ in range(c.batch_size)]
+        mine = rows[c.process_index * c.host_batch_size:(c.process_index + 1) * c.host_batch_size]
+        self._batches += 1
+        return row_features(np.stack([r[0] for r in mine]), np.stack([r[1] for r in mine]),
+                            c.reset_attention, self.pad_id)
+
+    def _fingerprint(self) -> dict[str, int]:
+        c = self.config
+        return dict(seq_len=c.seq_len, batch_size=c.batch_size, seed=c.seed, shuffle=int(c.shuffle),
+                    split_documents=int(c.split_documents), min_length=c.min_length,
+                    max_length=c.length_limit, streamed=int(self.num_documents is None),
+                    num_documents=-1 if self.num_documents is None else self.num_documents)
+
+    def state(self) -> dict[str, Any]:
+        """Where the next batch starts: plain ints, JSON-serializable."""
+        cur = self._cursor
+        epoch, index, offset = (cur.epoch, cur.index, cur.offset) if cur is not None else self._position
+        return dict(version=_STATE_VERSION, epoch=int(epoch), index=int(index), offset=int(offset),
+                    batches=self._batches, config=self._fingerprint())
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state()` of an iterator with the same data settings."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')!r} is not {_STATE_VERSION}")
+        saved, now = state["config"], self._fingerprint()
+        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if changed:
+            raise ValueError(f"the data state was saved with other settings (saved, now): {changed}")
+        self._position = (int(state["epoch"]), int(state["index"]), int(state["offset"]))
+        self._cursor = None
+        self._batches = int(state["batches"])
