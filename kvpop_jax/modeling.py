@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from kvpop_jax import attention as attn_lib
+from kvpop_jax.cache import KVpopCache, KVpopLayerCache
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
 
 Dtype = Any
 
@@ -104,6 +106,8 @@ class Attention(nn.Module):
         self.o_proj = dense(c.hidden_size, (-2, -1), "o_proj")
         self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+        if c.kvpop is not None:
+            self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim)
 
     def project_qkv(self, x_BSE: jax.Array, positions: jax.Array):
         """x [B, S, E] -> q [B, S, H, D], k, v [B, S, K, D] (normed, rotated)."""
@@ -114,16 +118,40 @@ class Attention(nn.Module):
         v = self.v_proj(x_BSE)
         return q, k, v
 
-    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None):
-        """Returns (out [B, S, E], new layer cache (k, v) or None)."""
+    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None,
+                 query_samples=None, return_policy=False):
+        """Returns (out [B, S, E], new layer cache (k, v) or None, KVpop aux or None)."""
         q, k, v = self.project_qkv(x_BSE, positions)
-        if layer_cache is None:
+        aux = None
+        if isinstance(layer_cache, KVpopLayerCache):
+            if x_BSE.shape[1] > 1:  # prefill: the masked parallel forward, then keep its retained set
+                scores, log_gamma = self.kvpop(k, v)
+                out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config.kvpop,
+                                                 return_policy=return_policy)
+                new_cache = self.kvpop.prefill_cache(k, v, scores, log_gamma)
+            else:
+                out, new_cache = self.kvpop.decode(layer_cache, q, k, v, cache_length)
+            return self.o_proj(out), new_cache, aux
+        if layer_cache is None and self.config.kvpop is not None:
+            if segment_ids is not None:
+                raise ValueError(
+                    "KVpop attention does not reset at segment boundaries (the paper packs without "
+                    "resetting); pass segment_ids=None for a KVpop model"
+                )
+            scores, log_gamma = self.kvpop(k, v)
+            out, aux = kvpop_layer_attention(
+                q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, return_policy=return_policy
+            )
+            new_cache = None
+        elif layer_cache is None:
             out, _ = attn_lib.dense_attention(
                 q, k, v, q_positions=positions, kv_positions=positions,
                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
             )
             new_cache = None
         else:
+            if self.config.kvpop is not None:
+                raise ValueError("a KVpop model decodes with its bounded cache (kvpop_jax.cache), not a DenseCache")
             cache_k, cache_v = layer_cache
             b, t = cache_k.shape[:2]
             cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_length, axis=1)
@@ -136,7 +164,7 @@ class Attention(nn.Module):
                 q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
             )
             new_cache = (cache_k, cache_v)
-        return self.o_proj(out), new_cache
+        return self.o_proj(out), new_cache, aux
 
 
 class MLP(nn.Module):
@@ -161,22 +189,27 @@ class DecoderLayer(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None):
+    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None,
+                 query_samples=None, return_policy=False):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BSE)
-        h, new_cache = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
-            h, positions, segment_ids, layer_cache, cache_length
+        h, new_cache, aux = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
+            h, positions, segment_ids, layer_cache, cache_length, query_samples, return_policy
         )
         x_BSE = x_BSE + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BSE)
         x_BSE = x_BSE + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return x_BSE, new_cache
+        return x_BSE, new_cache, aux
 
 
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 decoder-only LM.
 
     `apply({"params": p}, input_ids)` -> CausalLMOutput with logits [B, S, V] (float32).
+    With `config.kvpop` set, every layer attends through the KVpop mask of its scorer;
+    `query_samples` (int [B, Nq], saturated positions) adds the retention loss and
+    metrics to `aux`, and `return_policy=True` adds per-layer scores/ranks/cutoffs
+    (and targets/boundaries when `query_samples` is given).
     `positions` (int [B, S], default 0..S-1) and `segment_ids` (int [B, S], optional;
     attention is reset between segments) support packed sequences. With `cache`
     (a DenseCache), the new tokens are written at `cache.length` and attend to the whole
@@ -200,7 +233,8 @@ class Qwen3ForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
 
-    def __call__(self, input_ids, positions=None, segment_ids=None, cache: DenseCache | None = None):
+    def __call__(self, input_ids, positions=None, segment_ids=None, cache: DenseCache | None = None,
+                 query_samples=None, return_policy: bool = False):
         b, s = input_ids.shape
         if positions is None:
             start = 0 if cache is None else cache.length
@@ -208,11 +242,25 @@ class Qwen3ForCausalLM(nn.Module):
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are not supported together with a decoding cache")
         x = self.embed_tokens(input_ids)
-        new_k, new_v = [], []
+        bounded = isinstance(cache, KVpopCache)
+        if bounded and self.config.kvpop is None:
+            raise ValueError("a KVpopCache needs a model whose config has kvpop set")
+        new_k, new_v, layer_aux, new_layers = [], [], [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, lc = layer(x, positions, segment_ids, layer_cache, None if cache is None else cache.length)
-            if lc is not None:
+            if cache is None:
+                layer_cache = None
+            elif bounded:
+                layer_cache = cache.layers[i]
+            else:
+                layer_cache = (cache.k[i], cache.v[i])
+            x, lc, aux = layer(
+                x, positions, segment_ids, layer_cache, None if cache is None else cache.length,
+                query_samples, return_policy,
+            )
+            layer_aux.append(aux)
+            if bounded:
+                new_layers.append(lc)
+            elif lc is not None:
                 new_k.append(lc[0])
                 new_v.append(lc[1])
         x = self.norm(x)
@@ -221,19 +269,57 @@ class Qwen3ForCausalLM(nn.Module):
         else:
             logits = self.lm_head(x)
         new_cache = None
-        if cache is not None:
+        if bounded:
+            new_cache = KVpopCache(layers=tuple(new_layers), length=cache.length + s)
+        elif cache is not None:
             new_cache = DenseCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + s)
-        return CausalLMOutput(logits=logits.astype(jnp.float32), cache=new_cache)
+        return CausalLMOutput(logits=logits.astype(jnp.float32), cache=new_cache, aux=_collect_aux(layer_aux))
 
-    def decode_step(self, input_ids, cache: DenseCache):
-        """One (or a few) new tokens [B, S] against the cache -> CausalLMOutput with the new cache."""
+    def decode_step(self, input_ids, cache):
+        """New tokens [B, S] against the cache -> CausalLMOutput with the new cache.
+
+        With a DenseCache any S works. With a KVpopCache the first call is the prefill
+        (S >= 1 prompt tokens, masked parallel forward) and later calls take S = 1.
+        """
         return self(input_ids, cache=cache)
+
+
+def _collect_aux(layer_aux: list) -> dict | None:
+    """Per-layer KVpop aux -> {"layers": [...], "retention_loss": mean over layers, "metrics": means}."""
+    if all(a is None for a in layer_aux):
+        return None
+    out: dict[str, Any] = {"layers": layer_aux}
+    with_loss = [a for a in layer_aux if a is not None and "retention_loss" in a]
+    if with_loss:
+        out["retention_loss"] = jnp.mean(jnp.stack([a["retention_loss"] for a in with_loss]))
+        keys = with_loss[0]["metrics"].keys()
+        out["metrics"] = {k: jnp.mean(jnp.stack([jnp.asarray(a["metrics"][k], jnp.float32) for a in with_loss]))
+                          for k in keys}
+    return out
 
 
 def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32) -> dict:
     """Random parameters (for tests and from-scratch training)."""
     model = Qwen3ForCausalLM(config, param_dtype=dtype)
     return model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def retrofit_params(config: Qwen3Config, base_params: dict, rng: jax.Array) -> dict:
+    """Adds freshly initialized KVpop parameters (scorers, decay) to a dense model's params.
+
+    `config.kvpop` must be set. The base weights are reused as they are; only the small
+    per-layer KVpop heads are initialized (layer i uses `fold_in(rng, i)`).
+    """
+    if config.kvpop is None:
+        raise ValueError("retrofit_params needs a config with kvpop set (dataclasses.replace(config, kvpop=...))")
+    head = KVpopHead(config.kvpop, config.num_key_value_heads, config.head_dim)
+    dummy = jnp.zeros((1, 1, config.num_key_value_heads, config.head_dim), jnp.float32)
+    out = dict(base_params)
+    for i in range(config.num_hidden_layers):
+        name = f"layers_{i}"
+        kvpop = head.init(jax.random.fold_in(rng, i), dummy, dummy)["params"]
+        out[name] = {**base_params[name], "self_attn": {**base_params[name]["self_attn"], "kvpop": kvpop}}
+    return out
 
 
 def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:

@@ -69,7 +69,7 @@ def decay_log_gamma(alpha, *, gamma_min: float, gamma_max: float) -> jax.Array:
 
 
 @jax.jit
-def static_priority(scores, log_gamma) -> jax.Array:
+def static_priority(scores, log_gamma, positions=None) -> jax.Array:
     """Static priority `p_t = r_t − t·log γ_h` (Eq. 20); higher is better.
 
     At every query q, `r_t + (q − t) log γ = p_t + q log γ` (Eq. 19), so ranking E(q) by
@@ -79,6 +79,9 @@ def static_priority(scores, log_gamma) -> jax.Array:
       scores: float [..., S] raw scores r_t (e.g. [B, H, S]); any float dtype.
       log_gamma: float broadcastable to `scores.shape[:-1]` (scalar, [H] or [B, H]);
         a trailing token axis is added here.
+      positions: optional int array broadcastable to scores, the token positions t
+        (default 0..S-1). The bounded decode cache scores one token at a time with it,
+        through this same function, so its priorities are bit-identical to prefill's.
 
     Returns:
       float32 [..., S].
@@ -96,7 +99,10 @@ def static_priority(scores, log_gamma) -> jax.Array:
             f"log_gamma of shape {log_gamma.shape} does not broadcast to scores.shape[:-1] = "
             f"{scores.shape[:-1]} (scores {scores.shape})"
         )
-    t = jnp.arange(scores.shape[-1], dtype=jnp.float32)
+    if positions is None:
+        t = jnp.arange(scores.shape[-1], dtype=jnp.float32)
+    else:
+        t = jnp.asarray(positions).astype(jnp.float32)
     return scores.astype(jnp.float32) - t * log_gamma[..., None]
 
 

@@ -1,0 +1,207 @@
+"""Bounded KVpop cache for decoding: constant memory per KV head.
+
+Each layer keeps `B = s + w + k` slots per (batch, KV head):
+
+  slots [0, s)          sinks: token t < s sits in slot t
+  slots [s, s + w)      the protected window, a ring buffer: token t >= s in slot s + (t - s) % w
+  slots [s + w, B)      the long-range top-k, with each token's static priority
+
+Decoding token q (DESIGN.md, "Decoding must reproduce this mask exactly"): the token
+u = q - w leaves the window (its ring slot is the one q is written to). It is scored
+(stateless scorers and the non-delayed mLSTM scored it when it entered; the delayed
+mLSTM reads its state after q with u's query features), and competes with the worst
+long-range slot: it enters iff its priority is strictly better (on a tie the earlier
+position wins, as in `policy.ranks_from_priority`, and u is always the later one). The
+loser is gone for good. Because priorities are static, this greedy replacement keeps
+exactly the top-k of E(q), so teacher-forced decoding reproduces the masked parallel
+forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpop_jax import policy
+from kvpop_jax.config import KVpopConfig, Qwen3Config
+
+NEG_INF = -1e30
+
+
+@flax.struct.dataclass
+class KVpopLayerCache:
+    """One layer's bounded cache.
+
+    k, v: [B, Hkv, N, D] with N = s + w + k; pos: int32 [B, Hkv, N] token position per
+    slot (-1 = empty); priority: float32 [B, Hkv, N] static priority p_t of the slot's
+    token (-inf where unknown); scorer_state: the mLSTM state (C, n, m) or None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    priority: jax.Array
+    scorer_state: Any = None
+
+
+@flax.struct.dataclass
+class KVpopCache:
+    """All layers (`layers[i]` a KVpopLayerCache) and the number of tokens seen so far."""
+
+    layers: tuple
+    length: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+
+def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> KVpopCache:
+    """An empty bounded cache for every layer (constant size: it never grows)."""
+    if config.kvpop is None:
+        raise ValueError("init_cache needs a config with kvpop set")
+    kv = config.kvpop
+    state = None
+    if kv.scorer == "mlstm":
+        from kvpop_jax.scorers import mlstm_init_state
+
+        # Same shapes as MLSTMScorer.init_state (value dim d/2).
+        state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_dim, kv.mlstm_dim // 2)
+    layers = tuple(init_layer_cache(config, batch, dtype, state) for _ in range(config.num_hidden_layers))
+    return KVpopCache(layers=layers, length=jnp.zeros((), jnp.int32))
+
+
+def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, scorer_state=None) -> KVpopLayerCache:
+    kv = config.kvpop
+    shape = (batch, config.num_key_value_heads, kv.budget)
+    return KVpopLayerCache(
+        k=jnp.zeros(shape + (config.head_dim,), dtype),
+        v=jnp.zeros(shape + (config.head_dim,), dtype),
+        pos=jnp.full(shape, -1, jnp.int32),
+        priority=jnp.full(shape, NEG_INF, jnp.float32),
+        scorer_state=scorer_state,
+    )
+
+
+def ring_slot(t: jax.Array, kv: KVpopConfig) -> jax.Array:
+    """Slot of token t: t for sinks, s + (t - s) % w for the window."""
+    return jnp.where(t < kv.sinks, t, kv.sinks + (t - kv.sinks) % kv.window)
+
+
+def write_slot(cache: KVpopLayerCache, slot, k, v, pos, priority, enable) -> KVpopLayerCache:
+    """Writes one token per (batch, head) at `slot` ([B, H] ints) where `enable` ([B, H])."""
+    n = cache.pos.shape[-1]
+    onehot = (jnp.arange(n) == slot[..., None]) & enable[..., None]  # [B, H, N]
+    return cache.replace(
+        k=jnp.where(onehot[..., None], k[:, :, None].astype(cache.k.dtype), cache.k),
+        v=jnp.where(onehot[..., None], v[:, :, None].astype(cache.v.dtype), cache.v),
+        pos=jnp.where(onehot, pos[..., None], cache.pos),
+        priority=jnp.where(onehot, priority[..., None], cache.priority),
+    )
+
+
+def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig) -> KVpopLayerCache:
+    """The token leaving the window competes for the k long-range slots (per batch, head).
+
+    k_u, v_u: [B, H, D]; pos_u int [B, H]; prio_u float32 [B, H]; enable bool [B, H].
+    An empty slot is taken first; otherwise the worst slot (lowest priority, ties: the
+    later position) is replaced iff prio_u is strictly higher.
+    """
+    if kv.topk == 0:
+        return cache
+    lo = kv.sinks + kv.window
+    lr_pos, lr_prio = cache.pos[..., lo:], cache.priority[..., lo:]
+    empty = lr_pos < 0
+    # Worst-first key: empty slots, then low priority, then late position.
+    worst_key_prio = jnp.where(empty, -jnp.inf, lr_prio)
+    min_prio = jnp.min(worst_key_prio, axis=-1, keepdims=True)
+    at_min = worst_key_prio == min_prio
+    latest = jnp.argmax(jnp.where(at_min, jnp.where(empty, jnp.iinfo(jnp.int32).max, lr_pos), -2), axis=-1)
+    worst_prio = jnp.take_along_axis(lr_prio, latest[..., None], -1)[..., 0]
+    worst_empty = jnp.take_along_axis(empty, latest[..., None], -1)[..., 0]
+    admit = enable & (worst_empty | (prio_u > worst_prio))
+    return write_slot(cache, lo + latest, k_u, v_u, pos_u, prio_u, admit)
+
+
+def attend_cache(q_tok: jax.Array, cache: KVpopLayerCache, scale: float | None = None):
+    """One query per row against the cache.
+
+    q_tok: [B, 1, Hq, D] -> (out [B, 1, Hq, D], probs [B, Hkv, G, N] float32 — the
+    attention weights, which TOVA/H2O-style policies read).
+    """
+    b, _, hq, d = q_tok.shape
+    hkv = cache.k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qg = q_tok[:, 0].reshape(b, hkv, hq // hkv, d)
+    logits = jnp.einsum("bhgd,bhnd->bhgn", qg, cache.k.astype(q_tok.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.where((cache.pos >= 0)[:, :, None], logits * scale, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhgn,bhnd->bhgd", probs.astype(cache.v.dtype), cache.v, preferred_element_type=jnp.float32)
+    return out.reshape(b, 1, hq, d).astype(q_tok.dtype), probs
+
+
+def build_from_prefill(
+    k: jax.Array, v: jax.Array, priority: jax.Array, kv: KVpopConfig, scorer_state=None, known_priority=None
+) -> KVpopLayerCache:
+    """The cache after query P - 1 of a prefill of P tokens.
+
+    k, v: [B, P, Hkv, D]; priority: float32 [B, Hkv, P] static priorities of the prompt
+    tokens; known_priority: bool [P] (or None = all) — which of them are final (the
+    delayed mLSTM scores a window token only when it leaves, so those stay -inf).
+    Long-range slots get the top-k of E(P - 1) by priority (ties: earlier position), in
+    position order; sinks and the window ring as in decoding.
+    """
+    b, p, h, d = k.shape
+    n = kv.budget
+    kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, P, D]
+    t = jnp.arange(p)
+    if known_priority is not None:
+        priority = jnp.where(known_priority, priority, NEG_INF)
+    cache = KVpopLayerCache(
+        k=jnp.zeros((b, h, n, d), k.dtype), v=jnp.zeros((b, h, n, d), v.dtype),
+        pos=jnp.full((b, h, n), -1, jnp.int32), priority=jnp.full((b, h, n), NEG_INF, jnp.float32),
+        scorer_state=scorer_state,
+    )
+    # Sinks and window: the tokens still there at q = P - 1, each in its own slot.
+    in_place = (t < kv.sinks) | (t > p - 1 - kv.window)
+    slots = jnp.where(in_place, ring_slot(t, kv), n)  # n = dropped by the scatter
+    mode = "drop"
+    cache = cache.replace(
+        k=cache.k.at[:, :, slots].set(kh, mode=mode),
+        v=cache.v.at[:, :, slots].set(vh, mode=mode),
+        pos=cache.pos.at[:, :, slots].set(jnp.broadcast_to(t, (b, h, p)).astype(jnp.int32), mode=mode),
+        priority=cache.priority.at[:, :, slots].set(priority, mode=mode),
+    )
+    if kv.topk == 0:
+        return cache
+    eligible_np = (np.arange(p) >= kv.sinks) & (np.arange(p) <= p - 1 - kv.window)
+    if not eligible_np.any():
+        return cache
+    eligible = jnp.asarray(eligible_np)
+    # top-k by (priority desc, position asc): ranks give exactly that order.
+    ranks = policy.ranks_from_priority(jnp.where(eligible, priority, -jnp.inf))
+    kth = min(kv.topk, p)
+    chosen_rank_order = jnp.argsort(ranks, axis=-1)[..., :kth]  # tokens of the best ranks
+    chosen = jnp.sort(chosen_rank_order, axis=-1)  # position order (any order is valid)
+    valid = eligible[chosen]
+    lo = kv.sinks + kv.window
+    gather = lambda x: jnp.take_along_axis(x, chosen[..., None], axis=2)  # noqa: E731
+    lr = slice(lo, lo + kth)
+    return cache.replace(
+        k=cache.k.at[:, :, lr].set(jnp.where(valid[..., None], gather(kh), 0).astype(cache.k.dtype)),
+        v=cache.v.at[:, :, lr].set(jnp.where(valid[..., None], gather(vh), 0).astype(cache.v.dtype)),
+        pos=cache.pos.at[:, :, lr].set(jnp.where(valid, chosen, -1).astype(jnp.int32)),
+        priority=cache.priority.at[:, :, lr].set(
+            jnp.where(valid, jnp.take_along_axis(priority, chosen, axis=-1), NEG_INF)
+        ),
+    )
+
+
+def static_priority_at(score: jax.Array, log_gamma: jax.Array, position) -> jax.Array:
+    """Priority of one token per (batch, head): score [B, H], position int [] or [B, H]."""
+    pos = jnp.broadcast_to(jnp.asarray(position), score.shape)[..., None]
+    return policy.static_priority(score[..., None], log_gamma, positions=pos)[..., 0]

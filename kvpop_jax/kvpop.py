@@ -1,0 +1,210 @@
+"""KVpop inside an attention layer: scorer + decay, the sparse mask, and the retention objective.
+
+`KVpopHead` is the only module with parameters (stored under `self_attn/kvpop/`):
+the layer's scorer and one decay parameter α per KV head. Everything else is a plain
+function of arrays from `policy`, `targets` and `losses`.
+
+Gradient flow (DESIGN.md): the scorer reads stop-gradient [k; v]; the attention sees only
+integer ranks/cutoffs, so the distillation loss never reaches scorer or decay; the
+retention loss reaches only scorer and decay (its target is a constant).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvpop_jax import attention as attn_lib
+from kvpop_jax import cache as cache_lib
+from kvpop_jax import losses, policy, targets
+from kvpop_jax.config import KVpopConfig
+from kvpop_jax.scorers import make_scorer, mlstm_step
+
+RECALL_QUERIES = 32  # sampled positions the recall metric looks at (it is O(S) each)
+
+
+class KVpopHead(nn.Module):
+    """Scorer and learned decay of one layer (Eq. 21, Section 3.3)."""
+
+    config: KVpopConfig
+    num_kv_heads: int
+    head_dim: int
+
+    def setup(self):
+        self.scorer = make_scorer(self.config, self.num_kv_heads, self.head_dim)
+        # α = 0 puts log γ halfway between log γ_min and log γ_max.
+        self.decay_alpha = self.param("decay_alpha", nn.initializers.zeros, (self.num_kv_heads,), jnp.float32)
+
+    def log_gamma(self) -> jax.Array:
+        """log γ_h, float32 [Hkv] (Eq. 21)."""
+        c = self.config
+        return policy.decay_log_gamma(self.decay_alpha, gamma_min=c.gamma_min, gamma_max=c.gamma_max)
+
+    def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k, v [B, S, Hkv, D] -> raw scores [B, Hkv, S] float32 and log γ [Hkv]."""
+        return self.scorer(k, v).astype(jnp.float32), self.log_gamma()
+
+    # -- decoding with the bounded cache (cache.py) ------------------------------------
+
+    @property
+    def is_mlstm(self) -> bool:
+        return self.config.scorer == "mlstm"
+
+    @property
+    def delayed(self) -> bool:
+        """Scores a token when it leaves the window (delayed mLSTM) rather than on entry."""
+        return self.is_mlstm and self.config.delayed_readout
+
+    def init_scorer_state(self, batch: int):
+        return self.scorer.init_state(batch) if self.is_mlstm else None
+
+    def prefill_cache(self, k, v, scores, log_gamma) -> cache_lib.KVpopLayerCache:
+        """Cache after a prefill of P tokens. k, v [B, P, Hkv, D]; scores [B, Hkv, P]."""
+        p = k.shape[1]
+        priority = policy.static_priority(scores, log_gamma)
+        state, known = None, None
+        if self.is_mlstm:
+            _, kk, vv, i_pre, log_f = self.scorer.features(k, v)  # [B, P, H, ...]
+            step = lambda st, xs: (mlstm_step(st, *xs), None)  # noqa: E731
+            xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
+            state, _ = jax.lax.scan(step, self.init_scorer_state(k.shape[0]), xs)
+        if self.delayed:
+            known = jnp.arange(p) + self.config.window <= p - 1
+        return cache_lib.build_from_prefill(k, v, priority, self.config, state, known)
+
+    def decode(self, lc: cache_lib.KVpopLayerCache, q_tok, k_tok, v_tok, position):
+        """One decoding step. q_tok [B, 1, Hq, D], k_tok/v_tok [B, 1, Hkv, D]; position int [].
+
+        Returns (out [B, 1, Hq, D], new layer cache).
+        """
+        kv = self.config
+        log_gamma = self.log_gamma()
+        k_t, v_t = k_tok[:, 0], v_tok[:, 0]  # [B, H, D]
+        b, h = k_t.shape[:2]
+        state = lc.scorer_state
+        if self.is_mlstm:
+            state = self.scorer.step(state, k_t, v_t)
+        if self.delayed:
+            prio_t = jnp.full((b, h), cache_lib.NEG_INF, jnp.float32)
+        else:
+            if self.is_mlstm:
+                score_t = self.scorer.readout(state, k_t, v_t)
+            else:
+                score_t = self.scorer(k_t[:, None], v_t[:, None])[:, :, 0]
+            prio_t = cache_lib.static_priority_at(score_t, log_gamma, position)
+        slot = cache_lib.ring_slot(position, kv)
+        if kv.topk > 0:
+            u = position - kv.window  # leaves the window now, shares its ring slot with `position`
+            leaving = jnp.broadcast_to(u >= kv.sinks, (b, h))
+            k_u, v_u = lc.k[:, :, slot], lc.v[:, :, slot]
+            if self.delayed:
+                prio_u = cache_lib.static_priority_at(self.scorer.readout(state, k_u, v_u), log_gamma, u)
+            else:
+                prio_u = lc.priority[:, :, slot]
+            lc = cache_lib.admit_to_long_range(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u, leaving, kv)
+        lc = cache_lib.write_slot(
+            lc, jnp.broadcast_to(slot, (b, h)), k_t, v_t, jnp.broadcast_to(position, (b, h)).astype(jnp.int32),
+            prio_t, jnp.ones((b, h), bool),
+        )
+        lc = lc.replace(scorer_state=state)
+        out, _ = cache_lib.attend_cache(q_tok, lc)
+        return out, lc
+
+
+def sparse_policy(scores: jax.Array, log_gamma: jax.Array, config: KVpopConfig):
+    """Scores [B, Hkv, S] -> (ranks, cutoffs) int32 [B, Hkv, S] of the running top-k mask."""
+    priority = policy.static_priority(jax.lax.stop_gradient(scores), jax.lax.stop_gradient(log_gamma))
+    ranks = policy.ranks_from_priority(priority)
+    cutoffs = policy.running_topk_cutoff(ranks, sinks=config.sinks, window=config.window, topk=config.topk)
+    return ranks, cutoffs
+
+
+def kept_long_range(ranks, cutoffs, q_idx, *, sinks: int, window: int) -> jax.Array:
+    """Long-range keep sets at the given queries: bool [B, H, Nq, S] (t ∈ E(q) ∧ rank <= τ_q)."""
+    s = ranks.shape[-1]
+    t = jnp.arange(s)
+    q = q_idx[:, None, :, None]  # [B, 1, Nq, 1]
+    cut = jnp.take_along_axis(cutoffs, jnp.broadcast_to(q_idx[:, None], cutoffs.shape[:2] + q_idx.shape[1:]), -1)
+    eligible = (t >= sinks) & (t <= q - window)
+    return eligible & (ranks[:, :, None, :] <= cut[..., None])
+
+
+def teacher_recall(ranks, cutoffs, teacher_ranks, teacher_cutoffs, q_idx, *, sinks, window) -> jax.Array:
+    """Mean over (batch, head, query) of |student ∩ teacher| / |teacher| long-range keep sets."""
+    student = kept_long_range(ranks, cutoffs, q_idx, sinks=sinks, window=window)
+    teacher = kept_long_range(teacher_ranks, teacher_cutoffs, q_idx, sinks=sinks, window=window)
+    hits = jnp.sum(student & teacher, axis=-1)
+    total = jnp.sum(teacher, axis=-1)
+    return jnp.sum(hits) / jnp.maximum(jnp.sum(total), 1)
+
+
+def retention_objective(
+    q: jax.Array,
+    k: jax.Array,
+    lse: jax.Array,
+    scores: jax.Array,
+    log_gamma: jax.Array,
+    ranks: jax.Array,
+    cutoffs: jax.Array,
+    q_idx: jax.Array,
+    config: KVpopConfig,
+) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
+    """Retention loss of one layer (Eq. 7) against the future-attention target.
+
+    Args:
+      q [B, S, Hq, D], k [B, S, Hkv, D]: the layer's queries/keys (stop-gradient here).
+      lse [B, Hq, S]: the sparse pass's normalizers (used when config.normalizer == "sparse").
+      scores [B, Hkv, S], log_gamma [Hkv]: the student's (these receive the gradient).
+      ranks, cutoffs [B, Hkv, S]: the student's sparse policy (for the recall metric).
+      q_idx [B, Nq]: sampled saturated query positions.
+
+    Returns:
+      (loss scalar, metrics dict of scalars, extras dict: target [B, Hkv, S], teacher
+      ranks/cutoffs and the Boundary).
+    """
+    c = config
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    if c.normalizer == "dense":
+        lse = targets.dense_lse(q, k)
+    target = targets.future_attention_target(
+        q, k, lse, window=c.window, eps=c.eps, aggregate=c.aggregate, normalize=c.count_normalize,
+    )
+    t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
+    t_ranks = policy.ranks_from_priority(t_priority)
+    t_cutoffs = policy.running_topk_cutoff(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
+    boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
+    loss, metrics = losses.retention_loss(
+        scores, log_gamma, target, boundary, q_idx,
+        temperature=c.loss_temperature, margin_weighting=c.margin_weighting, omega_min=c.omega_min,
+        tau_omega=c.tau_omega, balance_weighting=c.balance_weighting, balance_min=c.balance_min,
+        balance_max=c.balance_max,
+    )
+    metrics = dict(metrics)
+    metrics["teacher_recall"] = teacher_recall(
+        ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
+    )
+    extras = {"target": target, "teacher_ranks": t_ranks, "teacher_cutoffs": t_cutoffs, "boundary": boundary}
+    return loss, metrics, extras
+
+
+def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_idx=None, return_policy=False):
+    """The KVpop attention of one layer.
+
+    Returns (out [B, S, Hq, D], aux dict or None). aux holds the retention loss and metrics
+    when `q_idx` is given, and the policy arrays (scores, ranks, cutoffs) when
+    `return_policy`.
+    """
+    ranks, cutoffs = sparse_policy(scores, log_gamma, config)
+    out, lse = attn_lib.kvpop_attention(q, k, v, ranks, cutoffs, sinks=config.sinks, window=config.window)
+    aux: dict[str, Any] = {}
+    if return_policy:
+        aux.update(scores=scores, ranks=ranks, cutoffs=cutoffs, log_gamma=log_gamma, lse=lse)
+    if q_idx is not None:
+        loss, metrics, extras = retention_objective(q, k, lse, scores, log_gamma, ranks, cutoffs, q_idx, config)
+        aux.update(retention_loss=loss, metrics=metrics)
+        if return_policy:
+            aux.update(extras)
+    return out, (aux or None)

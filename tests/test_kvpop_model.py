@@ -1,0 +1,115 @@
+"""KVpop inside the model: infinite budget == dense, mask changes logits, gradient routing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from conftest import TINY_HF_CONFIGS
+from kvpop_jax import KVpopConfig, Qwen3Config
+from kvpop_jax.losses import teacher_topk, topk_kl_loss
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
+
+BASE = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+
+
+def _randomize_kvpop(params, rng):
+    """Non-zero scorer heads (they start zero-initialized, which hides routing bugs)."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    for k, v in flat.items():
+        if "/kvpop/" in k:
+            flat[k] = jnp.asarray(rng.normal(size=v.shape).astype(np.float32) * 0.5)
+    return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _models(kvpop, rng, seed=0):
+    base = init_params(BASE, jax.random.key(seed))
+    config = dataclasses.replace(BASE, kvpop=kvpop)
+    params = _randomize_kvpop(retrofit_params(config, base, jax.random.key(seed + 1)), rng)
+    return base, config, params
+
+
+@pytest.mark.parametrize("scorer", ["linear", "mlp", "mlstm"])
+def test_infinite_budget_equals_dense(rng, scorer):
+    s = 37
+    base, config, params = _models(KVpopConfig(sinks=2, window=3, topk=s, scorer=scorer, mlstm_chunk=8), rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
+    dense = Qwen3ForCausalLM(BASE).apply({"params": base}, ids).logits
+    sparse = Qwen3ForCausalLM(config).apply({"params": params}, ids).logits
+    np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=1e-5, rtol=0)
+
+
+def test_finite_budget_changes_late_logits_only(rng):
+    s, kv = 40, KVpopConfig(sinks=2, window=4, topk=5, scorer="mlp")
+    base, config, params = _models(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, s)))
+    dense = np.asarray(Qwen3ForCausalLM(BASE).apply({"params": base}, ids).logits)
+    out = Qwen3ForCausalLM(config).apply({"params": params}, ids, return_policy=True)
+    sparse = np.asarray(out.logits)
+    # Up to q = s + w + k - 1 every query sees all its keys: identical to dense.
+    np.testing.assert_allclose(sparse[:, : kv.budget], dense[:, : kv.budget], atol=1e-5)
+    assert np.abs(sparse[:, kv.budget :] - dense[:, kv.budget :]).max() > 1e-3
+    layer0 = out.aux["layers"][0]
+    assert layer0["ranks"].shape == layer0["cutoffs"].shape == (1, BASE.num_key_value_heads, s)
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_gradient_routing(rng, scorer):
+    """Retention loss reaches only scorer + decay; the KL loss never reaches them."""
+    s = 48
+    kv = KVpopConfig(sinks=2, window=4, topk=6, scorer=scorer, mlstm_chunk=8, num_query_samples=16)
+    base, config, params = _models(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
+    q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(2, 16)))
+    teacher = Qwen3ForCausalLM(BASE).apply({"params": base}, ids).logits
+    t_vals, t_idx = teacher_topk(teacher, 16)
+    model = Qwen3ForCausalLM(config)
+
+    def kl(p):
+        return topk_kl_loss(model.apply({"params": p}, ids).logits, t_vals, t_idx)
+
+    def retention(p):
+        return model.apply({"params": p}, ids, query_samples=q_idx).aux["retention_loss"]
+
+    # Perturb the base so the student differs from its teacher (KL has a gradient).
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if "kvpop" in jax.tree_util.keystr(path) else x * 1.05, params
+    )
+    g_kl = traverse_util.flatten_dict(jax.grad(kl)(params), sep="/")
+    g_ret = traverse_util.flatten_dict(jax.grad(retention)(params), sep="/")
+    kvpop_keys = [k for k in g_kl if "/kvpop/" in k]
+    base_keys = [k for k in g_kl if "/kvpop/" not in k]
+    assert kvpop_keys and base_keys
+    for k in kvpop_keys:
+        assert not np.any(np.asarray(g_kl[k])), f"KL reached {k}"
+    for k in base_keys:
+        assert not np.any(np.asarray(g_ret[k])), f"retention loss reached {k}"
+    assert any(np.abs(np.asarray(g_kl[k])).max() > 0 for k in base_keys)
+    assert np.abs(np.asarray(g_ret[[k for k in kvpop_keys if "decay_alpha" in k][0]])).max() > 0
+    assert sum(np.abs(np.asarray(g_ret[k])).max() > 0 for k in kvpop_keys if "scorer" in k) >= 2
+
+
+def test_retention_aux_and_metrics(rng):
+    s = 48
+    kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8)
+    _, config, params = _models(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, s)))
+    q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(1, 8)))
+    out = jax.jit(lambda p: Qwen3ForCausalLM(config).apply({"params": p}, ids, query_samples=q_idx,
+                                                           return_policy=True))(params)
+    m = out.aux["metrics"]
+    assert np.isfinite(float(out.aux["retention_loss"])) and float(out.aux["retention_loss"]) > 0
+    assert 0 <= float(m["teacher_recall"]) <= 1 and 0 <= float(m["boundary_accuracy"]) <= 1
+    layer = out.aux["layers"][1]
+    assert layer["target"].shape == (1, BASE.num_key_value_heads, s)
+    assert layer["boundary"].valid.shape == (1, BASE.num_key_value_heads, s)
+
+
+def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
+    _, config, params = _models(KVpopConfig(sinks=1, window=2, topk=3), rng)
+    ids = jnp.zeros((1, 8), jnp.int32) + 3
+    with pytest.raises(ValueError, match="does not reset at segment boundaries"):
+        Qwen3ForCausalLM(config).apply({"params": params}, ids, segment_ids=jnp.zeros((1, 8), jnp.int32))
