@@ -4,6 +4,10 @@
 the layer's scorer and one decay parameter α per KV head. Everything else is a plain
 function of arrays from `policy`, `targets` and `losses`.
 
+The kernels (masked attention, transposed future-LSE pass, running cutoff) are chosen
+per call by their dispatchers: Pallas on GPU, the XLA references elsewhere (see
+`$KVPOP_ATTENTION_IMPL`, `$KVPOP_FUTURE_LSE_IMPL`, `$KVPOP_CUTOFF_IMPL`).
+
 Gradient flow (DESIGN.md): the scorer reads stop-gradient [k; v]; the attention sees only
 integer ranks/cutoffs, so the distillation loss never reaches scorer or decay; the
 retention loss reaches only scorer and decay (its target is a constant).
@@ -22,6 +26,8 @@ from kvpop_jax import cache as cache_lib
 from kvpop_jax import losses, policy, targets
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.scorers import make_scorer, mlstm_step
+from pallas_kernels.future_lse import future_attention_log_mass_auto
+from pallas_kernels.topk_cutoff import running_topk_cutoff_auto
 
 RECALL_QUERIES = 32  # sampled positions the recall metric looks at (it is O(S) each)
 
@@ -118,7 +124,7 @@ def sparse_policy(scores: jax.Array, log_gamma: jax.Array, config: KVpopConfig):
     """Scores [B, Hkv, S] -> (ranks, cutoffs) int32 [B, Hkv, S] of the running top-k mask."""
     priority = policy.static_priority(jax.lax.stop_gradient(scores), jax.lax.stop_gradient(log_gamma))
     ranks = policy.ranks_from_priority(priority)
-    cutoffs = policy.running_topk_cutoff(ranks, sinks=config.sinks, window=config.window, topk=config.topk)
+    cutoffs = running_topk_cutoff_auto(ranks, sinks=config.sinks, window=config.window, topk=config.topk)
     return ranks, cutoffs
 
 
@@ -171,10 +177,11 @@ def retention_objective(
         lse = targets.dense_lse(q, k)
     target = targets.future_attention_target(
         q, k, lse, window=c.window, eps=c.eps, aggregate=c.aggregate, normalize=c.count_normalize,
+        log_mass_fn=future_attention_log_mass_auto,
     )
     t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
     t_ranks = policy.ranks_from_priority(t_priority)
-    t_cutoffs = policy.running_topk_cutoff(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
+    t_cutoffs = running_topk_cutoff_auto(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
     boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
     loss, metrics = losses.retention_loss(
         scores, log_gamma, target, boundary, q_idx,

@@ -1,0 +1,230 @@
+"""Kernel benchmark: each Pallas kernel vs its XLA reference and vs dense attention.
+
+`run_bench_kernels` times, per sequence length S and cache budget B (s = 4 sinks, w = 256,
+k = B − s − w, Qwen3-4B-like heads: Hq = 32, Hkv = 8, D = 128, batch 1):
+
+  * sparse attention forward, and forward + backward (`kvpop_jax.attention.kvpop_attention`);
+  * the transposed future-LSE pass (`targets.future_attention_log_mass` / `future_lse`);
+  * the running top-k cutoff (`policy.running_topk_cutoff` / `topk_cutoff`);
+
+each by its XLA reference and its Pallas kernel, beside `jax.nn.dot_product_attention`
+(dense causal; forward or forward + backward to match the row). Pallas kernels run only
+on GPU; on other back ends their cells read "n/a (<backend>)". The table is printed and
+appended, with the command, date, device and versions, to a markdown file.
+
+`python -m eval.bench_kernels --seq_lens 1024,2048 --budgets 512,1024` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jaxlib
+import jax.numpy as jnp
+
+GPU_SEQ_LENS = (4096, 16384)
+GPU_BUDGETS = (2048, 4096)
+# A few minutes on a 2-core CPU (the XLA paths do O(S²) work at S = 16k per head).
+CPU_SEQ_LENS = (1024, 2048)
+CPU_BUDGETS = (512, 1024)
+
+
+def _time_call(fn: Callable, args, iters: int, warmup: int) -> float:
+    """Median wall time of `fn(*args)` in ms, after `warmup` calls (the first compiles)."""
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fmt(value) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _guarded(fn: Callable, args, iters: int, warmup: int):
+    """Time `fn`, or return a short error string (one failing cell must not end the run)."""
+    try:
+        return _time_call(fn, args, iters, warmup)
+    except Exception as e:  # noqa: BLE001 — recorded in the table instead
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def _grad_of_sum(attend: Callable) -> Callable:
+    """jit(grad of Σ out) w.r.t. q, k, v: forward + backward."""
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _inputs(seed: int, seq: int, batch: int, hq: int, hkv: int, d: int, dtype):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, seq, hq, d), dtype)
+    k = jax.random.normal(keys[1], (batch, seq, hkv, d), dtype)
+    v = jax.random.normal(keys[2], (batch, seq, hkv, d), dtype)
+    scores = jax.random.normal(keys[3], (batch, hkv, seq), jnp.float32)
+    return q, k, v, scores
+
+
+def run_bench_kernels(
+    seq_lens: Sequence[int] | None = None,
+    budgets: Sequence[int] | None = None,
+    out_md: str | None = "BENCHMARKS.md",
+    *,
+    batch: int = 1,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    sinks: int = 4,
+    window: int = 256,
+    dtype: str | None = None,
+    iters: int = 3,
+    warmup: int = 1,
+    pallas: bool | None = None,
+    seed: int = 0,
+    command: str | None = None,
+) -> str:
+    """Times the kernels and their references; returns (and appends to `out_md`) the markdown.
+
+    Args:
+      seq_lens, budgets: S and B = s + w + k values; None picks (4096, 16384) and
+        (2048, 4096) on GPU, (1024, 2048) and (512, 1024) elsewhere. Budgets with
+        k = B − s − w < 0 are rejected.
+      out_md: markdown file the report is appended to (None: print only).
+      batch, num_q_heads, num_kv_heads, head_dim: the attention shape (Qwen3-4B-like).
+      sinks, window: s and w.
+      dtype: "bfloat16" or "float32"; None: bfloat16 on GPU, float32 elsewhere.
+      iters, warmup: timed calls (median reported) and untimed calls before them.
+      pallas: time the Pallas kernels; None: only on GPU (they need Triton).
+      seed: input RNG seed.
+      command: the command line to record; default reconstructed from sys.argv.
+
+    Returns:
+      The markdown section (header + table).
+    """
+    from kvpop_jax.attention import kvpop_attention
+    from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
+    from kvpop_jax.targets import future_attention_log_mass
+    from pallas_kernels.future_lse import future_lse
+    from pallas_kernels.topk_cutoff import topk_cutoff
+
+    backend = jax.default_backend()
+    on_gpu = backend == "gpu"
+    seq_lens = tuple(seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS))
+    budgets = tuple(budgets or (GPU_BUDGETS if on_gpu else CPU_BUDGETS))
+    for budget in budgets:
+        if budget - sinks - window < 0:
+            raise ValueError(f"budget {budget} is below s + w = {sinks + window}")
+    dtype = jnp.dtype(dtype or ("bfloat16" if on_gpu else "float32"))
+    run_pallas = on_gpu if pallas is None else pallas
+    na = f"n/a ({backend.upper()})"
+    policy = dict(sinks=sinks, window=window)
+
+    rows = []
+    for seq in seq_lens:
+        q, k, v, scores = _inputs(seed, seq, batch, num_q_heads, num_kv_heads, head_dim, dtype)
+        ranks = ranks_from_priority(static_priority(scores, jnp.float32(-1e-3)))
+        dense = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        dense_ms = {
+            "fwd": _guarded(jax.jit(dense), (q, k, v), iters, warmup),
+            "fwd+bwd": _guarded(_grad_of_sum(dense), (q, k, v), iters, warmup),
+        }
+        for budget in budgets:
+            topk = budget - sinks - window
+            cut = running_topk_cutoff(ranks, topk=topk, **policy)
+            _, lse = kvpop_attention(q, k, v, ranks, cut, implementation="xla", **policy)
+
+            def attend(impl):
+                return lambda q, k, v: kvpop_attention(q, k, v, ranks, cut, implementation=impl, **policy)[0]
+
+            cases = [  # name, xla fn, pallas fn, args, dense column
+                ("sparse attention fwd", jax.jit(attend("xla")), jax.jit(attend("pallas")), (q, k, v), "fwd"),
+                ("sparse attention fwd+bwd", _grad_of_sum(attend("xla")), _grad_of_sum(attend("pallas")),
+                 (q, k, v), "fwd+bwd"),
+                ("future LSE", jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window)),
+                 jax.jit(lambda q, k, lse: future_lse(q, k, lse, window=window)), (q, k, lse), "fwd"),
+                ("top-k cutoff", jax.jit(lambda r: running_topk_cutoff(r, topk=topk, **policy)),
+                 jax.jit(lambda r: topk_cutoff(r, topk=topk, **policy)), (ranks,), None),
+            ]
+            for name, xla_fn, pallas_fn, args, dense_key in cases:
+                xla_ms = _guarded(xla_fn, args, iters, warmup)
+                pallas_ms = _guarded(pallas_fn, args, iters, warmup) if run_pallas else na
+                speedup = (
+                    f"{xla_ms / pallas_ms:.1f}x"
+                    if isinstance(xla_ms, float) and isinstance(pallas_ms, float)
+                    else "—"
+                )
+                dense_cell = dense_ms[dense_key] if dense_key else "—"
+                rows.append((name, seq, budget, topk, xla_ms, pallas_ms, dense_cell, speedup))
+                print(f"  {name:26s} S={seq:6d} B={budget:5d}: xla {_fmt(xla_ms)}, pallas {_fmt(pallas_ms)}",
+                      flush=True)
+
+    device = jax.devices()[0]
+    header = [
+        f"## Kernel benchmark, {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        "",
+        f"- command: `{command or _default_command()}`",
+        f"- device: {device.device_kind} ({backend}, {jax.device_count()} device(s)); "
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+        f"- shape: batch {batch}, Hq {num_q_heads}, Hkv {num_kv_heads}, D {head_dim}, {dtype.name}; "
+        f"s = {sinks}, w = {window}, k = B − s − w; median of {iters} calls after {max(warmup, 1)} warm-up",
+        "- dense = `jax.nn.dot_product_attention(is_causal=True)` (default implementation), "
+        "forward or forward + backward as the row; times in ms",
+        "",
+        "| op | S | B | k | XLA reference | Pallas | dense | Pallas vs XLA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    table = [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | " + " | ".join(_fmt(x) for x in r[4:]) + " |" for r in rows]
+    report = "\n".join(header + table) + "\n"
+    print(report)
+    if out_md:
+        new_file = not os.path.exists(out_md)
+        with open(out_md, "a", encoding="utf-8") as f:
+            f.write(("# Benchmarks\n\n" if new_file else "\n") + report)
+    return report
+
+
+def _default_command() -> str:
+    argv0 = sys.argv[0] if sys.argv else ""
+    for module in ("eval/main.py", "eval/bench_kernels.py"):
+        if argv0.endswith(module):
+            return " ".join(["python -m " + module[:-3].replace("/", ".")] + sys.argv[1:])
+    return " ".join(["python"] + sys.argv)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq_lens", type=_ints, default=None, help="comma-separated S values")
+    parser.add_argument("--budgets", type=_ints, default=None, help="comma-separated B values")
+    parser.add_argument("--out_md", default="BENCHMARKS.md", help="markdown file to append to ('' = none)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--num_q_heads", type=int, default=32)
+    parser.add_argument("--num_kv_heads", type=int, default=8)
+    parser.add_argument("--head_dim", type=int, default=128)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"))
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args(argv)
+    run_bench_kernels(**{**vars(args), "out_md": args.out_md or None})
+
+
+if __name__ == "__main__":
+    main()
