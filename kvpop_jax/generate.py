@@ -1,29 +1,75 @@
-"""Prefill + decode loop (jitted `lax.while_loop`) with EOS stopping.
+"""Prefill + decode loop (jitted `lax.while_loop`) with EOS stopping, for every cache kind.
 
-This is the dense-cache generator; the bounded KVpop cache and the baselines plug into
-the same loop (see `cache.py`).
+Cache kinds (the `cache` argument of `generate`):
+
+  "dense"           `modeling.DenseCache` of prompt + max_new_tokens slots (no eviction);
+  "kvpop"           the bounded KVpop cache (`cache.py`): prefill with the masked parallel
+                    forward, then S = 1 steps that reproduce its mask exactly;
+  BaselineConfig    a training-free policy at budget B (`baselines.py`): StreamingLLM, TOVA,
+                    H2O ("dense" maps to the DenseCache);
+  "auto"            "kvpop" when `model.config.kvpop` is set, else "dense".
+
+Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
+than left-padded: pad tokens would occupy sinks and compete for the bounded caches' slots.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvpop_jax import baselines
+from kvpop_jax import cache as kvpop_cache
+from kvpop_jax.baselines import BaselineConfig
+from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import DenseCache, Qwen3ForCausalLM
 from kvpop_jax.sampling import SamplingConfig, sample
 
+CacheSpec = Union[str, BaselineConfig]
+CACHE_KINDS = ("auto", "dense", "kvpop")
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "eos_ids"))
-def _generate(model, params, prompt_ids, rng, *, max_new_tokens, sampling, eos_ids):
+
+def resolve_cache(config: Qwen3Config, cache: CacheSpec) -> CacheSpec:
+    """"auto" / "dense" / "kvpop" / BaselineConfig -> "dense", "kvpop" or a bounded BaselineConfig."""
+    if isinstance(cache, BaselineConfig):
+        return cache if cache.bounded else "dense"
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS} or a BaselineConfig, got {cache!r}")
+    if cache == "auto":
+        return "kvpop" if config.kvpop is not None else "dense"
+    if cache == "kvpop" and config.kvpop is None:
+        raise ValueError("cache='kvpop' needs a model whose config has kvpop set")
+    if cache == "dense" and config.kvpop is not None:
+        raise ValueError(
+            "a KVpop model decodes with its bounded cache: use cache='kvpop' (or 'auto'), or drop "
+            "config.kvpop to run its weights densely"
+        )
+    return cache
+
+
+def init_generation_cache(config: Qwen3Config, cache: CacheSpec, batch: int, max_len: int, dtype=jnp.float32):
+    """An empty cache of the resolved kind; `max_len` (prompt + new tokens) sizes only the dense one."""
+    kind = resolve_cache(config, cache)
+    if kind == "dense":
+        return DenseCache.init(config, batch, max_len, dtype=dtype)
+    if kind == "kvpop":
+        return kvpop_cache.init_cache(config, batch, dtype)
+    return baselines.init_cache(config, kind, batch, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
+def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, cache):
+    """eos: int32 [E] stop tokens (a traced array: a new EOS set of the same size reuses the compile)."""
     b, p = prompt_ids.shape
-    cache = DenseCache.init(model.config, b, p + max_new_tokens, dtype=model.dtype)
-    out = model.apply({"params": params}, prompt_ids, cache=cache)
+    state = init_generation_cache(model.config, cache, b, p + max_new_tokens, dtype=model.dtype)
+    out = model.apply({"params": params}, prompt_ids, cache=state)
     rng, key = jax.random.split(rng)
     first = sample(key, out.logits[:, -1], sampling)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     done = jnp.isin(first, eos)
 
     def cond(state):
@@ -47,30 +93,50 @@ def _generate(model, params, prompt_ids, rng, *, max_new_tokens, sampling, eos_i
     return tokens, first_eos
 
 
+def _as_prompt_array(prompt_ids) -> jax.Array:
+    if isinstance(prompt_ids, (list, tuple)):
+        lengths = {len(row) for row in prompt_ids}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"ragged prompts (lengths {sorted(lengths)}) are not supported: batch prompts of equal "
+                "length, or generate them one at a time"
+            )
+        prompt_ids = np.asarray(prompt_ids)
+    prompt_ids = jnp.asarray(prompt_ids)
+    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
+        raise ValueError(f"prompt_ids must be [batch, prompt_len >= 1], got shape {prompt_ids.shape}")
+    if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
+        raise ValueError(f"prompt_ids must be integer token ids, got {prompt_ids.dtype}")
+    return prompt_ids.astype(jnp.int32)
+
+
 def generate(
     model: Qwen3ForCausalLM,
     params,
-    prompt_ids: jax.Array,
+    prompt_ids,
     *,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     eos_ids: tuple[int, ...] = (),
     rng: jax.Array | None = None,
+    cache: CacheSpec = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Samples continuations of equal-length prompts.
 
     Args:
-      prompt_ids: int [B, P].
+      prompt_ids: int [B, P] (or a list of B equal-length lists).
+      cache: "auto" | "dense" | "kvpop" | BaselineConfig (see the module docstring).
     Returns:
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
       the first EOS).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
-        raise ValueError(f"prompt_ids must be [batch, prompt_len >= 1], got shape {prompt_ids.shape}")
+    prompt_ids = _as_prompt_array(prompt_ids)
+    kind = resolve_cache(model.config, cache)
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(
-        model, params, jnp.asarray(prompt_ids, jnp.int32), rng,
-        max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos_ids),
-    )
+    eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)
+    return _generate(model, params, prompt_ids, rng, eos, max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
+
+
+__all__ = ["CACHE_KINDS", "generate", "init_generation_cache", "resolve_cache"]

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from kvpop_jax import attention as attn_lib
+from kvpop_jax import baselines
+from kvpop_jax.baselines import BaselineCache, BaselineLayerCache
 from kvpop_jax.cache import KVpopCache, KVpopLayerCache
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
@@ -123,6 +125,12 @@ class Attention(nn.Module):
         """Returns (out [B, S, E], new layer cache (k, v) or None, KVpop aux or None)."""
         q, k, v = self.project_qkv(x_BSE, positions)
         aux = None
+        if isinstance(layer_cache, BaselineLayerCache):  # training-free policies: prefill, then S = 1 steps
+            if x_BSE.shape[1] > 1:
+                out, new_cache = baselines.prefill(layer_cache.config, q, k, v, positions)
+            else:
+                out, new_cache = baselines.decode(layer_cache.config, layer_cache, q, k, v, cache_length)
+            return self.o_proj(out), new_cache, aux
         if isinstance(layer_cache, KVpopLayerCache):
             if x_BSE.shape[1] > 1:  # prefill: the masked parallel forward, then keep its retained set
                 scores, log_gamma = self.kvpop(k, v)
@@ -242,8 +250,8 @@ class Qwen3ForCausalLM(nn.Module):
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids are not supported together with a decoding cache")
         x = self.embed_tokens(input_ids)
-        bounded = isinstance(cache, KVpopCache)
-        if bounded and self.config.kvpop is None:
+        bounded = isinstance(cache, (KVpopCache, BaselineCache))
+        if isinstance(cache, KVpopCache) and self.config.kvpop is None:
             raise ValueError("a KVpopCache needs a model whose config has kvpop set")
         new_k, new_v, layer_aux, new_layers = [], [], [], []
         for i, layer in enumerate(self.layers):
@@ -270,7 +278,7 @@ class Qwen3ForCausalLM(nn.Module):
             logits = self.lm_head(x)
         new_cache = None
         if bounded:
-            new_cache = KVpopCache(layers=tuple(new_layers), length=cache.length + s)
+            new_cache = cache.replace(layers=tuple(new_layers), length=cache.length + s)
         elif cache is not None:
             new_cache = DenseCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + s)
         return CausalLMOutput(logits=logits.astype(jnp.float32), cache=new_cache, aux=_collect_aux(layer_aux))
@@ -278,8 +286,9 @@ class Qwen3ForCausalLM(nn.Module):
     def decode_step(self, input_ids, cache):
         """New tokens [B, S] against the cache -> CausalLMOutput with the new cache.
 
-        With a DenseCache any S works. With a KVpopCache the first call is the prefill
-        (S >= 1 prompt tokens, masked parallel forward) and later calls take S = 1.
+        With a DenseCache any S works. With a KVpopCache (or a baselines.BaselineCache) the
+        first call is the prefill (S >= 1 prompt tokens, masked parallel forward; dense for
+        the baselines) and later calls take S = 1.
         """
         return self(input_ids, cache=cache)
 

@@ -41,19 +41,69 @@ def test_sample_respects_filters_and_greedy(rng):
         SamplingConfig(top_p=0.0)
 
 
+def greedy_reference(model, params, prompt, n):
+    """Greedy continuation by the full (masked, for KVpop) parallel forward, one token at a time.
+
+    Causal attention (and the KVpop mask) make the logits at t independent of later tokens,
+    so one jitted forward over a fixed [B, P + n] buffer serves every step.
+    """
+    b, p = prompt.shape
+    forward = jax.jit(lambda ids: model.apply({"params": params}, ids).logits)
+    seq = np.zeros((b, p + n), np.int32)
+    seq[:, :p] = np.asarray(prompt)
+    for t in range(p, p + n):
+        seq[:, t] = np.argmax(np.asarray(forward(jnp.asarray(seq)))[:, t - 1], -1)
+    return seq[:, p:]
+
+
 def test_greedy_generate_matches_full_forward(rng):
     config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
     params = init_params(config, jax.random.key(1))
     model = Qwen3ForCausalLM(config)
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 5)))
     tokens, lengths = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy())
-    seq = prompt
-    for _ in range(6):
-        nxt = jnp.argmax(model.apply({"params": params}, seq).logits[:, -1], -1)
-        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
-    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(seq[:, 5:]))
+    np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 6))
     assert (np.asarray(lengths) == 6).all()
     # EOS stops a row: use the first generated token of row 0 as EOS.
     eos = int(tokens[0, 0])
     _, lengths = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(), eos_ids=(eos,))
     assert int(lengths[0]) == 1
+
+
+def test_greedy_generate_with_kvpop_cache_matches_masked_forward(rng):
+    """Greedy decoding with the bounded cache == argmax of the masked parallel forward, step by step."""
+    import dataclasses
+
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=1, window=3, topk=4, scorer="mlp"))
+    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
+    # Random scorer heads (they start at zero = pure recency) so eviction is by learned score.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        if "kvpop" in jax.tree_util.keystr(path) else x, params)
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 10)))  # longer than B = 8
+    tokens, _ = generate(model, params, prompt, max_new_tokens=8, sampling=SamplingConfig.greedy())
+    np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 8))
+    with pytest.raises(ValueError, match="decodes with its bounded cache"):
+        generate(model, params, prompt, max_new_tokens=2, cache="dense")
+
+
+def test_streaming_with_large_budget_equals_dense_and_ragged_is_rejected(rng):
+    from kvpop_jax.baselines import BaselineConfig
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(1))
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 5)))
+    dense, _ = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(), cache="dense")
+    stream, _ = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(),
+                         cache=BaselineConfig("streaming", 11, sinks=2))
+    np.testing.assert_array_equal(np.asarray(stream), np.asarray(dense))
+    with pytest.raises(ValueError, match="ragged prompts"):
+        generate(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="cache must be one of"):
+        generate(model, params, prompt, max_new_tokens=2, cache="paged")

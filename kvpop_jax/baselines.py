@@ -1,0 +1,254 @@
+"""Training-free KV cache policies at a fixed budget B: StreamingLLM, TOVA, H2O (and dense).
+
+All policies share one cache layout and two pure functions (no parameters):
+
+  prefill(cfg, q, k, v, positions) -> (out, layer cache)       dense causal attention over the
+      prompt (the baselines compress the cache, not the prompt pass), then a one-shot
+      compression of the prompt to B tokens by the policy's rule.
+  decode(cfg, layer_cache, q_tok, k_tok, v_tok, position) -> (out, layer cache)
+      the new token attends to the cache plus itself (B + 1 candidates), then one candidate
+      is evicted so the cache stays at B.
+
+Rules (the candidates that may be evicted are never the `sinks` first positions nor the
+`recent` newest ones; among the others the lowest key goes, ties: the earlier position):
+
+  streaming  StreamingLLM: sinks + the B - s newest tokens (key = position).
+  tova       TOVA ("Transformers are Multi-State RNNs"): key = the current query's attention
+             weight, averaged over *all* query heads of the layer, so one token is evicted per
+             layer and every KV head holds the same positions. Prefill: the last prompt query.
+             Defaults: no sinks, no protected window (the new token itself may be evicted).
+  h2o        H2O: key = attention accumulated over every query seen so far (prefill: column
+             sums of the prompt's causal attention), averaged over the G query heads of each
+             KV head, so each KV head evicts on its own (the original is per head, G = 1).
+             Default split: `recent = B // 2` newest tokens, the rest heavy hitters.
+  dense      no eviction. It has no bounded layout: `generate` runs it with the plain
+             `modeling.DenseCache`; `BaselineConfig("dense")` only names it.
+
+Keys keep the RoPE of their original position (no re-indexing inside the cache), as the
+KVpop cache does. Prefill keeps the protected tokens plus the best-keyed others (ties: the
+later position), which is what sequential eviction would do for StreamingLLM and the paper's
+one-shot rule for TOVA and H2O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kvpop_jax import attention as attn_lib
+
+NEG_INF = -1e30
+METHODS = ("dense", "streaming", "tova", "h2o")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineConfig:
+    """A training-free cache policy at budget B (tokens per KV head).
+
+    method: one of METHODS. budget: B (None only for dense). sinks: the first positions,
+    never evicted. recent: the newest positions, never evicted; default B - s for
+    streaming (the only value it allows), B // 2 for h2o, 0 for tova.
+    """
+
+    method: str
+    budget: int | None = None
+    sinks: int = 0
+    recent: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"BaselineConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "dense":
+            return
+        if not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"BaselineConfig.budget must be a positive int for {self.method!r}, got {self.budget!r}")
+        if self.sinks < 0 or self.sinks >= self.budget:
+            raise ValueError(f"BaselineConfig.sinks must be in [0, budget={self.budget}), got {self.sinks}")
+        default = {"streaming": self.budget - self.sinks, "h2o": self.budget // 2, "tova": 0}[self.method]
+        recent = default if self.recent is None else self.recent
+        if self.method == "streaming" and recent != default:
+            raise ValueError(f"streaming keeps exactly budget - sinks = {default} recent tokens, got recent={recent}")
+        if recent < 0 or self.sinks + recent > self.budget:
+            raise ValueError(f"need 0 <= recent and sinks + recent <= budget, got {self.sinks} + {recent} > {self.budget}")
+        object.__setattr__(self, "recent", recent)
+
+    @property
+    def bounded(self) -> bool:
+        return self.method != "dense"
+
+
+@flax.struct.dataclass
+class BaselineLayerCache:
+    """One layer's bounded cache.
+
+    k, v: [B, Hkv, N, D] with N = budget; pos: int32 [B, Hkv, N] token position per slot
+    (-1 = empty); score: float32 [B, Hkv, N] the policy's key (TOVA: last attention; H2O:
+    accumulated attention; StreamingLLM: unused, 0); config: the static policy.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    score: jax.Array
+    config: BaselineConfig = flax.struct.field(pytree_node=False, default=None)
+
+
+@flax.struct.dataclass
+class BaselineCache:
+    """All layers (`layers[i]` a BaselineLayerCache) and the number of tokens seen so far."""
+
+    layers: tuple
+    length: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+
+def init_layer_cache(cfg: BaselineConfig, batch: int, num_kv_heads: int, head_dim: int,
+                     dtype=jnp.float32) -> BaselineLayerCache:
+    if not cfg.bounded:
+        raise ValueError("the dense baseline has no bounded cache: use modeling.DenseCache")
+    shape = (batch, num_kv_heads, cfg.budget)
+    return BaselineLayerCache(
+        k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
+        pos=jnp.full(shape, -1, jnp.int32), score=jnp.zeros(shape, jnp.float32), config=cfg,
+    )
+
+
+def init_cache(model_config, cfg: BaselineConfig, batch: int, dtype=jnp.float32) -> BaselineCache:
+    """An empty bounded cache for every layer of a `Qwen3Config` (constant size)."""
+    layer = init_layer_cache(cfg, batch, model_config.num_key_value_heads, model_config.head_dim, dtype)
+    return BaselineCache(layers=(layer,) * model_config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
+
+
+def _policy_key(cfg: BaselineConfig, score, pos):
+    """Eviction key (lower goes first), float32 [..., N]."""
+    return pos.astype(jnp.float32) if cfg.method == "streaming" else score
+
+
+def _evictable(cfg: BaselineConfig, pos, query_pos):
+    """Candidates that may be evicted: valid, not a sink, not among the `recent` newest."""
+    return (pos >= 0) & (pos >= cfg.sinks) & (pos <= query_pos - cfg.recent)
+
+
+def _policy_score(cfg: BaselineConfig, probs_BHGT, prev_score_BHT=None):
+    """Attention weights [B, Hkv, G, T] -> the policy's per-slot score [B, Hkv, T]."""
+    if cfg.method == "tova":
+        return jnp.broadcast_to(jnp.mean(probs_BHGT, axis=(1, 2))[:, None], probs_BHGT.shape[:2] + probs_BHGT.shape[3:])
+    if cfg.method == "h2o":
+        mean = jnp.mean(probs_BHGT, axis=2)
+        return mean if prev_score_BHT is None else prev_score_BHT + mean
+    return jnp.zeros(probs_BHGT.shape[:2] + probs_BHGT.shape[3:], jnp.float32)
+
+
+def _column_attention(q, k, lse, positions, block: int = 256):
+    """Sum over queries of the causal attention weights: [B, Hkv, G, P] float32.
+
+    q [B, P, Hq, D], k [B, P, Hkv, D], lse [B, Hq, P] from the dense pass; one block of
+    queries at a time so only [block, P] weights live at once.
+    """
+    b, p, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    nb = -(-p // block)
+    pad = nb * block - p
+    qp = jnp.pad(q.reshape(b, p, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    lsep = jnp.pad(lse.reshape(b, hkv, g, p), ((0, 0), (0, 0), (0, 0), (0, pad)))
+    posp = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)  # padded queries see nothing
+    qb = jnp.moveaxis(qp.reshape(b, nb, block, hkv, g, d), 1, 0)
+    lb = jnp.moveaxis(lsep.reshape(b, hkv, g, nb, block), 3, 0)
+    pb = jnp.moveaxis(posp.reshape(b, nb, block), 1, 0)
+
+    def one(args):
+        q_blk, lse_blk, pos_blk = args
+        logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * d**-0.5
+        mask = (positions[:, None, :] <= pos_blk[:, :, None]) & (pos_blk >= 0)[:, :, None]  # [B, q, T]
+        probs = jnp.where(mask[:, None, None], jnp.exp(logits - lse_blk[..., None]), 0.0)
+        return jnp.sum(probs, axis=3)
+
+    return jnp.sum(jax.lax.map(one, (qb, lb, pb)), axis=0)
+
+
+def prefill(cfg: BaselineConfig, q, k, v, positions):
+    """Dense causal attention over a prompt, then its compression to B tokens.
+
+    q [B, P, Hq, D], k, v [B, P, Hkv, D], positions int [B, P] (increasing, equal across
+    the batch). Returns (out [B, P, Hq, D], BaselineLayerCache with min(P, B) tokens in
+    position order, the rest empty).
+    """
+    b, p, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    n = cfg.budget
+    out, lse = attn_lib.dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
+    pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, p)).astype(jnp.int32)
+    if cfg.method == "tova":  # the last prompt query's attention
+        last = q[:, -1].reshape(b, hkv, g, d)
+        logits = jnp.einsum("bhgd,bthd->bhgt", last, k, preferred_element_type=jnp.float32) * d**-0.5
+        score = _policy_score(cfg, jax.nn.softmax(logits, axis=-1))
+    elif cfg.method == "h2o":
+        score = _policy_score(cfg, _column_attention(q, k, lse, positions))
+    else:
+        score = jnp.zeros((b, hkv, p), jnp.float32)
+    kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, P, D]
+    if p <= n:
+        padw = ((0, 0), (0, 0), (0, n - p))
+        cache = BaselineLayerCache(
+            k=jnp.pad(kh, padw + ((0, 0),)), v=jnp.pad(vh, padw + ((0, 0),)),
+            pos=jnp.pad(pos, padw, constant_values=-1), score=jnp.pad(score, padw), config=cfg,
+        )
+        return out, cache
+    protected = ~_evictable(cfg, pos, positions[:, -1][:, None, None])
+    key = _policy_key(cfg, score, pos)
+    # Ascending: protected first, then the highest key, then the later position.
+    order = jnp.lexsort((-pos, -key, (~protected).astype(jnp.int32)), axis=-1)
+    keep = jnp.sort(order[..., :n], axis=-1)  # slots in position order
+    take = lambda x: jnp.take_along_axis(x, keep, axis=-1)  # noqa: E731
+    take_d = lambda x: jnp.take_along_axis(x, keep[..., None], axis=2)  # noqa: E731
+    cache = BaselineLayerCache(k=take_d(kh), v=take_d(vh), pos=take(pos), score=take(score), config=cfg)
+    return out, cache
+
+
+def decode(cfg: BaselineConfig, lc: BaselineLayerCache, q_tok, k_tok, v_tok, position):
+    """One decoding step: attend over cache + new token, then evict one of the B + 1.
+
+    q_tok [B, 1, Hq, D], k_tok, v_tok [B, 1, Hkv, D], position int [] (the new token's).
+    Returns (out [B, 1, Hq, D], new BaselineLayerCache). An empty slot, if any, takes the
+    new token; otherwise the lowest-keyed evictable candidate (possibly the new token) goes.
+    """
+    b, _, hq, d = q_tok.shape
+    hkv, n = lc.k.shape[1], lc.k.shape[2]
+    g = hq // hkv
+    position = jnp.asarray(position, jnp.int32)
+    k_all = jnp.concatenate([lc.k, k_tok[:, 0, :, None].astype(lc.k.dtype)], axis=2)  # [B, H, N+1, D]
+    v_all = jnp.concatenate([lc.v, v_tok[:, 0, :, None].astype(lc.v.dtype)], axis=2)
+    pos_all = jnp.concatenate([lc.pos, jnp.broadcast_to(position, (b, hkv, 1))], axis=2)
+    qg = q_tok[:, 0].reshape(b, hkv, g, d)
+    logits = jnp.einsum("bhgd,bhnd->bhgn", qg, k_all.astype(q_tok.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.where((pos_all >= 0)[:, :, None], logits * d**-0.5, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, H, G, N+1]
+    out = jnp.einsum("bhgn,bhnd->bhgd", probs.astype(v_all.dtype), v_all, preferred_element_type=jnp.float32)
+    out = out.reshape(b, 1, hq, d).astype(q_tok.dtype)
+
+    prev = jnp.concatenate([lc.score, jnp.zeros((b, hkv, 1), jnp.float32)], axis=2)
+    score_all = _policy_score(cfg, probs, prev)
+    key = jnp.where(_evictable(cfg, pos_all, position), _policy_key(cfg, score_all, pos_all), jnp.inf)
+    at_min = key == jnp.min(key, axis=-1, keepdims=True)
+    victim = jnp.argmin(jnp.where(at_min, pos_all, jnp.iinfo(jnp.int32).max), axis=-1)  # ties: earlier position
+    empty = lc.pos < 0
+    drop = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), victim)  # [B, H] in [0, N]
+    replace = (jnp.arange(n) == drop[..., None])  # [B, H, N]; drop == N keeps the cache as is
+    new = lambda x, last: jnp.where(replace if x.ndim == 3 else replace[..., None], last, x)  # noqa: E731
+    lc = lc.replace(
+        k=new(lc.k, k_all[:, :, n:]), v=new(lc.v, v_all[:, :, n:]),
+        pos=new(lc.pos, pos_all[:, :, n:]), score=new(score_all[..., :n], score_all[..., n:]),
+    )
+    return out, lc
+
+
+__all__ = ["METHODS", "BaselineCache", "BaselineConfig", "BaselineLayerCache", "decode", "init_cache",
+           "init_layer_cache", "prefill"]

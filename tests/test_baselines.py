@@ -1,0 +1,159 @@
+"""Training-free cache policies (StreamingLLM, TOVA, H2O) against a numpy brute-force simulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvpop_jax import Qwen3Config
+from kvpop_jax import baselines
+from kvpop_jax.baselines import BaselineConfig
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+
+B, HQ, HKV, D, T = 2, 4, 2, 8, 20
+G = HQ // HKV
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def simulate(cfg: BaselineConfig, q, k, v, prompt_len):
+    """Brute force, one (batch row, KV head) at a time, with python lists of positions.
+
+    q [T, Hq, D], k, v [T, Hkv, D] float64. Returns (out [T, Hq, D], kept[h][step] = sorted
+    positions after each token from the prompt's last on).
+    """
+    n, s, r = cfg.budget, cfg.sinks, cfg.recent
+    scale = D**-0.5
+    out = np.zeros(q.shape)
+    # Attention weights of query t over candidate positions, per query head: {hq: {pos: prob}}.
+    def weights(t, cands_by_kv):
+        res = {}
+        for hq in range(HQ):
+            h = hq // G
+            c = cands_by_kv[h]
+            p = _softmax(np.array([q[t, hq] @ k[j, h] for j in c]) * scale)
+            out[t, hq] = p @ v[c, h]
+            res[hq] = dict(zip(c, p))
+        return res
+
+    # Prefill: dense causal over the prompt.
+    acc = [dict.fromkeys(range(prompt_len), 0.0) for _ in range(HKV)]
+    for t in range(prompt_len):
+        w = weights(t, [list(range(t + 1))] * HKV)
+        for hq in range(HQ):
+            for j, pj in w[hq].items():
+                acc[hq // G][j] += pj / G
+    last = w
+    kept = []
+    for h in range(HKV):
+        toks = list(range(prompt_len))
+        if cfg.method == "tova":
+            score = {j: np.mean([last[hq][j] for hq in range(HQ)]) for j in toks}
+        elif cfg.method == "h2o":
+            score = acc[h]
+        else:
+            score = {j: float(j) for j in toks}
+        protected = [j for j in toks if j < s or j > prompt_len - 1 - r]
+        others = sorted((j for j in toks if j not in protected), key=lambda j: (-score[j], -j))
+        kept.append(sorted(protected + others[: max(0, n - len(protected))]) if prompt_len > n else toks)
+    history = [[list(x)] for x in kept]
+    # Decode: attend over kept + t, then evict one if over budget.
+    for t in range(prompt_len, T):
+        cands = [kept[h] + [t] for h in range(HKV)]
+        w = weights(t, cands)
+        for h in range(HKV):
+            if cfg.method == "h2o":
+                acc[h][t] = 0.0
+                for j in cands[h]:
+                    acc[h][j] += np.mean([w[h * G + g][j] for g in range(G)])
+                score = acc[h]
+            elif cfg.method == "tova":
+                score = {j: np.mean([w[hq][j] for hq in range(HQ)]) for j in cands[h]}
+            else:
+                score = {j: float(j) for j in cands[h]}
+            if len(cands[h]) > n:
+                evictable = [j for j in cands[h] if j >= s and j <= t - r]
+                victim = min(evictable, key=lambda j: (score[j], j))
+                cands[h].remove(victim)
+            kept[h] = cands[h]
+            history[h].append(sorted(kept[h]))
+    return out, history
+
+
+CONFIGS = [
+    BaselineConfig("streaming", 6, sinks=2),
+    BaselineConfig("tova", 6),
+    BaselineConfig("tova", 6, sinks=1, recent=2),
+    BaselineConfig("h2o", 6),
+    BaselineConfig("h2o", 7, sinks=1, recent=2),
+]
+
+
+@pytest.mark.parametrize("prompt_len", [9, 3])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.method}-B{c.budget}-s{c.sinks}-r{c.recent}")
+def test_policy_matches_brute_force(rng, cfg, prompt_len):
+    q = rng.normal(size=(B, T, HQ, D)) * 2
+    k = rng.normal(size=(B, T, HKV, D)) * 2
+    v = rng.normal(size=(B, T, HKV, D))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), (B, prompt_len))
+    out, lc = jax.jit(baselines.prefill, static_argnums=0)(
+        cfg, f32(q[:, :prompt_len]), f32(k[:, :prompt_len]), f32(v[:, :prompt_len]), positions)
+    outs, caches = [out], [lc]
+    step = jax.jit(baselines.decode, static_argnums=0)
+    for t in range(prompt_len, T):
+        out, lc = step(cfg, lc, f32(q[:, t:t + 1]), f32(k[:, t:t + 1]), f32(v[:, t:t + 1]), t)
+        outs.append(out)
+        caches.append(lc)
+        assert lc.pos.shape == (B, HKV, cfg.budget)  # constant memory
+    got = np.asarray(jnp.concatenate(outs, axis=1))
+    for b in range(B):
+        want_out, want_kept = simulate(cfg, q[b], k[b], v[b], prompt_len)
+        np.testing.assert_allclose(got[b], want_out, atol=1e-4)
+        for h in range(HKV):
+            for i, c in enumerate(caches):
+                pos = np.asarray(c.pos[b, h])
+                assert sorted(pos[pos >= 0].tolist()) == want_kept[h][i], (b, h, i)
+    final = np.asarray(caches[-1].pos)
+    assert (final >= 0).all()  # exactly B tokens kept once T > B
+    assert all(len(set(row)) == cfg.budget for row in final.reshape(-1, cfg.budget))
+    if cfg.method == "tova":  # one eviction per layer: every KV head holds the same positions
+        assert (np.sort(final, -1) == np.sort(final[:, :1], -1)).all()
+
+
+def test_config_validation():
+    assert BaselineConfig("h2o", 10).recent == 5
+    assert BaselineConfig("streaming", 10, sinks=4).recent == 6
+    assert BaselineConfig("tova", 10).recent == 0
+    with pytest.raises(ValueError, match="method must be one of"):
+        BaselineConfig("snapkv", 10)
+    with pytest.raises(ValueError, match="streaming keeps exactly"):
+        BaselineConfig("streaming", 10, sinks=2, recent=3)
+    with pytest.raises(ValueError, match="sinks \\+ recent <= budget"):
+        BaselineConfig("h2o", 10, sinks=4, recent=7)
+    with pytest.raises(ValueError, match="budget must be a positive int"):
+        BaselineConfig("tova")
+
+
+def test_model_with_unbounded_budget_equals_dense(rng):
+    """Every policy with B >= length evicts nothing: teacher-forced logits == dense forward."""
+    config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+    params = init_params(config, jax.random.key(0))
+    model = Qwen3ForCausalLM(config)
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 12)))
+    full = np.asarray(model.apply({"params": params}, ids).logits)
+    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
+    for method in ("tova", "h2o"):  # streaming: tests/test_generate.py
+        cache = baselines.init_cache(config, BaselineConfig(method, 12), 2)
+        out = step(cache, ids[:, :5])
+        logits, cache = [out.logits], out.cache
+        for t in range(5, 12):
+            out = step(cache, ids[:, t:t + 1])
+            logits.append(out.logits)
+            cache = out.cache
+        np.testing.assert_allclose(np.asarray(jnp.concatenate(logits, 1)), full, atol=1e-4, err_msg=method)
+        assert cache.nbytes == baselines.init_cache(config, BaselineConfig(method, 12), 2).nbytes
