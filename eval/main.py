@@ -2,7 +2,13 @@
 
 Commands (each prints its own `--help`):
   generate        sample a continuation of a prompt from a HF-format checkpoint directory
+  accuracy        pass@1 over sampled rollouts: methods x compression ratios (paper Table 1)
+  recall          per layer/head recall of the teacher's top-k by the learned scorer (Fig. 7)
+  patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
+  bench decode    per-token latency and memory vs generated length (Fig. 4)
+
+Every command that produces results writes a markdown table and PNG plots to --out_dir.
 """
 
 from __future__ import annotations
@@ -65,17 +71,109 @@ def cmd_generate(argv: Sequence[str]) -> None:
         print("generated text:", tokenizer.decode(out))
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def cmd_accuracy(argv: Sequence[str]) -> None:
+    """pass@1 of dense, training-free baselines and KVpop checkpoints on a benchmark."""
+    parser = argparse.ArgumentParser(prog="python -m eval.main accuracy", description=cmd_accuracy.__doc__)
+    parser.add_argument("--checkpoints", required=True,
+                        help="NAME=DIR[,NAME@CR=DIR...]; 'dense' serves dense/streaming/tova/h2o, other names are "
+                             "KVpop exports (e.g. kvpop-mlp=runs/x/export)")
+    parser.add_argument("--methods", default="dense,streaming,tova,h2o",
+                        help="comma-separated; KVpop methods are the names given in --checkpoints")
+    parser.add_argument("--benchmark", required=True, help="JSONL/parquet file(s) or hub name(s), comma-separated")
+    parser.add_argument("--n_rollouts", type=int, default=16)
+    parser.add_argument("--compression_ratios", type=_floats, default=(0.75, 0.88))
+    parser.add_argument("--context_len", type=int, default=16384, help="CR = 1 - B / context_len")
+    parser.add_argument("--max_new_tokens", type=int, default=4096)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top_p", type=float, default=0.95)
+    parser.add_argument("--top_k", type=int, default=20)
+    parser.add_argument("--min_p", type=float, default=0.0)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--limit", type=int, default=None, help="first N problems only")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--chat_template", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out_dir", required=True)
+    args = parser.parse_args(argv)
+    from eval.accuracy import parse_checkpoints, run_accuracy
+    from kvpop_jax.sampling import SamplingConfig
+
+    run_accuracy(
+        [m for m in args.methods.split(",") if m], parse_checkpoints(args.checkpoints),
+        [b for b in args.benchmark.split(",") if b], n_rollouts=args.n_rollouts,
+        compression_ratios=args.compression_ratios, context_len=args.context_len,
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,
+        sinks=args.sinks, limit=args.limit, split=args.split, chat_template=args.chat_template, seed=args.seed,
+    )
+    print(open(f"{args.out_dir}/accuracy.md").read())
+
+
+def cmd_recall(argv: Sequence[str]) -> None:
+    """Teacher top-k retention recall per layer/head, plus token accuracy."""
+    parser = argparse.ArgumentParser(prog="python -m eval.main recall", description=cmd_recall.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="KVpop checkpoint directory")
+    parser.add_argument("--data", required=True, help="JSONL of texts or token ids")
+    parser.add_argument("--teacher", default=None, help="dense checkpoint for argmax agreement")
+    parser.add_argument("--num_sequences", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=None, help="default 2 x budget")
+    parser.add_argument("--num_queries", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out_dir", required=True)
+    args = parser.parse_args(argv)
+    from eval.recall import run_recall
+
+    run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
+               num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed)
+    print(open(f"{args.out_dir}/recall.md").read())
+
+
+def cmd_patterns(argv: Sequence[str]) -> None:
+    """Which tokens each layer keeps (heat map) and how each head uses its k slots."""
+    parser = argparse.ArgumentParser(prog="python -m eval.main patterns", description=cmd_patterns.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="KVpop checkpoint directory")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text, tokenized with the checkpoint's tokenizer")
+    src.add_argument("--text_file", help="file holding the text")
+    src.add_argument("--ids", help="comma-separated token ids")
+    parser.add_argument("--last_n", type=int, default=112)
+    parser.add_argument("--out_dir", required=True)
+    args = parser.parse_args(argv)
+    from eval.patterns import run_patterns
+
+    if args.ids:
+        source = [int(t) for t in args.ids.split(",")]
+    elif args.text_file:
+        source = open(args.text_file).read()
+    else:
+        source = args.text
+    run_patterns(args.checkpoint, source, out_dir=args.out_dir, last_n=args.last_n)
+    print(open(f"{args.out_dir}/patterns.md").read())
+
+
 def cmd_bench(argv: Sequence[str]) -> None:
+    """Benchmarks: kernels, decode."""
     benches: dict[str, Callable[[Sequence[str]], None]] = {}
-    from eval import bench_kernels
+    from eval import bench_decode, bench_kernels
 
     benches["kernels"] = bench_kernels.main
+    benches["decode"] = bench_decode.main
     if not argv or argv[0] not in benches:
         raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")
     benches[argv[0]](argv[1:])
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {"generate": cmd_generate, "bench": cmd_bench}
+COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
+    "generate": cmd_generate,
+    "accuracy": cmd_accuracy,
+    "recall": cmd_recall,
+    "patterns": cmd_patterns,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,82 @@
+"""eval/accuracy.py: answer extraction and checking, the table math, and a run on a tiny checkpoint."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import pytest
+
+from eval.accuracy import (budget_for, extract_answer, format_table, is_correct, normalize_answer,
+                           parse_checkpoints, retarget_kvpop, run_accuracy, summarize)
+from kvpop_jax import KVpopConfig, Qwen3Config, save_pretrained
+from kvpop_jax.modeling import init_params, retrofit_params
+from kvpop_jax.sampling import SamplingConfig
+
+
+def test_extraction_and_checking():
+    assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert extract_answer("\\boxed{1} then \\boxed{{a}+{b}}") == "{a}+{b}"  # last box, nested braces
+    assert extract_answer("x=3\n#### 7") == "7"  # the demo task's other format
+    assert extract_answer("no answer here") is None
+    assert extract_answer("\\boxed{unclosed") is None
+    assert is_correct("\\boxed{007}", "7") == (True, "007")
+    assert is_correct("\\boxed{ 1,000. }", 1000)[0]
+    assert is_correct("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}")[0]
+    assert is_correct("\\boxed{\\text{(B)}}", "(B)")[0]
+    assert not is_correct("\\boxed{8}", "7")[0]
+    assert not is_correct("7", "7")[0]  # nothing boxed: no answer
+    assert normalize_answer("2.50") == "2.5" and normalize_answer("1,2") == "1,2"
+
+
+def test_budget_table_and_specs():
+    assert budget_for(0.75, 16384) == 4096 and budget_for(0.88, 16384) == 1966
+    kv = KVpopConfig(sinks=4, window=8, topk=20)
+    assert retarget_kvpop(kv, 64).topk == 52
+    assert retarget_kvpop(dataclasses.replace(kv, topk=0), 64).window == 60  # StreamingLLM+
+    with pytest.raises(ValueError, match="< s \\+ w"):
+        retarget_kvpop(kv, 10)
+    spec = parse_checkpoints("dense=/a, kvpop-mlp@0.75=/b,kvpop-mlp@0.88=/c")
+    assert spec == {"dense": "/a", "kvpop-mlp": {0.75: "/b", 0.88: "/c"}}
+    records = [
+        dict(method="dense", cr=None, budget=None, benchmark="x", id="0", correct=[True, True]),
+        dict(method="dense", cr=None, budget=None, benchmark="x", id="1", correct=[True, False]),
+        dict(method="tova", cr=0.5, budget=8, benchmark="x", id="0", correct=[True, False]),
+        dict(method="tova", cr=0.5, budget=8, benchmark="x", id="1", correct=[False, False]),
+    ]
+    rows = summarize(records, ["x"])
+    assert rows[0]["abs"] == 0.75 and rows[1]["abs"] == 0.25
+    assert rows[1]["rel"] == pytest.approx(1 / 3)
+    table = format_table(rows, ["x"])
+    assert "| 50% | 8 | tova | 0.25 | 0.25 | 0.33 |" in table and "dense (teacher)" in table
+
+
+def test_run_accuracy_on_tiny_checkpoints(tmp_path):
+    from eval.demo_tokenizer import VOCAB, save_tokenizer
+
+    base = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,
+                       eos_token_id=VOCAB["<eos>"])
+    params = init_params(base, jax.random.key(0))
+    save_pretrained(base, params, tmp_path / "dense")
+    save_tokenizer(tmp_path / "dense")
+    kv_config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=4))
+    save_pretrained(kv_config, retrofit_params(kv_config, params, jax.random.key(1)), tmp_path / "kvpop")
+    bench = tmp_path / "bench.jsonl"
+    problems = [("x3y5\nask x\n", "3"), ("p7q1\nask q\n", "1"), ("m2n8\nask m\n", "2")]  # equal token lengths
+    bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n" for p, a in problems))
+    out = tmp_path / "out"
+    rows = run_accuracy(
+        ["dense", "streaming", "tova", "h2o", "kvpop-mlp"],
+        {"dense": str(tmp_path / "dense"), "kvpop-mlp": str(tmp_path / "kvpop")},
+        str(bench), n_rollouts=2, compression_ratios=(0.5,), context_len=32, max_new_tokens=6,
+        sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0), out_dir=str(out), progress=False,
+    )
+    assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [
+        ("dense", None, None), ("streaming", 0.5, 16), ("tova", 0.5, 16), ("h2o", 0.5, 16), ("kvpop-mlp", 0.5, 16)]
+    assert all(0.0 <= r["abs"] <= 1.0 for r in rows)
+    for name in ("accuracy.md", "accuracy.png", "accuracy.json", "samples.jsonl"):
+        assert os.path.getsize(out / name) > 0, name
+    assert "| 50% | 16 | kvpop-mlp |" in (out / "accuracy.md").read_text()
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 5 * 3 * 2

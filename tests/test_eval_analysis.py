@@ -1,0 +1,177 @@
+"""eval.recall, eval.patterns and eval.bench_decode on a tiny random KVpop checkpoint."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from eval.bench_decode import parse_lengths, run_bench_decode, tiny_config
+from eval.patterns import run_patterns
+from eval.recall import load_rows, policy_arrays, run_recall
+from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, policy, save_pretrained
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
+
+BASE = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+KV = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlp", scorer_hidden=8)
+CONFIG = dataclasses.replace(BASE, kvpop=KV)
+SEQ = 40  # > B = 12: every sampled query is saturated
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A KVpop export with random scorers (zero-initialized ones would be pure recency) and
+    the demo tokenizer (92 tokens <= vocab 96)."""
+    from eval.demo_tokenizer import save_tokenizer
+
+    params = retrofit_params(CONFIG, init_params(BASE, jax.random.key(0)), jax.random.key(1))
+    rng = np.random.default_rng(0)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    flat = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) if "/kvpop/" in k else v
+            for k, v in flat.items()}
+    path = str(tmp_path_factory.mktemp("kvpop_ckpt"))
+    save_pretrained(CONFIG, traverse_util.unflatten_dict(flat, sep="/"), path)
+    save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def recall_run(checkpoint, tmp_path_factory):
+    ids = np.random.default_rng(1).integers(0, BASE.vocab_size, size=(3, SEQ))
+    out = tmp_path_factory.mktemp("recall")
+    result = run_recall(checkpoint, ids, num_sequences=3, num_queries=8, out_dir=out, teacher=checkpoint,
+                        batch_size=2, progress=False)
+    return ids, result
+
+
+def _nonempty(path):
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _topk_set(priority, q, k):
+    """Brute force: the k best of E(q) = [s, q - w] by priority, ties to the earlier position."""
+    eligible = range(KV.sinks, q - KV.window + 1)
+    return set(sorted(eligible, key=lambda t: (-priority[t], t))[:k])
+
+
+def test_recall_equals_brute_force_top_k(checkpoint, recall_run):
+    ids, result = recall_run
+    for key in ("md", "png", "json"):
+        assert _nonempty(result.files[key])
+    num_layers, num_heads = BASE.num_hidden_layers, BASE.num_key_value_heads
+    assert result.recall.shape == (num_layers, num_heads)
+    q_idx = result.query_positions
+    assert q_idx.shape == (3, 8) and q_idx.min() >= KV.budget and q_idx.max() < SEQ
+    # Saturated queries: the teacher keeps exactly k long-range tokens at each.
+    np.testing.assert_array_equal(result.totals, 3 * 8 * KV.topk)
+
+    # Brute force from the raw scores and targets of the forward passes run_recall made (its
+    # batches of 2: rows [0, 1] and [2, padding]; compilation-cache hits), independent of the
+    # ranks, cutoffs and keep-set code.
+    config, params = load_pretrained(checkpoint)
+    model = Qwen3ForCausalLM(config)
+    batches = [{k: np.asarray(v) for k, v in policy_arrays(model, params, jnp.asarray(ids[r]),
+                                                           jnp.asarray(q_idx[r])).items()} for r in ([0, 1], [2, 0])]
+    row = lambda key, b: batches[b // 2][key][..., b % 2, :, :]  # noqa: E731  [L, Hkv, S]
+    t = np.arange(SEQ, dtype=np.float32)
+    hits = np.zeros((num_layers, num_heads, 3), int)
+    for layer in range(num_layers):
+        for head in range(num_heads):
+            lg = batches[0]["log_gamma"][layer, head]
+            for b in range(3):
+                student = row("scores", b)[layer, head] - t * lg  # p_t = r_t - t log γ
+                teacher = row("target", b)[layer, head] - t * lg
+                for q in map(int, q_idx[b]):
+                    hits[layer, head, b] += len(_topk_set(student, q, KV.topk) & _topk_set(teacher, q, KV.topk))
+    np.testing.assert_allclose(result.recall, hits.sum(-1) / (3 * 8 * KV.topk), rtol=0, atol=1e-12)
+    # The model's own training metric on the first batch (its first 32 queries: all 8) agrees.
+    first = hits[..., :2].sum(axis=(1, 2)) / (2 * num_heads * 8 * KV.topk)
+    assert float(batches[0]["teacher_recall"]) == pytest.approx(first.mean(), abs=1e-6)
+
+    # Token accuracy over every position with a next token; the teacher is the same weights, dense.
+    pred = np.stack([batches[b // 2]["argmax"][b % 2] for b in range(3)])
+    assert result.token_accuracy["all"] == pytest.approx(float((pred[:, :-1] == ids[:, 1:]).mean()), abs=1e-6)
+    dense = np.asarray(Qwen3ForCausalLM(dataclasses.replace(config, kvpop=None)).apply(
+        {"params": params}, jnp.asarray(ids)).logits.argmax(-1))
+    agree = float((dense[:, :-1] == pred[:, :-1]).mean())
+    assert result.teacher["agreement"]["all"] == pytest.approx(agree, abs=1e-6)
+    assert agree < 1.0  # the sparse mask changed some predictions: the comparison can fail
+
+    md = open(result.files["md"]).read()
+    assert f"{result.global_mean:.3f}" in md and "| layer | mean | min | max |" in md
+    assert json.load(open(result.files["json"]))["global_mean"] == pytest.approx(result.global_mean)
+
+
+def test_recall_reads_text_and_token_id_jsonl(checkpoint, tmp_path):
+    docs = [list(range(5, 35)), list(range(40, 80))]
+    id_file = tmp_path / "ids.jsonl"
+    id_file.write_text("\n".join(json.dumps({"input_ids": d}) for d in docs) + "\n")
+    ids, mask = load_rows(str(id_file), seq_len=SEQ, num_sequences=5)
+    np.testing.assert_array_equal(ids.ravel(), np.concatenate([np.array(d) for d in docs])[:2 * SEQ][: ids.size])
+    assert ids.shape == (1, SEQ) and mask[0, 29] == 0 and mask[0, 28] == 1  # 29 ends document 1
+
+    text_file = tmp_path / "text.jsonl"
+    text_file.write_text("\n".join(json.dumps({"text": "a1b2c3\nkeep a\nm+3=6\n" * 6}) for _ in range(4)) + "\n")
+    result = run_recall(checkpoint, str(text_file), num_sequences=2, seq_len=SEQ, num_queries=8,
+                        out_dir=tmp_path / "out", batch_size=2, progress=False)
+    assert result.settings["num_sequences"] == 2 and result.settings["seq_len"] == SEQ
+    assert 0.0 <= result.global_mean <= 1.0 and _nonempty(result.files["png"])
+
+
+def test_patterns_counts_heads_of_the_final_query_mask(checkpoint, tmp_path):
+    ids = np.random.default_rng(2).integers(0, BASE.vocab_size, size=60)
+    result = run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30)
+    for key in ("md", "png", "usage_png", "json"):
+        assert _nonempty(result.files[key])
+    q = len(ids) - 1
+    np.testing.assert_array_equal(result.positions, np.arange(q - KV.window - 29, q - KV.window + 1))
+    # Every head holds exactly k long-range tokens (60 tokens: saturated).
+    np.testing.assert_array_equal(result.kept.sum(-1), KV.topk)
+
+    # The full attention mask's last row (policy.kvpop_mask), minus sinks and window.
+    config, params = load_pretrained(checkpoint)
+    arrays = policy_arrays(Qwen3ForCausalLM(config), params, jnp.asarray(ids[None]))
+    for layer in range(config.num_hidden_layers):
+        mask = policy.kvpop_mask(arrays["ranks"][layer], arrays["cutoffs"][layer], sinks=KV.sinks, window=KV.window)
+        last_row = np.asarray(mask)[0, :, q]  # [Hkv, S]
+        np.testing.assert_array_equal(result.counts[layer], last_row[:, result.positions].sum(0))
+        ages = q - np.nonzero(result.kept[layer, 0])[0]
+        assert result.mean_age[layer, 0] == pytest.approx(ages.mean())
+
+    text = ("a1b2c3\n" * 9)[:59]  # one token per character, + <bos>: 60 tokens (a compilation-cache hit)
+    with_text = run_patterns(checkpoint, text, out_dir=tmp_path / "text", last_n=12)
+    assert with_text.settings["seq_len"] == 60
+    assert set(with_text.labels) <= set("abc123") | {"\\n"}
+    assert "Most retained" in open(with_text.files["md"]).read()
+
+
+def test_bench_decode_kvpop_flat_dense_growing(tmp_path):
+    bench_md = tmp_path / "BENCHMARKS.md"
+    bench_md.write_text("# Benchmarks\n\nearlier results\n")
+    config = tiny_config(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=16)
+    rows = run_bench_decode(lengths=(64, 128), methods=("dense", "kvpop", "streaming"), out_dir=tmp_path / "out",
+                            benchmarks_md=bench_md, model_config=config, steps=2, warmup=1,
+                            command="pytest bench", progress=False)
+    by = {(r.method, r.length): r for r in rows}
+    assert [r.method for r in rows][:2] == ["kvpop", "kvpop"] and rows[-1].method == "dense"  # dense last
+    assert by["kvpop", 64].cache_bytes == by["kvpop", 128].cache_bytes
+    assert by["streaming", 64].cache_bytes == by["streaming", 128].cache_bytes
+    assert by["dense", 128].cache_bytes > by["dense", 64].cache_bytes
+    assert all(r.ms_median > 0 and r.rss_bytes > 0 for r in rows)
+    text = bench_md.read_text()
+    assert text.startswith("# Benchmarks\n\nearlier results\n")  # appended, not clobbered
+    assert "`pytest bench`" in text and "| kvpop | 128 |" in text and "| dense | 64 |" in text
+    assert "jax " + jax.__version__ in text
+    for name in ("bench_decode.md", "bench_decode.png", "bench_decode.json"):
+        assert _nonempty(tmp_path / "out" / name)
+
+
+def test_parse_lengths():
+    assert parse_lengths("1k, 2k,4096") == (1024, 2048, 4096)
+    with pytest.raises(ValueError):
+        parse_lengths("0")
