@@ -1,0 +1,329 @@
+"""The training job: flags -> configs, optimizer groups, chunked KL, checkpoint/resume after a
+kill (subprocesses), export, NaN abort."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl import flags
+
+from train import optim
+from train.flags import FlagError, OptimConfig, check_devices, config_from_flags, define_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                 tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_flags(run_dir, arch_path, **overrides) -> list[str]:
+    """A train.main command line for a 1-layer random model on generated demo data (seconds per run)."""
+    values = dict(
+        run_dir=run_dir, init_checkpoint=f"random:{arch_path}", tokenizer="demo", data="demo:24",
+        demo_seq_len=256, split_documents=True, max_length=512, seq_len=128, sinks=4, window=16, topk=16,
+        scorer="mlp", num_query_samples=16, kl_topk=16, global_batch=4, micro_batch=2, steps=40, warmup_steps=2,
+        checkpoint_every=2, keep_checkpoints=3, compute_dtype="float32", teacher_dtype="float32",
+        progress=False, loss_chunk=64,
+    )
+    values.update(overrides)
+    out = []
+    for k, v in values.items():
+        if isinstance(v, bool):
+            out.append(f"--{k}" if v else f"--no{k}")
+        else:
+            out.append(f"--{k}={v}")
+    return out
+
+
+@pytest.fixture
+def arch(tmp_path):
+    path = tmp_path / "tiny_arch.json"
+    path.write_text(json.dumps(TINY_ARCH))
+    return str(path)
+
+
+def parse(argv, on_accelerator=False):
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["train"] + argv)
+    return config_from_flags(fv, on_accelerator=on_accelerator)
+
+
+# ------------------------------------------------------------------------------ flags
+
+
+def test_flags_map_onto_configs(tmp_path, arch):
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
+    assert cfg.kvpop.budget == 36 and cfg.kvpop.scorer == "mlp"
+    assert cfg.grad_accum == 2 and cfg.data.batch_size == 4 and cfg.data.seq_len == 128
+    assert cfg.data.data.endswith("data/demo_train.jsonl") and cfg.demo_examples == 24
+    assert cfg.optim.base_lr == 8e-5 and cfg.optim.new_lr == 1e-3 and cfg.optim.b2 == 0.95
+    assert parse(tiny_flags(str(tmp_path / "run"), arch, compute_dtype="auto"), on_accelerator=True).compute_dtype \
+        == "bfloat16"
+    json.dumps(cfg.to_json(), default=str)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(topk=200), "must exceed the KVpop budget"),
+    (dict(seq_len=36), "must exceed the KVpop budget"),
+    (dict(global_batch=6, micro_batch=4), "not divisible by --micro_batch"),
+    (dict(data="/nonexistent/data.jsonl"), "--data"),
+    (dict(data="demo:0"), "demo:N"),
+    (dict(init_checkpoint="/nonexistent/ckpt"), "--init_checkpoint"),
+    (dict(init_checkpoint="random:no_such_model"), "not found"),
+    (dict(reset_attention=True), "--reset_attention"),
+    (dict(loss_chunk=100), "--loss_chunk"),
+    (dict(gamma_min=0.9999999), "gamma_min"),
+    (dict(steps=0), "--steps"),
+])
+def test_bad_flags_raise_clear_errors(tmp_path, arch, overrides, message):
+    with pytest.raises(FlagError, match=message.replace("-", r"\-")):
+        parse(tiny_flags(str(tmp_path / "run"), arch, **overrides))
+
+
+def test_unknown_scorer_is_rejected_at_parse_time(tmp_path, arch):
+    with pytest.raises(flags.IllegalFlagValueError, match="scorer"):
+        parse(tiny_flags(str(tmp_path / "run"), arch, scorer="transformer"))
+
+
+def test_batch_must_divide_over_data_parallel_devices(tmp_path, arch):
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
+    check_devices(cfg, 2, {"data": 1, "fsdp": 2, "tensor": 1})
+    with pytest.raises(FlagError, match="not divisible by the 4 data-parallel devices"):
+        check_devices(cfg, 8, {"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def test_paper_recipes_parse(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # nested flagfile paths are relative to the working directory
+    for name, topk, window in (("qwen3_4b_cr75", 4032, 256), ("qwen3_4b_cr88", 2016, 256),
+                               ("qwen3_8b_cr75", 4032, 256), ("qwen3_8b_cr88", 2016, 256),
+                               ("streamingllm_plus", 0, 2272)):
+        fv = flags.FlagValues()
+        define_flags(fv)
+        fv(["train", f"--flagfile={REPO}/configs/{name}.flags", f"--run_dir={tmp_path}", "--dry_run"])
+        cfg = config_from_flags(fv, on_accelerator=True)
+        assert (cfg.kvpop.sinks, cfg.kvpop.window, cfg.kvpop.topk) == (4, window, topk), name
+        assert cfg.seq_len == 16384 and cfg.global_batch == 128 and cfg.steps == 2000, name
+        assert cfg.optim.weight_decay == 1e-4 and cfg.optim.clip_norm == 1.0 and cfg.kvpop.kl_topk == 256
+        assert cfg.compute_dtype == "bfloat16" and cfg.teacher_dtype == "bfloat16"
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+def test_two_param_groups_and_schedules():
+    cfg = OptimConfig(steps=2000)
+    new = optim.new_params_schedule(cfg)
+    assert float(new(0)) == 0.0
+    np.testing.assert_allclose(float(new(100)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(new(2000)), 8e-5, rtol=1e-5)
+    assert 8e-5 < float(new(1000)) < 1e-3
+    assert float(optim.learning_rates(cfg, 1234)["lr_base"]) == pytest.approx(8e-5)
+    params = {"layers_0": {"mlp": {"kernel": jnp.ones((2, 2))},
+                           "self_attn": {"kvpop": {"decay_alpha": jnp.zeros((2,))}}}}
+    labels = optim.param_labels(params)
+    assert labels["layers_0"]["mlp"]["kernel"] == "base"
+    assert labels["layers_0"]["self_attn"]["kvpop"]["decay_alpha"] == "new"
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_freeze_base_and_clipping(freeze):
+    cfg = OptimConfig(steps=10, warmup_steps=0, freeze_base=freeze, weight_decay=0.0)
+    tx = optim.make_optimizer(cfg)
+    params = {"w": jnp.ones((3,)), "kvpop": {"a": jnp.ones((2,))}}
+    grads = {"w": jnp.full((3,), 100.0), "kvpop": {"a": jnp.full((2,), -100.0)}}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    # Adam's first step moves each weight by ~lr against the gradient sign
+    np.testing.assert_allclose(new["kvpop"]["a"], 1.0 + 1e-3, rtol=1e-5)
+    np.testing.assert_allclose(new["w"], 1.0 if freeze else 1.0 - 8e-5, rtol=1e-6)
+    clipped, _ = optax.clip_by_global_norm(1.0).update(grads, None)
+    assert float(optax.global_norm(clipped)) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------ loss pieces
+
+
+def test_chunked_kl_equals_full_kl():
+    from kvpop_jax import losses
+    from kvpop_jax.config import Qwen3Config
+    from kvpop_jax.modeling import init_params
+    from train import step as st
+
+    config = Qwen3Config(**{k: v for k, v in TINY_ARCH.items() if k != "model_type"})
+    params = init_params(config, jax.random.PRNGKey(0))
+    model = st.TrainModel(config)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 32, 32)), jnp.float32)
+    teacher = jnp.asarray(rng.normal(size=(2, 32, 128)) * 3, jnp.float32)
+    values, indices = losses.teacher_topk(teacher, 8)
+    mask = jnp.asarray(rng.random((2, 32)) > 0.3, jnp.float32)
+    def full_kl(p):
+        logits = model.apply({"params": p}, x, method=st.TrainModel.head)
+        return losses.topk_kl_loss(logits, values, indices, mask=mask)
+
+    def chunked_kl(p):
+        return st.chunked_kl(model, p, x, values, indices, mask, temperature=1.0, chunk=8)
+
+    np.testing.assert_allclose(float(chunked_kl(params)), float(full_kl(params)), rtol=1e-5)
+    g_full, g_chunk = jax.jit(jax.grad(full_kl))(params), jax.jit(jax.grad(chunked_kl))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g_full, g_chunk)
+
+
+def test_teacher_topk_files_round_trip(tmp_path, arch):
+    from train import main
+
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(tmp_path)))
+    values = np.random.default_rng(0).normal(size=(4, 128, 16)).astype(np.float32)
+    indices = np.random.default_rng(1).integers(0, 128, (4, 128, 16)).astype(np.int32)
+    main.write_teacher_topk(str(tmp_path), 3, values, indices)
+    rows = {"input_ids": np.zeros((4, 128), np.int32), "positions": np.zeros((4, 128), np.int32),
+            "loss_mask": np.ones((4, 128), np.float32)}
+    batch = main.host_batch(cfg, rows, 3)
+    assert batch["teacher_values"].shape == (2, 2, 128, 16)
+    np.testing.assert_array_equal(batch["teacher_indices"].reshape(4, 128, 16), indices)
+    with pytest.raises(FileNotFoundError, match="step_00000004.npz"):
+        main.host_batch(cfg, rows, 4)
+
+
+def test_non_finite_loss_names_step_and_term():
+    from train.main import NonFiniteLossError, check_finite
+
+    check_finite(3, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": 2.0})
+    with pytest.raises(NonFiniteLossError, match=r"step 7: retention_loss is nan"):
+        check_finite(7, {"kl": 1.0, "retention_loss": float("nan"), "loss": float("nan"), "grad_norm": 2.0})
+    with pytest.raises(NonFiniteLossError, match=r"step 2: grad_norm is inf"):
+        check_finite(2, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": float("inf")})
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _env(tmp_path):
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3",
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+
+
+def _train_cmd(argv):
+    return [sys.executable, "-m", "train.main"] + argv
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+LOSS_KEYS = ("loss", "kl", "retention_loss", "grad_norm", "boundary_accuracy", "keep_rate", "teacher_recall",
+             "lr_base", "lr_new", "tokens")
+
+
+def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_export(tmp_path, arch):
+    env = _env(tmp_path)
+    full_dir, killed_dir = str(tmp_path / "full"), str(tmp_path / "killed")
+    # one flagfile, nested, as users run it
+    flagfile = tmp_path / "tiny.flags"
+    flagfile.write_text("\n".join(tiny_flags("UNUSED", arch)) + "\n")
+
+    full = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={full_dir}"]), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    # start the same run, kill -9 it once checkpoint 2 is on disk, restart with the same flags
+    proc = subprocess.Popen(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not os.path.isdir(os.path.join(killed_dir, "checkpoints", "2")):
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    killed_at = max(int(s) for s in os.listdir(os.path.join(killed_dir, "checkpoints")) if s.isdigit())
+    assert not os.path.isdir(os.path.join(killed_dir, "export")), "the run finished before it was killed"
+
+    resumed = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr
+    assert killed_at < 40
+
+    a, b = _metrics(full_dir), _metrics(killed_dir)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 41))
+    for ma, mb in zip(a, b):
+        for k in LOSS_KEYS:
+            assert ma[k] == pytest.approx(mb[k], rel=1e-6, abs=1e-7), (ma["step"], k)
+    assert all(np.isfinite(m[k]) for m in a for k in LOSS_KEYS)
+    assert a[0]["lr_new"] == 0.0 and a[2]["lr_new"] == pytest.approx(1e-3, rel=1e-5)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(full_dir, "tb")))
+    assert sorted(int(s) for s in os.listdir(os.path.join(full_dir, "checkpoints")) if s.isdigit()) == [36, 38, 40]
+
+    # precomputed teacher top-k: written by --write_teacher_logits, read instead of running the teacher
+    logits_dir = str(tmp_path / "teacher")
+    for name, extra in (("write", ["--write_teacher_logits"]), ("pre", ["--noexport"])):
+        proc = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={tmp_path / name}",
+                                          f"--teacher_logits_dir={logits_dir}"] + extra),
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.stderr[-4000:])
+    assert sorted(os.listdir(logits_dir)) == [f"step_{i:08d}.npz" for i in range(40)]
+    with np.load(os.path.join(logits_dir, "step_00000000.npz")) as f:
+        assert f["values"].shape == (4, 128, 16) and f["indices"].dtype == np.int32
+        assert np.all(np.diff(f["values"], axis=-1) <= 0)  # best first
+    for ma, mp in zip(a, _metrics(str(tmp_path / "pre"))):
+        for k in LOSS_KEYS:
+            assert ma[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-6), (ma["step"], k)
+
+    # the end-of-run export reloads as a KVpop model; train.export of the last checkpoint matches it
+    from kvpop_jax import load_pretrained
+    from train.export import export_checkpoint
+
+    config, params = load_pretrained(os.path.join(full_dir, "export"))
+    assert config.kvpop is not None and config.kvpop.topk == 16 and config.kvpop.scorer == "mlp"
+    assert "kvpop" in params["layers_0"]["self_attn"]
+    assert os.path.isfile(os.path.join(full_dir, "export", "tokenizer.json"))
+    _, step = export_checkpoint(os.path.join(full_dir, "checkpoints", "40"), str(tmp_path / "exported"))
+    assert step == 40
+    _, params2 = load_pretrained(str(tmp_path / "exported"))
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+    # the killed-and-resumed run ends with the same weights
+    _, params3 = load_pretrained(os.path.join(killed_dir, "export"))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), params, params3)
+
+
+def test_missing_flag_exits_with_message(tmp_path):
+    proc = subprocess.run(_train_cmd([f"--run_dir={tmp_path}", "--init_checkpoint=random:tiny"]), cwd=REPO,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--data is required" in proc.stderr
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_teacher_blockwise_attention_equals_dense_model(monkeypatch, tied):
+    from kvpop_jax import attention, losses
+    from kvpop_jax.config import Qwen3Config
+    from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+    from train import step as st
+
+    arch = {k: v for k, v in TINY_ARCH.items() if k != "model_type"}
+    config = Qwen3Config(**dict(arch, tie_word_embeddings=tied))
+    params = jax.tree.map(lambda x: x * 4.0, init_params(config, jax.random.PRNGKey(0)))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 48), 0, 128)
+    pos = jnp.broadcast_to(jnp.arange(48), (2, 48))
+    logits = Qwen3ForCausalLM(config).apply({"params": params}, ids).logits
+
+    def no_dense(*args, **kwargs):
+        raise AssertionError("the teacher built the S x S dense attention")
+
+    monkeypatch.setattr(attention, "dense_attention", no_dense)
+    values, indices = st.teacher_topk_logits(st.TrainModel(config), params, ids, pos, 8, 16)
+    ref_values, ref_indices = losses.teacher_topk(logits, 8)
+    np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(indices, ref_indices)

@@ -1,0 +1,119 @@
+"""Training checkpoints: an orbax CheckpointManager (async, keep-N, interval).
+
+One checkpoint directory `RUN_DIR/checkpoints/<step>/` (step = optimizer updates done)
+holds four items:
+
+  params     the student's parameters (base + KVpop), sharded arrays
+  opt_state  the optax state, sharded like the params
+  data       the data iterator's state (JSON)
+  meta       JSON: step, the run's RNG key, the model config (HF dict with "kvpop"),
+             the parameter dtype and the training config
+
+`train.export` needs only `params` and `meta`, so it never reads the optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from kvpop_jax.config import Qwen3Config
+from train.step import TrainState
+
+ITEMS = ("params", "opt_state", "data", "meta")
+
+
+class Checkpointer:
+    """Saves and restores TrainState + data-iterator state + metadata under `directory`."""
+
+    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save,
+            create=not read_only, read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, state: TrainState, data_state: dict, meta: dict, *, force: bool = False) -> bool:
+        """Saves at `state.step` if it is a multiple of `save_every` (or `force`); returns whether it did."""
+        step = int(jax.device_get(state.step))
+        if not force and step % self.save_every:
+            return False
+        meta = dict(meta, step=step, rng=np.asarray(jax.device_get(state.rng)).tolist())
+        return self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state.params),
+                opt_state=ocp.args.StandardSave(state.opt_state),
+                data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,  # the interval is decided above (orbax would also save the first step)
+        )
+
+    def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict, dict]:
+        """Restores (state, data state, meta) at `step` onto `abstract_state`'s shapes and shardings."""
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state.params),
+                opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        meta = restored["meta"]
+        rng_sharding = getattr(abstract_state.rng, "sharding", None)
+        rng = np.asarray(meta["rng"], np.uint32)
+        state = TrainState(
+            step=_put(np.asarray(meta["step"], np.int32), getattr(abstract_state.step, "sharding", None)),
+            params=restored["params"], opt_state=restored["opt_state"], rng=_put(rng, rng_sharding),
+        )
+        return state, restored["data"], meta
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters (for export)."""
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+        return restored["params"]
+
+    def restore_meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _put(x: np.ndarray, sharding) -> jax.Array:
+    return jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
+
+
+def model_config_from_meta(meta: dict) -> Qwen3Config:
+    return Qwen3Config.from_hf(meta["model_config"])
+
+
+def split_step_dir(path: str) -> tuple[str, int | None]:
+    """`RUN_DIR/checkpoints/<step>` -> (checkpoints dir, step); a run dir or checkpoints dir -> (dir, None)."""
+    path = os.path.abspath(path)
+    base = os.path.basename(path.rstrip(os.sep))
+    if base.isdigit() and os.path.isdir(path):
+        return os.path.dirname(path), int(base)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.join(path, "checkpoints"), None
+    return path, None

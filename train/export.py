@@ -1,0 +1,100 @@
+"""Export a training checkpoint to a HF-style directory that `load_pretrained` reads as KVpop.
+
+    python -m train.export --checkpoint RUN_DIR/checkpoints/2000 --out DIR [--dtype bfloat16]
+    python -m train.export --checkpoint RUN_DIR --out DIR          # the latest checkpoint
+
+Writes base weights under HF names, the KVpop tensors (scorers, decay) under
+`model.layers.{i}.self_attn.kvpop.*`, and config.json carrying the KVpop settings; the
+tokenizer is copied when the run recorded one. Only the parameters are read (never
+the optimizer state).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from kvpop_jax import save_pretrained
+from kvpop_jax.config import Qwen3Config
+from kvpop_jax.modeling import abstract_params
+from train import checkpointing
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(source_dir: str | None, out: str) -> None:
+    """Copies tokenizer files (if any) from source_dir to out."""
+    if not source_dir or not os.path.isdir(source_dir):
+        return
+    for name in TOKENIZER_FILES:
+        src = os.path.join(source_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out, name))
+
+
+def export_params(config: Qwen3Config, params, out: str, *, dtype=None, tokenizer_dir: str | None = None) -> None:
+    """save_pretrained(config, params) (+ tokenizer), gathering sharded arrays to the host."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    params = jax.device_get(params)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    save_pretrained(config, params, out)
+    copy_tokenizer(tokenizer_dir, out)
+
+
+def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) -> tuple[Qwen3Config, int]:
+    """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`."""
+    directory, step = checkpointing.split_step_dir(checkpoint)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--checkpoint={checkpoint}: no such directory")
+    ckpt = checkpointing.Checkpointer(directory, read_only=True)
+    if step is None:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--checkpoint={checkpoint}: no checkpoint steps in {directory}")
+    elif step not in ckpt.all_steps():
+        raise FileNotFoundError(f"--checkpoint={checkpoint}: step {step} not found (have {ckpt.all_steps()})")
+    meta = ckpt.restore_meta(step)
+    config = checkpointing.model_config_from_meta(meta)
+    param_dtype = DTYPES[meta.get("param_dtype", "float32")]
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          abstract_params(config, param_dtype))
+    params = ckpt.restore_params(step, target)
+    ckpt.close()
+    export_params(config, params, out, dtype=DTYPES[dtype] if dtype else None, tokenizer_dir=meta.get("tokenizer_dir"))
+    return config, step
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "RUN_DIR/checkpoints/<step>, RUN_DIR/checkpoints or RUN_DIR (latest).")
+flags.DEFINE_string("out", None, "Output directory (HF-style safetensors + config.json).")
+flags.DEFINE_enum("dtype", None, list(DTYPES), "Cast the weights (default: as trained).")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.checkpoint or not FLAGS.out:
+        raise app.UsageError("--checkpoint and --out are required")
+    try:
+        config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported step {step} ({config.num_hidden_layers} layers, kvpop={config.kvpop is not None}) to {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

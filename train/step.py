@@ -1,0 +1,326 @@
+"""The sharded train step: KL distillation from a frozen dense teacher + the retention loss.
+
+One call of the step is one optimizer update over the global batch, laid out as
+micro-batches `[A, b, S]` (A = gradient accumulation): a `lax.scan` runs forward/backward
+per micro-batch and sums float32 gradients, then AdamW (two groups, `train/optim.py`)
+updates once. Per micro-batch:
+
+  teacher  dense Qwen3 with the *initial* base weights (frozen, bf16 on GPU): its top-K
+           logits per token, `[b, S, K]` (or precomputed ones read from disk)
+  student  the KVpop model (`query_samples` drawn with `sample_query_positions`, min_q = B)
+  loss     KL(teacher top-K || student) + retention_loss_weight * retention loss
+
+Gradient routing is the model's (DESIGN.md): the KL reaches only base weights, the
+retention loss only scorers and decay. With `freeze_base` the base weights are
+stop-gradient, so XLA drops the whole backward pass through the network.
+
+Memory: `lm_head` and the KL run over sequence chunks of `loss_chunk` tokens under
+`jax.checkpoint`, so `[b, S, V]` logits never exist at once (V = 151936 at S = 16384 is
+10 GB per row in float32); each decoder layer can be rematerialized (`remat`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from kvpop_jax import attention as attn_lib
+from kvpop_jax import losses, modeling
+from kvpop_jax import sharding as shd
+from kvpop_jax.config import Qwen3Config
+from train import optim
+
+REMAT_POLICIES: dict[str, Any] = {
+    "full": None,  # save nothing but the layer inputs
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "keep_rate", "num_valid", "teacher_recall",
+               "tokens")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step int32 []; params / opt_state pytrees; rng uint32 [2] (the run's base key)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+class _ConstrainedLayer(modeling.DecoderLayer):
+    """A decoder layer whose output hidden state is pinned to (batch, length, act_embed)."""
+
+    @nn.compact
+    def __call__(self, x, *args):
+        x, cache, aux = super().__call__(shd.constrain(x, ("batch", "length", "act_embed")), *args)
+        return shd.constrain(x, ("batch", "length", "act_embed")), cache, aux
+
+
+class TrainModel(modeling.Qwen3ForCausalLM):
+    """Qwen3ForCausalLM with per-layer remat and hidden-state / chunked-head entry points.
+
+    Same parameter tree as the library model. `hidden_states` runs the decoder and the final
+    norm; `head` maps hidden states to float32 logits. (A model-side hook — a `remat_policy`
+    field and a `return_hidden` switch on Qwen3ForCausalLM — would remove the copy of
+    `setup` and of the layer loop below.)
+    """
+
+    remat: str = "none"
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.initializers.normal(0.02),
+        )
+        layer_cls = _ConstrainedLayer
+        if self.remat != "none":
+            # argnum 7 of DecoderLayer.__call__ (self = 0) is the Python bool return_policy
+            layer_cls = nn.remat(layer_cls, policy=REMAT_POLICIES[self.remat], static_argnums=(7,))
+        self.layers = [layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}")
+                       for i in range(c.num_hidden_layers)]
+        self.norm = modeling.RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def hidden_states(self, input_ids, positions, query_samples=None):
+        """input_ids, positions int [B, S] -> (normed hidden [B, S, E], aux as in __call__)."""
+        x = self.embed_tokens(input_ids)
+        layer_aux = []
+        for layer in self.layers:
+            x, _, aux = layer(x, positions, None, None, None, query_samples, False)
+            layer_aux.append(aux)
+        return self.norm(x), modeling._collect_aux(layer_aux)
+
+    def head(self, x_BSE):
+        """hidden [B, C, E] -> logits float32 [B, C, V], as the library model computes them.
+
+        The weight is gathered over fsdp (vocab stays split over tensor) before the matmul:
+        left to itself, SPMD may instead split the contraction and all-gather the `[B, C, V]`
+        logits across the batch (4.6 GB per 1024-token chunk for Qwen3-8B).
+        """
+        if self.config.tie_word_embeddings:
+            w_EV = self.embed_tokens.embedding.T
+        else:
+            w_EV = self.lm_head.variables["params"]["kernel"]
+        w_EV = shd.constrain(w_EV.astype(self.dtype), (None, "vocab"))
+        logits = jnp.dot(x_BSE.astype(self.dtype), w_EV)
+        return shd.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the step function needs from TrainConfig (hashable, static under jit)."""
+
+    model: Qwen3Config  # with kvpop set
+    compute_dtype: Any
+    param_dtype: Any
+    teacher_dtype: Any
+    remat: str
+    loss_chunk: int  # 0: the whole sequence
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    precomputed_teacher: bool
+    optim: optim.OptimConfig
+
+
+def _chunks(x, chunk: int):
+    """[B, S, ...] -> [S / chunk, B, chunk, ...]."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x):
+    """[n, B, C, ...] -> [B, n * C, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _blockwise_dense_attention(next_fun, args, kwargs, context):
+    """Flax interceptor: a dense model's causal self-attention through the blockwise KVpop path.
+
+    `modeling.Attention` calls `attention.dense_attention`, which builds the `[B, H, S, S]`
+    logits (32 GB per layer at S = 16384 for Qwen3-8B). With ranks 0 and every cutoff = S
+    the KVpop mask keeps every causal key (s = 0, w = 1), so `attention.kvpop_attention` is
+    the same causal attention, one query block at a time (the Pallas kernel on GPU). Only
+    the plain training forward (no cache, no segments, positions 0..S-1) is rerouted.
+    """
+    module = context.module
+    if (context.method_name != "__call__" or not isinstance(module, modeling.Attention)
+            or module.config.kvpop is not None or any(a is not None for a in args[2:4])):
+        return next_fun(*args, **kwargs)
+    x_BSE, positions = args[0], args[1]
+    q, k, v = module.project_qkv(x_BSE, positions)
+    b, s, hkv = k.shape[0], k.shape[1], k.shape[2]
+    ranks = jnp.zeros((b, hkv, s), jnp.int32)
+    keep_all = jnp.full((b, hkv, s), s, jnp.int32)
+    out, _ = attn_lib.kvpop_attention(q, k, v, ranks, keep_all, sinks=0, window=1)
+    return module.o_proj(out), None, None
+
+
+def teacher_topk_logits(teacher: TrainModel, teacher_params, input_ids, positions, k: int, chunk: int):
+    """The frozen teacher's top-k logits: (values float32 [B, S, K], indices int32 [B, S, K]).
+
+    Positions must be 0..S-1 per row (packing without attention reset, as the data gives).
+    """
+    teacher_params = jax.lax.stop_gradient(teacher_params)
+    with nn.intercept_methods(_blockwise_dense_attention):
+        x, _ = teacher.apply({"params": teacher_params}, input_ids, positions, method=TrainModel.hidden_states)
+
+    def one(_, x_c):
+        logits = teacher.apply({"params": teacher_params}, x_c, method=TrainModel.head)
+        return None, shd.shard_over_batch(lambda z: losses.teacher_topk(z, k))(logits)
+
+    _, (values, indices) = jax.lax.scan(one, None, _chunks(x, chunk))
+    return jax.lax.stop_gradient(_unchunk(values)), _unchunk(indices)
+
+
+def chunked_kl(student: TrainModel, params, x, t_values, t_indices, mask, *, temperature: float, chunk: int):
+    """Mean over masked tokens of KL(teacher top-K || student), computed `chunk` tokens at a time.
+
+    x [B, S, E] student hidden; t_values, t_indices [B, S, K]; mask [B, S]. Each chunk's
+    logits are recomputed in the backward pass instead of stored.
+    """
+
+    @jax.checkpoint
+    def chunk_sum(x_c, v_c, i_c, m_c):
+        logits = student.apply({"params": params}, x_c, method=TrainModel.head)
+        count = jnp.sum(m_c.astype(jnp.float32))
+        return losses.topk_kl_loss(logits, v_c, i_c, temperature=temperature, mask=m_c) * count
+
+    def body(total, xs):
+        return total + chunk_sum(*xs), None
+
+    xs = (_chunks(x, chunk), _chunks(t_values, chunk), _chunks(t_indices, chunk), _chunks(mask, chunk))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
+    return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+
+
+def build_models(sc: StepConfig) -> tuple[TrainModel, TrainModel]:
+    """(student KVpop model with the remat policy, dense teacher: forward only, no remat)."""
+    student = TrainModel(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat=sc.remat)
+    teacher = TrainModel(dataclasses.replace(sc.model, kvpop=None), dtype=sc.compute_dtype,
+                         param_dtype=sc.teacher_dtype, remat="none")
+    return student, teacher
+
+
+def make_loss_fn(sc: StepConfig) -> Callable:
+    """loss_fn(params, teacher_params, micro_batch, rng) -> (loss, metrics dict of scalars)."""
+    student, teacher = build_models(sc)
+    kv = sc.model.kvpop
+    chunk = sc.loss_chunk or sc.seq_len
+
+    def loss_fn(params, teacher_params, mb, rng):
+        ids, pos, mask = mb["input_ids"], mb["positions"], mb["loss_mask"]
+        if sc.optim.freeze_base:
+            flat = traverse_util.flatten_dict(params)
+            params = traverse_util.unflatten_dict(
+                {k: v if optim.KVPOP_SUBTREE in k else jax.lax.stop_gradient(v) for k, v in flat.items()})
+        if sc.precomputed_teacher:
+            t_values, t_indices = mb["teacher_values"].astype(jnp.float32), mb["teacher_indices"]
+        else:
+            t_values, t_indices = teacher_topk_logits(teacher, teacher_params, ids, pos, kv.kl_topk, chunk)
+        q_samples = None
+        if kv.topk > 0:
+            q_samples = losses.sample_query_positions(
+                rng, batch=ids.shape[0], seq_len=ids.shape[1], num=kv.num_query_samples, min_q=kv.budget,
+                late_bias_fraction=kv.late_bias_fraction,
+            )
+        x, aux = student.apply({"params": params}, ids, pos, q_samples, method=TrainModel.hidden_states)
+        kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=kv.kl_temperature, chunk=chunk)
+        metrics = {"kl": kl, "tokens": jnp.sum(mask.astype(jnp.float32))}
+        if q_samples is not None:
+            retention = aux["retention_loss"]
+            metrics.update(retention_loss=retention, **aux["metrics"])
+        else:
+            retention = jnp.zeros((), jnp.float32)
+            metrics.update(retention_loss=retention, boundary_accuracy=retention, keep_rate=retention,
+                           num_valid=retention, teacher_recall=retention)
+        loss = kl + kv.retention_loss_weight * retention
+        metrics["loss"] = loss
+        return loss, {k: jnp.asarray(metrics[k], jnp.float32) for k in METRIC_KEYS}
+
+    return loss_fn
+
+
+def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None) -> Callable:
+    """train_step(state, teacher_params, batch) -> (state, metrics).
+
+    batch: dict of arrays `[A, b, S]` (input_ids, positions, loss_mask; plus
+    teacher_values / teacher_indices `[A, b, S, K]` when precomputed). Metrics are means
+    over micro-batches (tokens: the sum), plus grad_norm (before clipping) and the LRs
+    applied at this step. Deterministic in (state, batch): query samples use
+    fold_in(state.rng, step, micro-batch).
+    """
+    loss_fn = make_loss_fn(sc)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, teacher_params, batch):
+        with shd.activate(mesh):
+            step_rng = jax.random.fold_in(state.rng, state.step)
+
+            def micro(carry, xs):
+                grads_acc, metrics_acc = carry
+                mb, i = xs
+                (_, metrics), grads = grad_fn(state.params, teacher_params, mb, jax.random.fold_in(step_rng, i))
+                grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+                metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics)
+                return (grads_acc, metrics_acc), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            zero_metrics = {k: jnp.zeros((), jnp.float32) for k in METRIC_KEYS}
+            (grads, metrics), _ = jax.lax.scan(
+                micro, (zeros, zero_metrics), (batch, jnp.arange(sc.grad_accum, dtype=jnp.int32)))
+            grads = jax.tree.map(lambda g: g / sc.grad_accum, grads)
+            metrics = {k: (v if k == "tokens" else v / sc.grad_accum) for k, v in metrics.items()}
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics.update(optim.learning_rates(sc.optim, state.step))
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+            return new_state, metrics
+
+    return train_step
+
+
+def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.PRNGKey(seed))
+
+
+def state_shardings(abstract_state: TrainState, mesh) -> TrainState:
+    """NamedShardings of a TrainState: params/opt state FSDP+tensor, step and rng replicated."""
+    params_sh = shd.param_shardings(abstract_state.params, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(
+        step=replicated, params=params_sh,
+        opt_state=shd.state_shardings_like(abstract_state.opt_state, abstract_state.params, mesh),
+        rng=replicated,
+    )
+
+
+def batch_shardings(batch_like: dict, mesh) -> dict:
+    """Arrays [A, b, S, ...]: micro-batch rows b over (data, fsdp)."""
+    return {k: shd.batch_sharding(mesh, v.ndim, batch_dim=1) for k, v in batch_like.items()}
+
+
+def jit_train_step(sc: StepConfig, tx, mesh, abstract_state: TrainState, abstract_teacher, batch_like: dict):
+    """The jitted step with explicit in/out shardings (state donated)."""
+    state_sh = state_shardings(abstract_state, mesh)
+    teacher_sh = shd.param_shardings(abstract_teacher, mesh) if abstract_teacher is not None else None
+    batch_sh = batch_shardings(batch_like, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    step = make_train_step(sc, tx, mesh)
+    return jax.jit(step, in_shardings=(state_sh, teacher_sh, batch_sh), out_shardings=(state_sh, replicated),
+                   donate_argnums=(0,)), state_sh, teacher_sh, batch_sh
