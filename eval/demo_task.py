@@ -1,0 +1,489 @@
+"""The bundled long-context task: a synthetic "reasoning trace" where eviction matters.
+
+A prompt is a trace of short lines over a tiny alphabet (one token per symbol):
+
+    <bos>c4R7m0          bindings: name then digit, 1-3 per line (c=4, R=7, m=0)
+    >m0+3=3              scratch: restate a recent binding (m0), then arithmetic mod 10
+    q1c8                 names are re-bound freely, except the *marked* ones
+    keep q               the mark: this binding is needed later (<= 1 line after it)
+    ...                  (~300 lines)
+    ask q+E              the question: sum mod 10 of 2 of the 3 marked bindings
+    q1                   completion (step by step, then the answer):
+    E9                     look up each value ...
+    1+9=0                  ... add mod 10 ...
+    \\boxed{0}            ... and box it
+
+Why this shape:
+- Long-range memory is needed: the marked bindings live in the first 5-75% of the prompt, so
+  sinks plus a recent window (StreamingLLM) never hold them, and every marked name is bound
+  exactly once.
+- Most tokens are useless after use: a scratch line looks up a binding at most `scratch_reach`
+  tokens back (a short-range copy of the very lookup the question needs, which gives a dense model
+  ~50 lookups per 1.5k-token trace to learn from) and is never read again; distractor bindings
+  are never asked about.
+- The needed facts are few and small: the value token of a binding (its key/value carry the
+  name through a previous-token head) is one token per fact, so they fit easily in k.
+- Which facts matter is revealed *after* they appear, within `max_mark_gap` tokens: a
+  `keep NAME` line follows a marked binding. At insertion a marked binding is identical to the
+  hundreds of distractor bindings (~29% of all tokens are binding values), so a scorer
+  that decides at insertion can at best keep k of them blindly, while a delayed scorer, which
+  sees the w >= max_mark_gap tokens after a token before ranking it (KVpop's mLSTM readout),
+  can keep exactly the marked ones. `oracle_recovery` measures both bounds without a model.
+- Learnable by a tiny dense model: every step is one attention lookup or local mod-10
+  arithmetic, and every lookup (completion `q1`, scratch `m0`) has the binding's own form,
+  name then digit, so it is a plain induction head (find the earlier `q`, copy the digit
+  after it). The chain-of-thought completion splits the answer into such steps.
+
+Difficulty knob (`DIFFICULTY`): easy = answer is one looked-up value (n_query=1), medium
+(default) = sum of two, hard = sum of three out of four marked, with a longer mark delay.
+Lengths: `seq_len` is the exact prompt length in tokens of the demo tokenizer
+(`eval/demo_tokenizer.py`), <bos> included; the completion adds `completion_tokens`.
+
+Answers are exact-match integers, boxed (`\\boxed{7}`, the native format) or `#### 7`;
+`extract_answer` and `score` accept both. Only stdlib and numpy: no kvpop_jax import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import string
+from collections import deque
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+KEEP, ASK, BOXED, HASHES = "keep", "ask", "\\boxed{", "####"
+DIGITS = tuple(string.digits)
+NAMES = tuple(string.ascii_lowercase + string.ascii_uppercase)
+# Every atom is one token; the tokenizer's vocabulary is SPECIAL_TOKENS + ATOMS in this order.
+ATOMS = ("\n", " ") + DIGITS + NAMES + tuple("=+-*/%,;:?!.()[]{}<>") + (KEEP, ASK, BOXED, HASHES)
+# Longest atoms first, then any single character (unknown ones map to <unk>). Shared with the
+# HF tokenizer's Split pre-tokenizer, so `atomize` and the tokenizer always agree.
+TOKEN_PATTERN = "|".join(re.escape(a) for a in sorted(ATOMS, key=len, reverse=True)) + r"|[\s\S]"
+_TOKEN_RE = re.compile(TOKEN_PATTERN)
+
+SPLITS = {"train": 0, "validation": 1, "test": 2}
+_SCRATCH_TOKENS = 8  # ">m0+3=3\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTaskConfig:
+    """Shape of one trace. All lengths are in demo-tokenizer tokens.
+
+    seq_len: exact prompt length, <bos> and question included.
+    n_query: marked bindings summed (mod 10) in the answer; n_marked >= n_query are marked.
+    p_scratch: probability that a distractor line is scratch arithmetic instead of bindings.
+    max_bindings_per_line: bindings per binding line are uniform in [1, this].
+    max_mark_delay: whole lines allowed between a marked binding's line and its `keep` line.
+    marked_zone: marked bindings are placed in this fraction of the body (prompt minus question).
+    n_names: size of the variable-name pool (a-z then A-Z).
+    recent_names: a distractor name is not re-bound within this many bindings, so scratch
+      lines read an unambiguous value.
+    scratch_reach: a scratch line restates a binding whose value token is at most this many
+      tokens before the restated digit, so distractors are read only inside a window w >= it.
+    cot: the completion shows the lookups and additions before the boxed answer.
+    answer_format: "boxed" (\\boxed{7}) or "hash" (#### 7).
+    """
+
+    seq_len: int = 1536
+    n_query: int = 2
+    n_marked: int = 3
+    p_scratch: float = 0.2
+    max_bindings_per_line: int = 3
+    max_mark_delay: int = 1
+    marked_zone: tuple[float, float] = (0.05, 0.75)
+    n_names: int = 52
+    recent_names: int = 12
+    scratch_reach: int = 24
+    cot: bool = True
+    answer_format: str = "boxed"
+
+    def __post_init__(self):
+        if not 1 <= self.n_query <= self.n_marked <= 8:
+            raise ValueError(f"need 1 <= n_query <= n_marked <= 8, got {self.n_query}, {self.n_marked}")
+        if not 0.0 <= self.p_scratch < 1.0:
+            raise ValueError(f"p_scratch must be in [0, 1), got {self.p_scratch}")
+        if self.max_bindings_per_line < 1 or self.max_mark_delay < 0:
+            raise ValueError("max_bindings_per_line must be >= 1 and max_mark_delay >= 0")
+        lo, hi = self.marked_zone
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"marked_zone must satisfy 0 <= lo < hi <= 1, got {self.marked_zone}")
+        if not self.n_marked + self.recent_names + 4 <= self.n_names <= len(NAMES):
+            raise ValueError(f"n_names={self.n_names} leaves too few distractor names")
+        if self.scratch_reach < 4:
+            raise ValueError(f"scratch_reach must be >= 4, got {self.scratch_reach}")
+        if self.answer_format not in ("boxed", "hash"):
+            raise ValueError(f"answer_format must be 'boxed' or 'hash', got {self.answer_format!r}")
+        zone_tokens = (hi - lo) * (self.seq_len - 1 - self.question_tokens)
+        if zone_tokens < self.n_marked * self._marked_spacing:
+            raise ValueError(f"seq_len={self.seq_len} is too short for {self.n_marked} marked bindings")
+
+    @property
+    def max_line_tokens(self) -> int:
+        return max(2 * self.max_bindings_per_line + 1, _SCRATCH_TOKENS)
+
+    @property
+    def max_mark_gap(self) -> int:
+        """Max positions from a marked value token to the name in its `keep` line.
+
+        A delayed scorer with protected window w >= max_mark_gap has seen the mark before the
+        value token becomes eligible for eviction (16 tokens by default).
+        """
+        rest_of_line = 2 * (self.max_bindings_per_line - 1) + 1
+        return rest_of_line + self.max_mark_delay * self.max_line_tokens + 3
+
+    @property
+    def question_tokens(self) -> int:
+        return 2 + 2 * self.n_query - 1 + 1  # "ask " + names joined by "+" + "\n"
+
+    @property
+    def completion_tokens(self) -> int:
+        answer = 3  # "\boxed{" d "}" or "####" " " d
+        return answer + (3 * self.n_query + 6 * (self.n_query - 1) if self.cot else 0)
+
+    @property
+    def _marked_spacing(self) -> int:
+        return self.max_mark_gap + self.max_line_tokens + 1
+
+
+DIFFICULTY = {
+    "easy": dict(n_query=1, n_marked=2),
+    "medium": dict(n_query=2, n_marked=3),
+    "hard": dict(n_query=3, n_marked=4, max_mark_delay=2),
+}
+
+
+def make_config(difficulty: str | None = None, **overrides) -> DemoTaskConfig:
+    """DemoTaskConfig from a DIFFICULTY preset (default "medium") plus field overrides."""
+    return DemoTaskConfig(**{**DIFFICULTY[difficulty or "medium"], **overrides})
+
+
+# ---------------------------------------------------------------------------------- tokens
+
+
+def atomize(text: str) -> list[str]:
+    """Splits text into tokens exactly as the demo tokenizer does (no <bos>)."""
+    return _TOKEN_RE.findall(text)
+
+
+def count_tokens(text: str, add_bos: bool = True) -> int:
+    return len(atomize(text)) + int(add_bos)
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+def example_seed(seed: int, split: str, index: int) -> tuple[int, int, int]:
+    """The entropy of example `index` of `split`: splits never share a seed."""
+    return (int(seed), SPLITS[split], int(index))
+
+
+def _answer_atoms(value: int, answer_format: str) -> list[str]:
+    return [BOXED, str(value), "}"] if answer_format == "boxed" else [HASHES, " ", str(value)]
+
+
+def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskConfig | None = None,
+                     **overrides) -> dict:
+    """One trace. `seed`: int, tuple of ints (see `example_seed`) or np.random.Generator.
+
+    Returns dict(prompt, answer, text, meta): text = prompt + completion; answer is the
+    integer answer as a string. meta holds token positions in the tokenized prompt (<bos> = 0):
+      facts: per marked binding, name, value, value_pos, mark_pos (its name in `keep`), queried;
+      binding_value_positions: every binding's value token (distractors included);
+      determined_positions: the tokens of `text` fixed by their prefix (scratch lookups and
+        results, the whole completion). Everything else is random by construction, so weighting
+        the LM loss towards these helps a small dense model find the lookups;
+      n_prompt_tokens, n_text_tokens, max_mark_gap.
+    """
+    cfg = config or make_config(difficulty, **overrides)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    names = [NAMES[i] for i in rng.permutation(cfg.n_names)]
+    marked, pool = names[: cfg.n_marked], names[cfg.n_marked :]
+    marked_values = [int(v) for v in rng.integers(0, 10, cfg.n_marked)]
+    queried = [int(i) for i in rng.choice(cfg.n_marked, cfg.n_query, replace=False)]
+
+    question = [ASK, " "]
+    for i, q in enumerate(queried):
+        question += ([] if i == 0 else ["+"]) + [marked[q]]
+    question.append("\n")
+    body_len = cfg.seq_len - 1 - len(question)
+
+    # Marked value-token targets: sorted, spread over the zone, at least _marked_spacing apart.
+    lo, hi = int(cfg.marked_zone[0] * body_len), int(cfg.marked_zone[1] * body_len)
+    free = hi - lo - (cfg.n_marked - 1) * cfg._marked_spacing
+    targets = lo + np.sort(rng.integers(0, free, cfg.n_marked)) + np.arange(cfg.n_marked) * cfg._marked_spacing
+
+    body: list[str] = []
+    recent: deque[tuple[str, int, int]] = deque(maxlen=cfg.recent_names)  # (name, value, value_pos)
+    value_positions: list[int] = []
+    determined: list[int] = []
+    facts = [dict(name=marked[i], value=marked_values[i], value_pos=-1, mark_pos=-1, queried=i in queried)
+             for i in range(cfg.n_marked)]
+    next_marked, pending, delay = 0, None, 0  # pending: index of the marked binding awaiting `keep`
+
+    def binding_line(n: int, marked_slot: int | None = None) -> list[str]:
+        line = []
+        for j in range(n):
+            if j == marked_slot:
+                facts[next_marked]["value_pos"] = 1 + len(body) + len(line) + 1
+                line += [marked[next_marked], str(marked_values[next_marked])]
+                continue
+            taken = {name for name, _, _ in recent}
+            name = pool[int(rng.integers(len(pool)))]
+            while name in taken:
+                name = pool[int(rng.integers(len(pool)))]
+            value = int(rng.integers(10))
+            value_positions.append(1 + len(body) + len(line) + 1)
+            recent.append((name, value, value_positions[-1]))
+            line += [name, str(value)]
+        return line + ["\n"]
+
+    def scratch_line() -> list[str] | None:
+        lookup_pos = 1 + len(body) + 2
+        reachable = [(n, v) for n, v, p in recent if lookup_pos - p <= cfg.scratch_reach]
+        if not reachable:
+            return None
+        name, value = reachable[int(rng.integers(len(reachable)))]
+        operand = int(rng.integers(10))
+        op = "+" if rng.random() < 0.5 else "-"
+        result = (value + operand) % 10 if op == "+" else (value - operand) % 10
+        determined.extend([1 + len(body) + 2, 1 + len(body) + 6])
+        return [">", name, str(value), op, str(operand), "=", str(result), "\n"]
+
+    while True:
+        remaining = body_len - len(body)
+        if pending is not None and delay == 0:
+            facts[pending]["mark_pos"] = 1 + len(body) + 2
+            line, pending = [KEEP, " ", marked[pending], "\n"], None
+        elif pending is None and next_marked < cfg.n_marked and len(body) >= targets[next_marked]:
+            n = int(rng.integers(1, cfg.max_bindings_per_line + 1))
+            line = binding_line(n, marked_slot=int(rng.integers(n)))
+            pending, delay = next_marked, int(rng.integers(0, cfg.max_mark_delay + 1))
+            next_marked += 1
+        else:
+            if pending is not None:
+                delay -= 1
+            if remaining < cfg.max_line_tokens:
+                if pending is not None or next_marked < cfg.n_marked:
+                    raise AssertionError("marked zone overflow; validation should prevent this")
+                break
+            line = scratch_line() if rng.random() < cfg.p_scratch else None
+            if line is None:
+                line = binding_line(int(rng.integers(1, cfg.max_bindings_per_line + 1)))
+        body += line
+    # Close the body at exactly body_len tokens: one short binding line, then blank lines.
+    if body_len - len(body) >= 3:
+        body += binding_line(min((body_len - len(body) - 1) // 2, cfg.max_bindings_per_line))
+    body += ["\n"] * (body_len - len(body))
+
+    values = [marked_values[q] for q in queried]
+    answer = sum(values) % 10
+    completion: list[str] = []
+    if cfg.cot:
+        for q in queried:
+            completion += [marked[q], str(marked_values[q]), "\n"]
+        acc = values[0]
+        for v in values[1:]:
+            completion += [str(acc), "+", str(v), "=", str((acc + v) % 10), "\n"]
+            acc = (acc + v) % 10
+    completion += _answer_atoms(answer, cfg.answer_format)
+
+    prompt = "".join(body + question)
+    seed_meta = None if isinstance(seed, np.random.Generator) else np.asarray(seed).tolist()
+    return dict(
+        prompt=prompt,
+        answer=str(answer),
+        text=prompt + "".join(completion),
+        meta=dict(
+            seed=seed_meta,
+            facts=facts,
+            binding_value_positions=sorted(value_positions + [f["value_pos"] for f in facts]),
+            n_prompt_tokens=1 + len(body) + len(question),
+            n_text_tokens=1 + len(body) + len(question) + len(completion),
+            determined_positions=determined + list(range(1 + len(body) + len(question),
+                                                         1 + len(body) + len(question) + len(completion))),
+            max_mark_gap=cfg.max_mark_gap,
+        ),
+    )
+
+
+def generate_dataset(n: int, seed: int = 0, split: str = "train", *, start: int = 0, **kw) -> list[dict]:
+    """Examples start..start+n-1 of `split`; kw as for generate_example. Each gets an `id`."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    out = []
+    for i in range(start, start + n):
+        ex = generate_example(example_seed(seed, split, i), **kw)
+        out.append(dict(id=f"{split}-{seed}-{i}", **ex))
+    return out
+
+
+def write_jsonl(path, examples: Iterable[dict], with_meta: bool = False) -> None:
+    """One JSON object per line: id, prompt, answer, text (and meta if asked)."""
+    keys = ("id", "prompt", "answer", "text") + (("meta",) if with_meta else ())
+    with open(path, "w") as f:
+        for ex in examples:
+            f.write(json.dumps({k: ex[k] for k in keys if k in ex}) + "\n")
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------------- scoring
+
+_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
+
+
+def _last_boxed(text: str) -> tuple[int, str | None]:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return -1, None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return start, text[i:j]
+    return -1, None  # unclosed
+
+
+def extract_answer(text: str) -> str | None:
+    """The last `\\boxed{...}` (nested braces allowed) or `#### ...` answer in text, stripped."""
+    box_at, boxed = _last_boxed(text)
+    hashes = list(_HASH_RE.finditer(text))
+    hash_at = hashes[-1].start() if hashes else -1
+    if box_at < 0 and hash_at < 0:
+        return None
+    answer = boxed if box_at > hash_at else hashes[-1].group(1)
+    return answer.strip()
+
+
+def _normalize(answer: str) -> str:
+    answer = answer.strip().strip("$").replace(" ", "")
+    return str(int(answer)) if re.fullmatch(r"[+-]?\d+", answer) else answer
+
+
+def score(pred_text: str, answer) -> float:
+    """1.0 if the extracted answer equals `answer` (integers compared by value), else 0.0."""
+    pred = extract_answer(pred_text)
+    return float(pred is not None and _normalize(pred) == _normalize(str(answer)))
+
+
+# --------------------------------------------------------------------------------- oracles
+
+
+def solve_from_tokens(tokens: Sequence[str], visible: Iterable[int] | None = None) -> str | None:
+    """Answers from the visible tokens alone, or None if a queried binding is not visible.
+
+    tokens: the tokenized prompt (<bos> at 0). A binding counts as visible when both its name
+    and its value token are; the question (last line) must be visible.
+    """
+    seen = set(range(len(tokens))) if visible is None else set(visible)
+    ask = max((i for i, t in enumerate(tokens) if t == ASK), default=-1)
+    if ask < 0 or not all(i in seen for i in range(ask, len(tokens))):
+        return None
+    wanted = [t for t in tokens[ask + 1 :] if t in NAMES]
+    found = {}
+    for i in range(len(tokens) - 1):
+        if tokens[i] in wanted and tokens[i + 1] in DIGITS and i in seen and i + 1 in seen:
+            found[tokens[i]] = int(tokens[i + 1])
+    if not all(n in found for n in wanted):
+        return None
+    return str(sum(found[n] for n in wanted) % 10)
+
+
+def kept_positions(n_tokens: int, s: int, w: int, k: int, priority: Sequence[float]) -> set[int]:
+    """Cache contents after prefilling n_tokens with static priorities (higher kept; ties:
+    earlier position), per DESIGN.md: sinks, the last w positions, and the top-k eligible."""
+    eligible = range(s, max(s, n_tokens - w))  # E(q) at q = n_tokens - 1
+    top = sorted(eligible, key=lambda t: (-priority[t], t))[:k]
+    return set(range(min(s, n_tokens))) | set(range(max(0, n_tokens - w), n_tokens)) | set(top)
+
+
+def oracle_recovery(example: dict, budget: int, s: int = 4, w: int = 32) -> dict[str, bool]:
+    """Whether each idealized policy keeps every queried fact's value token at the end of the
+    prompt, with a per-head budget B = s + w + k:
+
+    streaming: sinks + recent window only (StreamingLLM).
+    insertion_fifo / insertion_lifo: knows which tokens are binding values (the best a scorer
+      that decides at insertion can know) but not which are marked; ties go to the earliest /
+      the latest (no decay / recency decay).
+    delayed: also sees the `keep` mark within its window, so ranks marked values first.
+    """
+    meta = example["meta"]
+    n, k = meta["n_prompt_tokens"], budget - s - w
+    if k < 0:
+        raise ValueError(f"budget {budget} < s + w = {s + w}")
+    needed = [f["value_pos"] for f in meta["facts"] if f["queried"]]
+    is_value = np.zeros(n)
+    is_value[meta["binding_value_positions"]] = 1.0
+    recency = np.arange(n) * 1e-6
+    is_marked = is_value.copy()
+    is_marked[[f["value_pos"] for f in meta["facts"]]] = 2.0
+    kept = dict(
+        streaming=kept_positions(n, s, budget - s, 0, is_value),
+        insertion_fifo=kept_positions(n, s, w, k, is_value),
+        insertion_lifo=kept_positions(n, s, w, k, is_value + recency),
+        delayed=kept_positions(n, s, w, k, is_marked),
+    )
+    return {name: all(p in positions for p in needed) for name, positions in kept.items()}
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def _main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", default="test", choices=sorted(SPLITS))
+    parser.add_argument("--difficulty", default="medium", choices=sorted(DIFFICULTY))
+    parser.add_argument("--seq-len", type=int, default=1536)
+    parser.add_argument("--n", type=int, default=200, help="examples for the stats (and --out)")
+    parser.add_argument("--out", help="write the n examples to this jsonl file")
+    parser.add_argument("--w", type=int, default=32, help="protected window for the oracle stats")
+    args = parser.parse_args(argv)
+    kw = dict(difficulty=args.difficulty, seq_len=args.seq_len)
+    examples = generate_dataset(args.n, args.seed, args.split, **kw)
+
+    ex = examples[0]
+    lines = ex["text"].split("\n")
+    print(f"--- {ex['id']} (answer {ex['answer']}): first and last lines of {len(lines)} ---")
+    print("\n".join(lines[:14] + ["..."] + lines[-14:]))
+    print("--- facts:", [{k: f[k] for k in ("name", "value", "value_pos", "mark_pos", "queried")}
+                         for f in ex["meta"]["facts"]])
+
+    prompt_len = np.array([e["meta"]["n_prompt_tokens"] for e in examples])
+    text_len = np.array([e["meta"]["n_text_tokens"] for e in examples])
+    n_values = np.array([len(e["meta"]["binding_value_positions"]) for e in examples])
+    gaps = [f["mark_pos"] - f["value_pos"] for e in examples for f in e["meta"]["facts"]]
+    print(f"--- {args.n} {args.split} examples, difficulty {args.difficulty}")
+    print(f"prompt tokens {prompt_len.min()}..{prompt_len.max()}, text tokens {text_len.min()}..{text_len.max()}")
+    print(f"binding values per prompt {n_values.mean():.0f} ({(n_values / prompt_len).mean():.0%} of tokens); "
+          f"mark gap {min(gaps)}..{max(gaps)} (bound {ex['meta']['max_mark_gap']})")
+    try:
+        from eval.demo_tokenizer import build_tokenizer
+
+        tok = build_tokenizer()
+        hf_len = [len(tok(e["prompt"])["input_ids"]) for e in examples[:20]]
+        print(f"HF tokenizer (vocab {len(tok)}): prompt tokens of 20 examples {min(hf_len)}..{max(hf_len)}")
+    except ImportError as err:
+        print(f"(HF tokenizer unavailable: {err})")
+    for cr in (0.75, 0.88):
+        budget = int(round((1 - cr) * args.seq_len))
+        rec = [oracle_recovery(e, budget, s=4, w=args.w) for e in examples]
+        rates = {p: np.mean([r[p] for r in rec]) for p in rec[0]}
+        print(f"CR {cr:.0%} (B={budget}, s=4, w={args.w}): oracle recovery "
+              + ", ".join(f"{p} {v:.0%}" for p, v in rates.items()))
+    if args.out:
+        write_jsonl(args.out, examples)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,197 @@
+"""The bundled demo task (eval/demo_task.py) and its tokenizer (eval/demo_tokenizer.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eval import demo_task as dt
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from eval.demo_tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def test_set():
+    return dt.generate_dataset(100, seed=0, split="test")
+
+
+def _tokens(example):
+    return [dt.BOS] + dt.atomize(example["prompt"])
+
+
+# ---------------------------------------------------------------------- determinism, splits
+
+
+def test_same_seed_same_example_and_different_seeds_differ():
+    a, b = dt.generate_example((0, 0, 5)), dt.generate_example((0, 0, 5))
+    assert a == b
+    assert dt.generate_example((0, 0, 6))["prompt"] != a["prompt"]
+    assert dt.generate_dataset(3, seed=1, split="train") == dt.generate_dataset(3, seed=1, split="train")
+    assert dt.generate_dataset(3, seed=1, split="train", start=2)[0] == dt.generate_dataset(3, seed=1)[2]
+
+
+def test_splits_are_disjoint():
+    prompts = {s: {e["prompt"] for e in dt.generate_dataset(60, seed=0, split=s)} for s in dt.SPLITS}
+    assert all(len(p) == 60 for p in prompts.values())
+    assert not prompts["train"] & prompts["test"]
+    assert not prompts["train"] & prompts["validation"]
+    assert not prompts["validation"] & prompts["test"]
+    with pytest.raises(ValueError):
+        dt.generate_dataset(1, split="dev")
+
+
+# ---------------------------------------------------------------------- lengths and structure
+
+
+@pytest.mark.parametrize("difficulty,seq_len", [("easy", 1024), ("medium", 1536), ("hard", 2048), ("medium", 256)])
+def test_token_lengths_exact(tok, difficulty, seq_len):
+    cfg = dt.make_config(difficulty, seq_len=seq_len)
+    for i in range(5):
+        ex = dt.generate_example((3, 2, i), config=cfg)
+        n_prompt = len(tok(ex["prompt"])["input_ids"])
+        n_text = len(tok(ex["text"])["input_ids"])
+        assert n_prompt == ex["meta"]["n_prompt_tokens"] == seq_len
+        assert n_text == ex["meta"]["n_text_tokens"] == seq_len + cfg.completion_tokens
+
+
+def test_fact_positions_marks_and_answer(test_set):
+    cfg = dt.make_config()
+    gaps = []
+    for ex in test_set:
+        tokens, meta = _tokens(ex), ex["meta"]
+        queried = []
+        for f in meta["facts"]:
+            v, m = f["value_pos"], f["mark_pos"]
+            assert tokens[v] == str(f["value"]) and tokens[v - 1] == f["name"]
+            assert tokens[m - 2 : m + 2] == [dt.KEEP, " ", f["name"], "\n"]
+            assert v < cfg.marked_zone[1] * len(tokens) + cfg.max_line_tokens
+            # Each marked name is bound once: a name followed by a digit only at value_pos - 1.
+            assert [i for i in range(len(tokens) - 1) if tokens[i] == f["name"] and tokens[i + 1] in dt.DIGITS] == [v - 1]
+            gaps.append(m - v)
+            if f["queried"]:
+                queried.append(f["value"])
+        assert len(queried) == cfg.n_query
+        assert ex["answer"] == str(sum(queried) % 10)
+        assert all(tokens[p] in dt.DIGITS for p in meta["binding_value_positions"])
+        assert ex["text"].startswith(ex["prompt"]) and dt.score(ex["text"][len(ex["prompt"]):], ex["answer"]) == 1.0
+    # The mark arrives within max_mark_gap, so a delayed scorer with w >= 16 always sees it.
+    assert max(gaps) <= cfg.max_mark_gap == 16
+    assert {ex["answer"] for ex in test_set} == set(dt.DIGITS)
+
+
+def test_scratch_lookups_are_determined(test_set):
+    for ex in test_set[:20]:
+        tokens = [dt.BOS] + dt.atomize(ex["text"])
+        n_prompt = ex["meta"]["n_prompt_tokens"]
+        determined = ex["meta"]["determined_positions"]
+        assert determined[-(len(tokens) - n_prompt):] == list(range(n_prompt, len(tokens)))
+        scratch = [p for p in determined if p < n_prompt]
+        assert scratch and len(scratch) % 2 == 0
+        for lookup, result in zip(scratch[::2], scratch[1::2]):
+            name, op, operand = tokens[lookup - 1], tokens[lookup + 1], int(tokens[lookup + 2])
+            assert tokens[lookup - 2] == ">" and result == lookup + 4
+            # The restated value is the latest binding of that name, within scratch_reach tokens.
+            latest = max(p for p in ex["meta"]["binding_value_positions"] if p < lookup and tokens[p - 1] == name)
+            assert tokens[lookup] == tokens[latest] and lookup - latest <= dt.DemoTaskConfig.scratch_reach
+            value = int(tokens[lookup])
+            assert int(tokens[result]) == ((value + operand) if op == "+" else (value - operand)) % 10
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        dt.make_config(seq_len=64)
+    with pytest.raises(ValueError):
+        dt.make_config(n_query=4, n_marked=3)
+    with pytest.raises(ValueError):
+        dt.make_config(answer_format="latex")
+
+
+# ---------------------------------------------------------------------- answers
+
+
+def test_extract_answer_and_score():
+    assert dt.extract_answer("a=1\n\\boxed{7}") == "7"
+    assert dt.extract_answer("so #### 12 \nend") == "12"
+    assert dt.extract_answer("\\boxed{3} then #### 4") == "4"
+    assert dt.extract_answer("#### 4 then \\boxed{ 5 }") == "5"
+    assert dt.extract_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert dt.extract_answer("no answer") is None and dt.extract_answer("\\boxed{7") is None
+    assert dt.score("\\boxed{07}", "7") == 1.0 and dt.score("#### 7", 7) == 1.0
+    assert dt.score("\\boxed{8}", "7") == 0.0 and dt.score("7", "7") == 0.0
+    ex = dt.generate_example(11, answer_format="hash")
+    completion = ex["text"][len(ex["prompt"]):]
+    assert "\\boxed" not in completion and dt.score(completion, ex["answer"]) == 1.0
+    ex = dt.generate_example(11, cot=False)
+    assert ex["text"] == ex["prompt"] + "\\boxed{" + ex["answer"] + "}"
+
+
+def test_jsonl_round_trip(tmp_path, test_set):
+    path = tmp_path / "demo.jsonl"
+    dt.write_jsonl(path, test_set[:5])
+    rows = dt.read_jsonl(path)
+    assert [set(r) for r in rows] == [{"id", "prompt", "answer", "text"}] * 5
+    assert [r["text"] for r in rows] == [e["text"] for e in test_set[:5]]
+    dt.write_jsonl(path, test_set[:2], with_meta=True)
+    assert dt.read_jsonl(path)[1]["meta"] == json.loads(json.dumps(test_set[1]["meta"]))
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_reload(tok, tmp_path, test_set):
+    from transformers import AutoTokenizer
+
+    from eval.demo_tokenizer import save_tokenizer
+
+    assert len(tok) <= 128
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    for ex in test_set[:10]:
+        ids = tok(ex["text"])["input_ids"]
+        assert ids[0] == tok.bos_token_id
+        assert tok.convert_ids_to_tokens(ids[1:]) == dt.atomize(ex["text"])
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids, skip_special_tokens=True) == ex["text"]
+    odd = "keep  x\n\n\\boxed{42} #### 3 (a*b)/c"  # spaces and newlines are tokens: exact round trip
+    assert tok.decode(tok(odd)["input_ids"], skip_special_tokens=True) == odd
+    assert tok("x\té")["input_ids"] == [1, tok.convert_tokens_to_ids("x"), 3, 3]
+
+    save_tokenizer(tmp_path / "tok")
+    reloaded = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    text = test_set[0]["text"]
+    assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert reloaded.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == (dt.BOS, dt.EOS, dt.PAD)
+    batch = reloaded([text, "a1\n"], padding=True)
+    assert batch["input_ids"][1][-1] == reloaded.pad_token_id
+
+
+# ---------------------------------------------------------------------- needs long-range memory
+
+
+def test_task_needs_long_range_memory(test_set):
+    seq_len, s, w = 1536, 4, 32
+    budget = int(0.12 * seq_len)  # CR 88%
+    full, streaming, marked_only = [], [], []
+    for ex in test_set:
+        tokens, n = _tokens(ex), ex["meta"]["n_prompt_tokens"]
+        full.append(dt.solve_from_tokens(tokens) == ex["answer"])
+        window = set(range(s)) | set(range(n - (budget - s), n))
+        streaming.append(dt.solve_from_tokens(tokens, window) == ex["answer"])
+        question = set(range(max(i for i, t in enumerate(tokens) if t == dt.ASK), n))
+        facts = {p for f in ex["meta"]["facts"] for p in (f["value_pos"] - 1, f["value_pos"])}
+        marked_only.append(dt.solve_from_tokens(tokens, question | facts) == ex["answer"])
+    assert all(full) and all(marked_only)
+    assert np.mean(streaming) <= 0.05
+
+    rec = [dt.oracle_recovery(ex, budget, s=s, w=w) for ex in test_set]
+    rate = {p: np.mean([r[p] for r in rec]) for p in rec[0]}
+    # Blind to the marks, even a scorer that knows every binding value loses the facts;
+    # seeing the marks within the window (w >= max_mark_gap) keeps all of them.
+    assert rate["delayed"] == 1.0
+    assert rate["streaming"] <= 0.05
+    assert rate["insertion_fifo"] <= 0.35 and rate["insertion_lifo"] <= 0.15
