@@ -9,8 +9,12 @@ the attention logits of each query (float32). The model calls attention only thr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from kvpop_jax import sharding as shd
 
 NEG_INF = -1e30  # finite "minus infinity": keeps fully masked rows free of NaNs
 
@@ -21,7 +25,7 @@ def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
 
 
-def dense_attention(
+def dense_attention_reference(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -33,7 +37,7 @@ def dense_attention(
     kv_valid: jax.Array | None = None,
     scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal softmax attention (the dense reference).
+    """Causal softmax attention over the whole `[S, T]` logits at once (the dense reference).
 
     Args:
       q: [B, S, Hq, D] queries; k, v: [B, T, Hkv, D].
@@ -63,6 +67,89 @@ def dense_attention(
     probs = jnp.exp(logits - lse[..., None])
     out = jnp.einsum("bhgst,bthd->bshgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, hq, d).astype(q.dtype), lse.reshape(b, hq, s)
+
+
+
+DENSE_BLOCKWISE_MIN_QUERIES = 2048  # above this many queries `dense_attention` goes blockwise
+
+
+def dense_attention_blockwise(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    kv_valid: jax.Array | None = None,
+    scale: float | None = None,
+    block_q: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """`dense_attention_reference` one query block at a time (same contract).
+
+    Memory is O(block_q * T) per head instead of O(S * T), in autodiff too: each block is
+    rematerialized (`jax.checkpoint`). S need not be a multiple of `block_q`.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    bq = min(block_q, s)
+    nb = -(-s // bq)
+    pad = nb * bq - s
+
+    def blocks(x):  # [B, S, ...] -> [nb, B, bq, ...]; padded queries are sliced off at the end
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, nb, bq, *x.shape[2:]), 1, 0)
+
+    xs = [blocks(_group_queries(q, hkv)), blocks(q_positions)]
+    if q_segment_ids is not None:
+        xs.append(blocks(q_segment_ids))
+
+    def one_block(args):
+        q_blk, qpos_blk = args[0], args[1]
+        mask = kv_positions[:, None, :] <= qpos_blk[:, :, None]  # [B, bq, T]
+        if q_segment_ids is not None:
+            mask &= args[2][:, :, None] == kv_segment_ids[:, None, :]
+        if kv_valid is not None:
+            mask &= kv_valid[:, None, :]
+        logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(mask[:, None, None], logits, NEG_INF)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, G, bq]
+        probs = jnp.exp(logits - lse[..., None])
+        out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype), lse
+
+    out, lse = jax.lax.map(jax.checkpoint(one_block, prevent_cse=False), tuple(xs))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * bq, hkv, g, d)[:, :s].reshape(b, s, hq, d)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hq, nb * bq)[:, :, :s]
+    return out, lse
+
+
+def dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    kv_valid: jax.Array | None = None,
+    scale: float | None = None,
+    blockwise: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal softmax attention; contract of `dense_attention_reference`.
+
+    blockwise: True runs `dense_attention_blockwise` (no `[S, T]` logits), False the
+    reference; None goes blockwise when S > `DENSE_BLOCKWISE_MIN_QUERIES`.
+    """
+    if blockwise is None:
+        blockwise = q.shape[1] > DENSE_BLOCKWISE_MIN_QUERIES
+    fn = dense_attention_blockwise if blockwise else dense_attention_reference
+    return fn(q, k, v, q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, scale=scale)
 
 
 # --- KVpop-masked attention -------------------------------------------------------------
@@ -177,7 +264,9 @@ def kvpop_attention(
     implementation: "xla" (`kvpop_attention_reference`), "pallas" (the Triton-lowered
     kernel, `pallas_kernels.sparse_attention`) or "pallas_interpret" (the same kernel in
     interpret mode, for CPU tests). None picks `$KVPOP_ATTENTION_IMPL` if set, else
-    "pallas" on GPU and "xla" elsewhere.
+    "pallas" on GPU and "xla" elsewhere. Under an active mesh (`sharding.activate`) the
+    Pallas kernel runs in shard_map over batch and heads (`pallas_call` is not
+    auto-partitioned); the XLA reference is left to the SPMD partitioner.
     """
     from pallas_kernels._common import resolve_implementation
 
@@ -187,4 +276,5 @@ def kvpop_attention(
         return kvpop_attention_reference(q, k, v, ranks, cutoffs, **kwargs)
     from pallas_kernels.sparse_attention import sparse_attention
 
-    return sparse_attention(q, k, v, ranks, cutoffs, interpret=impl == "pallas_interpret", **kwargs)
+    kernel = functools.partial(sparse_attention, interpret=impl == "pallas_interpret", **kwargs)
+    return shd.shard_kernel(kernel, ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"))(q, k, v, ranks, cutoffs)

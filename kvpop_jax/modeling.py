@@ -27,12 +27,22 @@ import jax.numpy as jnp
 
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import baselines
+from kvpop_jax import sharding as shd
 from kvpop_jax.baselines import BaselineCache, BaselineLayerCache
 from kvpop_jax.cache import KVpopCache, KVpopLayerCache
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
 
 Dtype = Any
+
+# Per-layer rematerialization (`Qwen3ForCausalLM.remat_policy`): what a layer keeps for the
+# backward pass. "full" keeps nothing but the layer's inputs.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @flax.struct.dataclass
@@ -54,11 +64,14 @@ class DenseCache:
 
 @flax.struct.dataclass
 class CausalLMOutput:
-    """logits [B, S, V] float32; cache (DenseCache or None); aux: per-layer extras (KVpop)."""
+    """logits [B, S, V] float32 (None with `return_hidden`); cache (DenseCache or None);
+    aux: per-layer extras (KVpop); hidden [B, S, E]: the final normed hidden states (only
+    with `return_hidden`; `Qwen3ForCausalLM.logits_from_hidden` maps them to logits)."""
 
-    logits: jax.Array
+    logits: jax.Array | None
     cache: DenseCache | None = None
     aux: Any = None
+    hidden: jax.Array | None = None
 
 
 class RMSNorm(nn.Module):
@@ -199,7 +212,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None,
                  query_samples=None, return_policy=False):
+        """x [B, S, E] -> (x [B, S, E], new layer cache or None, KVpop aux or None).
+
+        The residual stream is pinned to (batch, length, act_embed) under an active mesh.
+        """
         c = self.config
+        x_BSE = shd.constrain(x_BSE, ("batch", "length", "act_embed"))
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BSE)
         h, new_cache, aux = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
             h, positions, segment_ids, layer_cache, cache_length, query_samples, return_policy
@@ -207,7 +225,33 @@ class DecoderLayer(nn.Module):
         x_BSE = x_BSE + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BSE)
         x_BSE = x_BSE + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return x_BSE, new_cache, aux
+        return shd.constrain(x_BSE, ("batch", "length", "act_embed")), new_cache, aux
+
+
+class LMHead(nn.Module):
+    """The untied output projection: kernel [E, V] (the path and init of `nn.Dense`)."""
+
+    vocab_size: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSE):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x_BSE.shape[-1], self.vocab_size),
+                            self.param_dtype)
+        return _project_to_vocab(x_BSE, kernel, self.dtype)
+
+
+def _project_to_vocab(x_BSE, w_EV, dtype):
+    """hidden [B, S, E] @ weight [E, V] in `dtype` -> logits float32 [B, S, V].
+
+    The weight is gathered over fsdp (vocab stays split over tensor) before the matmul:
+    left to itself, SPMD may instead split the contraction and all-gather the `[B, S, V]`
+    logits across the batch (4.6 GB per 1024-token chunk for Qwen3-8B).
+    """
+    w_EV = shd.constrain(w_EV.astype(dtype), (None, "vocab"))
+    logits = jnp.dot(x_BSE.astype(dtype), w_EV)
+    return shd.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -222,27 +266,47 @@ class Qwen3ForCausalLM(nn.Module):
     attention is reset between segments) support packed sequences. With `cache`
     (a DenseCache), the new tokens are written at `cache.length` and attend to the whole
     cache; positions then default to `cache.length + arange(S)`.
+
+    `return_hidden=True` stops before the head: the output then has `hidden` (the final
+    normed hidden states [B, S, E]) and `logits=None`, so a caller can apply
+    `logits_from_hidden` a sequence chunk at a time (training never holds `[B, S, V]`).
+    `remat_policy` (none | full | dots_saveable | dots_with_no_batch_dims_saveable)
+    rematerializes each decoder layer in the backward pass; the parameter tree is the same.
     """
 
     config: Qwen3Config
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
 
     def setup(self):
         c = self.config
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
             embedding_init=nn.initializers.normal(0.02),
         )
+        layer_cls = DecoderLayer
+        if self.remat_policy != "none":
+            # DecoderLayer.__call__ argnum 7 (self = 0) is the Python bool return_policy; caches,
+            # None and the other arguments are pytrees and may be traced.
+            layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat_policy], static_argnums=(7,))
         self.layers = [
-            DecoderLayer(c, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)
+            layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+            self.lm_head = LMHead(c.vocab_size, self.dtype, self.param_dtype)
+
+    def logits_from_hidden(self, hidden_BSE: jax.Array) -> jax.Array:
+        """Final normed hidden states [B, S, E] (any S) -> logits float32 [B, S, V] (tied or untied head)."""
+        if self.config.tie_word_embeddings:
+            return _project_to_vocab(hidden_BSE, self.embed_tokens.embedding.T, self.dtype)
+        return self.lm_head(hidden_BSE)
 
     def __call__(self, input_ids, positions=None, segment_ids=None, cache: DenseCache | None = None,
-                 query_samples=None, return_policy: bool = False):
+                 query_samples=None, return_policy: bool = False, return_hidden: bool = False):
         b, s = input_ids.shape
         if positions is None:
             start = 0 if cache is None else cache.length
@@ -272,16 +336,15 @@ class Qwen3ForCausalLM(nn.Module):
                 new_k.append(lc[0])
                 new_v.append(lc[1])
         x = self.norm(x)
-        if self.config.tie_word_embeddings:
-            logits = self.embed_tokens.attend(x)
-        else:
-            logits = self.lm_head(x)
         new_cache = None
         if bounded:
             new_cache = cache.replace(layers=tuple(new_layers), length=cache.length + s)
         elif cache is not None:
             new_cache = DenseCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + s)
-        return CausalLMOutput(logits=logits.astype(jnp.float32), cache=new_cache, aux=_collect_aux(layer_aux))
+        aux = _collect_aux(layer_aux)
+        if return_hidden:
+            return CausalLMOutput(logits=None, cache=new_cache, aux=aux, hidden=x)
+        return CausalLMOutput(logits=self.logits_from_hidden(x), cache=new_cache, aux=aux)
 
     def decode_step(self, input_ids, cache):
         """New tokens [B, S] against the cache -> CausalLMOutput with the new cache.
@@ -339,6 +402,7 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
 __all__ = [
     "CausalLMOutput",
     "DenseCache",
+    "REMAT_POLICIES",
     "Qwen3ForCausalLM",
     "abstract_params",
     "init_params",

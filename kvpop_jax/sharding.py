@@ -13,9 +13,11 @@ A dimension that its mesh axes do not divide is left unsharded (never an error),
 table serves every model size. KVpop parameters (scorers, decay: a few KB per layer)
 are replicated.
 
-Pallas kernels are not auto-partitioned: `shard_over_batch_heads` wraps an attention
-kernel of the `[B, S, H, D]` signature in `shard_map` over batch and heads, using the
-mesh activated by `activate(mesh)` (a no-op without one).
+Pallas kernels are not auto-partitioned: `shard_kernel` wraps a kernel in `shard_map`
+over batch and heads (its arrays described by layouts such as "BSHD", "BHS"), using the
+mesh activated by `activate(mesh)` (a no-op without one). The kernel dispatchers
+(`attention.kvpop_attention`, `future_attention_log_mass_auto`,
+`running_topk_cutoff_auto`) apply it to their Pallas paths.
 """
 
 from __future__ import annotations
@@ -192,29 +194,58 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE_MESH.get()
 
 
-def shard_over_batch_heads(kernel: Callable, mesh: Mesh | None = None) -> Callable:
-    """Wraps `kernel(q, k, v, ranks, cutoffs, **kw) -> (out, lse)` in shard_map over batch and heads.
+def shard_kernel(
+    kernel: Callable, in_layouts: Sequence[str], out_layouts: str | Sequence[str], mesh: Mesh | None = None
+) -> Callable:
+    """Wraps `kernel(*arrays)` in shard_map over batch and heads: the one way kernels are partitioned.
 
-    Shapes: q [B, S, Hq, D], k, v [B, S, Hkv, D], ranks, cutoffs [B, Hkv, S] -> out
-    [B, S, Hq, D], lse [B, Hq, S]. Batch goes over (data, fsdp), heads over tensor;
+    A layout names each array's dims with one letter: "B" is the batch (split over data,
+    fsdp), "H" the heads (split over tensor), any other letter is kept whole ("BSHD" for
+    q/k/v, "BHS" for per-head rows). `out_layouts` is one layout (one output) or a
+    sequence (a tuple of outputs). Heads are split only when tensor divides every H dim;
     contiguous head blocks keep GQA groups together (query head h*G + g reads KV head h).
     The sequence is never split. Without an active multi-device mesh, returns `kernel`.
     """
     mesh = mesh or _ACTIVE_MESH.get()
     if mesh is None or mesh.size == 1:
         return kernel
+    in_layouts = tuple(in_layouts)
+
+    def wrapped(*arrays):
+        if len(arrays) != len(in_layouts) or any(np.ndim(x) != len(l) for x, l in zip(arrays, in_layouts)):
+            raise ValueError(f"arrays of shapes {[np.shape(x) for x in arrays]} do not match layouts {in_layouts}")
+        batch = [np.shape(x)[l.index("B")] for x, l in zip(arrays, in_layouts) if "B" in l]
+        heads = [np.shape(x)[l.index("H")] for x, l in zip(arrays, in_layouts) if "H" in l]
+        bspec = logical_to_spec(["batch"], mesh, batch[:1])[0] if batch else None
+        t = mesh.shape["tensor"]
+        hspec = "tensor" if t > 1 and heads and all(h % t == 0 for h in heads) else None
+        if bspec is None and hspec is None:
+            return kernel(*arrays)
+
+        def spec(layout: str) -> P:
+            return P(*(bspec if c == "B" else hspec if c == "H" else None for c in layout))
+
+        out_specs = spec(out_layouts) if isinstance(out_layouts, str) else tuple(spec(l) for l in out_layouts)
+        fn = jax.shard_map(kernel, mesh=mesh, in_specs=tuple(spec(l) for l in in_layouts), out_specs=out_specs,
+                           check_vma=False)
+        return fn(*arrays)
+
+    return wrapped
+
+
+def shard_over_batch_heads(kernel: Callable, mesh: Mesh | None = None) -> Callable:
+    """Wraps `kernel(q, k, v, ranks, cutoffs, **kw) -> (out, lse)` in shard_map over batch and heads.
+
+    Shapes: q [B, S, Hq, D], k, v [B, S, Hkv, D], ranks, cutoffs [B, Hkv, S] -> out
+    [B, S, Hq, D], lse [B, Hq, S]; partitioned as `shard_kernel` says. Without an active
+    multi-device mesh, returns `kernel`.
+    """
+    mesh = mesh or _ACTIVE_MESH.get()
+    if mesh is None or mesh.size == 1:
+        return kernel
 
     def wrapped(q, k, v, ranks, cutoffs, **kw):
-        b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-        bspec = logical_to_spec(["batch"], mesh, (b,))[0]
-        t = mesh.shape["tensor"]
-        hspec = "tensor" if t > 1 and hq % t == 0 and hkv % t == 0 else None
-        bshd = P(bspec, None, hspec, None)
-        bhs = P(bspec, hspec, None)
-        fn = jax.shard_map(
-            lambda *a: kernel(*a, **kw), mesh=mesh, in_specs=(bshd, bshd, bshd, bhs, bhs),
-            out_specs=(bshd, bhs), check_vma=False,
-        )
+        fn = shard_kernel(lambda *a: kernel(*a, **kw), ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"), mesh)
         return fn(q, k, v, ranks, cutoffs)
 
     return wrapped
@@ -295,6 +326,7 @@ __all__ = [
     "param_shardings",
     "per_device_bytes",
     "shard_over_batch",
+    "shard_kernel",
     "shard_over_batch_heads",
     "state_shardings_like",
 ]

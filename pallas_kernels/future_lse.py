@@ -177,12 +177,16 @@ def future_attention_log_mass_auto(
 
     implementation: "xla" (the blockwise reference, `block_size` queries per step),
     "pallas" (`future_lse`) or "pallas_interpret". None picks `$KVPOP_FUTURE_LSE_IMPL` if
-    set, else "pallas" on GPU and "xla" elsewhere. Pass it as `log_mass_fn` to
-    `targets.future_attention_target`.
+    set, else "pallas" on GPU and "xla" elsewhere. Under an active mesh the kernel runs in
+    shard_map over batch and heads (`kvpop_jax.sharding.shard_kernel`). Pass it as
+    `log_mass_fn` to `targets.future_attention_target`.
     """
     impl = resolve_implementation(implementation, FUTURE_LSE_IMPL_ENV)
     if impl == "xla":
         from kvpop_jax.targets import future_attention_log_mass
 
         return future_attention_log_mass(q, k, lse, window=window, scale=scale, block_size=block_size)
-    return future_lse(q, k, lse, window=window, scale=scale, interpret=impl == "pallas_interpret")
+    from kvpop_jax.sharding import shard_kernel  # pallas_call is not auto-partitioned
+
+    kernel = functools.partial(future_lse, window=window, scale=scale, interpret=impl == "pallas_interpret")
+    return shard_kernel(kernel, ("BSHD", "BSHD", "BHS"), "BHS")(q, k, lse)

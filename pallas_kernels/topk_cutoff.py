@@ -170,4 +170,10 @@ def running_topk_cutoff_auto(
         from kvpop_jax.policy import running_topk_cutoff
 
         return running_topk_cutoff(ranks, sinks=sinks, window=window, topk=topk)
-    return topk_cutoff(ranks, sinks=sinks, window=window, topk=topk, interpret=impl == "pallas_interpret")
+    kernel = functools.partial(topk_cutoff, sinks=sinks, window=window, topk=topk,
+                               interpret=impl == "pallas_interpret")
+    if ranks.ndim != 3:
+        return kernel(ranks)
+    from kvpop_jax.sharding import shard_kernel  # pallas_call is not auto-partitioned
+
+    return shard_kernel(kernel, ("BHS",), "BHS")(ranks)

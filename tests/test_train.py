@@ -160,14 +160,14 @@ def test_chunked_kl_equals_full_kl():
 
     config = Qwen3Config(**{k: v for k, v in TINY_ARCH.items() if k != "model_type"})
     params = init_params(config, jax.random.PRNGKey(0))
-    model = st.TrainModel(config)
+    model = st.Model(config)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 32, 32)), jnp.float32)
     teacher = jnp.asarray(rng.normal(size=(2, 32, 128)) * 3, jnp.float32)
     values, indices = losses.teacher_topk(teacher, 8)
     mask = jnp.asarray(rng.random((2, 32)) > 0.3, jnp.float32)
     def full_kl(p):
-        logits = model.apply({"params": p}, x, method=st.TrainModel.head)
+        logits = model.apply({"params": p}, x, method=st.Model.logits_from_hidden)
         return losses.topk_kl_loss(logits, values, indices, mask=mask)
 
     def chunked_kl(p):
@@ -322,8 +322,9 @@ def test_teacher_blockwise_attention_equals_dense_model(monkeypatch, tied):
     def no_dense(*args, **kwargs):
         raise AssertionError("the teacher built the S x S dense attention")
 
-    monkeypatch.setattr(attention, "dense_attention", no_dense)
-    values, indices = st.teacher_topk_logits(st.TrainModel(config), params, ids, pos, 8, 16)
+    monkeypatch.setattr(attention, "DENSE_BLOCKWISE_MIN_QUERIES", 16)  # S = 48 counts as long
+    monkeypatch.setattr(attention, "dense_attention_reference", no_dense)
+    values, indices = st.teacher_topk_logits(st.Model(config), params, ids, pos, 8, 16)
     ref_values, ref_indices = losses.teacher_topk(logits, 8)
     np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(indices, ref_indices)

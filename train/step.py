@@ -24,24 +24,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from kvpop_jax import attention as attn_lib
 from kvpop_jax import losses, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.config import Qwen3Config
 from train import optim
 
-REMAT_POLICIES: dict[str, Any] = {
-    "full": None,  # save nothing but the layer inputs
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+Model = modeling.Qwen3ForCausalLM
 METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "keep_rate", "num_valid", "teacher_recall",
                "tokens")
 
@@ -54,67 +48,6 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array
-
-
-class _ConstrainedLayer(modeling.DecoderLayer):
-    """A decoder layer whose output hidden state is pinned to (batch, length, act_embed)."""
-
-    @nn.compact
-    def __call__(self, x, *args):
-        x, cache, aux = super().__call__(shd.constrain(x, ("batch", "length", "act_embed")), *args)
-        return shd.constrain(x, ("batch", "length", "act_embed")), cache, aux
-
-
-class TrainModel(modeling.Qwen3ForCausalLM):
-    """Qwen3ForCausalLM with per-layer remat and hidden-state / chunked-head entry points.
-
-    Same parameter tree as the library model. `hidden_states` runs the decoder and the final
-    norm; `head` maps hidden states to float32 logits. (A model-side hook — a `remat_policy`
-    field and a `return_hidden` switch on Qwen3ForCausalLM — would remove the copy of
-    `setup` and of the layer loop below.)
-    """
-
-    remat: str = "none"
-
-    def setup(self):
-        c = self.config
-        self.embed_tokens = nn.Embed(
-            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-            embedding_init=nn.initializers.normal(0.02),
-        )
-        layer_cls = _ConstrainedLayer
-        if self.remat != "none":
-            # argnum 7 of DecoderLayer.__call__ (self = 0) is the Python bool return_policy
-            layer_cls = nn.remat(layer_cls, policy=REMAT_POLICIES[self.remat], static_argnums=(7,))
-        self.layers = [layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}")
-                       for i in range(c.num_hidden_layers)]
-        self.norm = modeling.RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-
-    def hidden_states(self, input_ids, positions, query_samples=None):
-        """input_ids, positions int [B, S] -> (normed hidden [B, S, E], aux as in __call__)."""
-        x = self.embed_tokens(input_ids)
-        layer_aux = []
-        for layer in self.layers:
-            x, _, aux = layer(x, positions, None, None, None, query_samples, False)
-            layer_aux.append(aux)
-        return self.norm(x), modeling._collect_aux(layer_aux)
-
-    def head(self, x_BSE):
-        """hidden [B, C, E] -> logits float32 [B, C, V], as the library model computes them.
-
-        The weight is gathered over fsdp (vocab stays split over tensor) before the matmul:
-        left to itself, SPMD may instead split the contraction and all-gather the `[B, C, V]`
-        logits across the batch (4.6 GB per 1024-token chunk for Qwen3-8B).
-        """
-        if self.config.tie_word_embeddings:
-            w_EV = self.embed_tokens.embedding.T
-        else:
-            w_EV = self.lm_head.variables["params"]["kernel"]
-        w_EV = shd.constrain(w_EV.astype(self.dtype), (None, "vocab"))
-        logits = jnp.dot(x_BSE.astype(self.dtype), w_EV)
-        return shd.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,46 +79,24 @@ def _unchunk(x):
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
-def _blockwise_dense_attention(next_fun, args, kwargs, context):
-    """Flax interceptor: a dense model's causal self-attention through the blockwise KVpop path.
-
-    `modeling.Attention` calls `attention.dense_attention`, which builds the `[B, H, S, S]`
-    logits (32 GB per layer at S = 16384 for Qwen3-8B). With ranks 0 and every cutoff = S
-    the KVpop mask keeps every causal key (s = 0, w = 1), so `attention.kvpop_attention` is
-    the same causal attention, one query block at a time (the Pallas kernel on GPU). Only
-    the plain training forward (no cache, no segments, positions 0..S-1) is rerouted.
-    """
-    module = context.module
-    if (context.method_name != "__call__" or not isinstance(module, modeling.Attention)
-            or module.config.kvpop is not None or any(a is not None for a in args[2:4])):
-        return next_fun(*args, **kwargs)
-    x_BSE, positions = args[0], args[1]
-    q, k, v = module.project_qkv(x_BSE, positions)
-    b, s, hkv = k.shape[0], k.shape[1], k.shape[2]
-    ranks = jnp.zeros((b, hkv, s), jnp.int32)
-    keep_all = jnp.full((b, hkv, s), s, jnp.int32)
-    out, _ = attn_lib.kvpop_attention(q, k, v, ranks, keep_all, sinks=0, window=1)
-    return module.o_proj(out), None, None
-
-
-def teacher_topk_logits(teacher: TrainModel, teacher_params, input_ids, positions, k: int, chunk: int):
+def teacher_topk_logits(teacher: Model, teacher_params, input_ids, positions, k: int, chunk: int):
     """The frozen teacher's top-k logits: (values float32 [B, S, K], indices int32 [B, S, K]).
 
-    Positions must be 0..S-1 per row (packing without attention reset, as the data gives).
+    The dense teacher's attention goes blockwise above `attention.DENSE_BLOCKWISE_MIN_QUERIES`
+    queries, so no `[B, H, S, S]` logits are built at long S.
     """
     teacher_params = jax.lax.stop_gradient(teacher_params)
-    with nn.intercept_methods(_blockwise_dense_attention):
-        x, _ = teacher.apply({"params": teacher_params}, input_ids, positions, method=TrainModel.hidden_states)
+    x = teacher.apply({"params": teacher_params}, input_ids, positions, return_hidden=True).hidden
 
     def one(_, x_c):
-        logits = teacher.apply({"params": teacher_params}, x_c, method=TrainModel.head)
+        logits = teacher.apply({"params": teacher_params}, x_c, method=Model.logits_from_hidden)
         return None, shd.shard_over_batch(lambda z: losses.teacher_topk(z, k))(logits)
 
     _, (values, indices) = jax.lax.scan(one, None, _chunks(x, chunk))
     return jax.lax.stop_gradient(_unchunk(values)), _unchunk(indices)
 
 
-def chunked_kl(student: TrainModel, params, x, t_values, t_indices, mask, *, temperature: float, chunk: int):
+def chunked_kl(student: Model, params, x, t_values, t_indices, mask, *, temperature: float, chunk: int):
     """Mean over masked tokens of KL(teacher top-K || student), computed `chunk` tokens at a time.
 
     x [B, S, E] student hidden; t_values, t_indices [B, S, K]; mask [B, S]. Each chunk's
@@ -194,7 +105,7 @@ def chunked_kl(student: TrainModel, params, x, t_values, t_indices, mask, *, tem
 
     @jax.checkpoint
     def chunk_sum(x_c, v_c, i_c, m_c):
-        logits = student.apply({"params": params}, x_c, method=TrainModel.head)
+        logits = student.apply({"params": params}, x_c, method=Model.logits_from_hidden)
         count = jnp.sum(m_c.astype(jnp.float32))
         return losses.topk_kl_loss(logits, v_c, i_c, temperature=temperature, mask=m_c) * count
 
@@ -206,11 +117,11 @@ def chunked_kl(student: TrainModel, params, x, t_values, t_indices, mask, *, tem
     return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
 
-def build_models(sc: StepConfig) -> tuple[TrainModel, TrainModel]:
+def build_models(sc: StepConfig) -> tuple[Model, Model]:
     """(student KVpop model with the remat policy, dense teacher: forward only, no remat)."""
-    student = TrainModel(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat=sc.remat)
-    teacher = TrainModel(dataclasses.replace(sc.model, kvpop=None), dtype=sc.compute_dtype,
-                         param_dtype=sc.teacher_dtype, remat="none")
+    student = Model(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat_policy=sc.remat)
+    teacher = Model(dataclasses.replace(sc.model, kvpop=None), dtype=sc.compute_dtype,
+                    param_dtype=sc.teacher_dtype, remat_policy="none")
     return student, teacher
 
 
@@ -236,7 +147,8 @@ def make_loss_fn(sc: StepConfig) -> Callable:
                 rng, batch=ids.shape[0], seq_len=ids.shape[1], num=kv.num_query_samples, min_q=kv.budget,
                 late_bias_fraction=kv.late_bias_fraction,
             )
-        x, aux = student.apply({"params": params}, ids, pos, q_samples, method=TrainModel.hidden_states)
+        out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True)
+        x, aux = out.hidden, out.aux
         kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=kv.kl_temperature, chunk=chunk)
         metrics = {"kl": kl, "tokens": jnp.sum(mask.astype(jnp.float32))}
         if q_samples is not None:
