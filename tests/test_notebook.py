@@ -1,0 +1,32 @@
+"""notebooks/explore.ipynb executes top to bottom (small sizes), so it never rots."""
+
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(REPO, "notebooks", "explore.ipynb")
+
+
+def test_notebook_is_built_from_its_source(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_explore", os.path.join(REPO, "notebooks", "build_explore.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(str(tmp_path / "nb.ipynb"))
+    fresh = [c.source for c in nbformat.read(tmp_path / "nb.ipynb", as_version=4).cells]
+    committed = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells]
+    assert fresh == committed, "run `python notebooks/build_explore.py` after editing its cells"
+
+
+def test_notebook_executes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOP_NB_SEQ_LEN", "192")
+    monkeypatch.setenv("KVPOP_NB_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": REPO}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "budget" in outputs and "extracted:" in outputs
+    assert os.path.isfile(tmp_path / "out" / "patterns.png")
