@@ -1,0 +1,122 @@
+"""train/pretrain.py (+ pretrain_data, pretrain_eval): the demo teacher's trainer (batches, loss goes
+down, checkpoint, resume, export) and the teacher shipped in checkpoints/demo-teacher/."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+
+from eval import demo_task
+from kvpop_jax import load_pretrained
+from kvpop_jax.config import Qwen3Config
+from train import pretrain
+from train.pretrain_data import BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, make_batch, parse_curriculum
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEACHER = os.path.join(REPO, "checkpoints", "demo-teacher")
+
+
+def tiny_config(tmp_path, steps=(12, 4), **overrides) -> pretrain.PretrainConfig:
+    model = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 rope_theta=10_000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    values = dict(model=model, phases=(Phase(128, steps[0], 4), Phase(160, steps[1], 2)),
+                  run_dir=str(tmp_path / "run"), out_dir=str(tmp_path / "out"), lr=1e-2, warmup_steps=4,
+                  eval_every=0, checkpoint_every=4, log_every=2, final_eval_examples=2, eval_batch=2)
+    values.update(overrides)
+    return pretrain.PretrainConfig(**values)
+
+
+def test_curriculum_and_flagfile_parse():
+    assert parse_curriculum("256:10:16, 1024:5", 8) == (Phase(256, 10, 16), Phase(1024, 5, 8))
+    with pytest.raises(ValueError, match="LEN:STEPS"):
+        parse_curriculum("256", 8)
+    fv = flags.FlagValues()
+    pretrain.define_flags(fv)
+    fv(["pretrain", f"--flagfile={os.path.join(REPO, 'configs', 'tiny_teacher.flags')}"])
+    cfg = pretrain.config_from_flags(fv)
+    assert cfg.model.num_key_value_heads < cfg.model.num_attention_heads  # GQA: KVpop works per KV head
+    assert cfg.model.vocab_size == len(VOCAB) and cfg.model.tie_word_embeddings
+
+
+def test_batches_are_whole_traces_with_completion_weights(tmp_path):
+    cfg = tiny_config(tmp_path, completion_weight=3.0)
+    batch = make_batch(cfg, 0)
+    task = cfg.task(128)
+    assert batch["input_ids"].shape == (4, 128 + task.completion_tokens)  # <bos> prompt completion <eos>, less one
+    assert np.all(batch["input_ids"][:, 0] == BOS_ID) and np.all(batch["targets"][:, -1] == EOS_ID)
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["input_ids"][:, 1:])
+    assert np.all(batch["completion"].sum(-1) == task.completion_tokens + 1)
+    np.testing.assert_array_equal(batch["weights"], np.where(batch["completion"], 3.0, 1.0))
+    ex = demo_task.generate_example(demo_task.example_seed(0, "train", 1), config=task)  # row 1 of step 0
+    assert decode(batch["input_ids"][1]) == ex["text"]
+    assert make_batch(cfg, 12)["input_ids"].shape[0] == 2  # the second phase
+    np.testing.assert_array_equal(make_batch(cfg, 3)["input_ids"], make_batch(cfg, 3)["input_ids"])
+
+
+def test_drill_rows(tmp_path):
+    ids, result = drill_row(np.random.default_rng(0), 40)
+    assert len(ids) == 40 and ids[0] == BOS_ID
+    for line in decode(ids).split("\n")[:-1]:  # complete lines: >a?b=c
+        a, op, b, c = int(line[1]), line[2], int(line[3]), int(line[5])
+        assert c == {"+": (a + b) % 10, "-": (a - b) % 10, "/": (a + b) // 2}[op], line
+    assert [decode([i]) for i, r in zip(ids, result) if r] == [ln[5] for ln in decode(ids).split("\n") if len(ln) > 5]
+    cfg = tiny_config(tmp_path, phases=parse_curriculum("128:2:4:drill=0.5/p_scratch=0.5", 4))
+    batch = make_batch(cfg, 0)
+    assert not batch["completion"][:2].any() and batch["completion"][2:].any(axis=-1).all()
+    assert (batch["weights"][:2] == cfg.completion_weight).sum() > 0
+
+
+def test_train_checkpoint_resume_export(tmp_path):
+    cfg = tiny_config(tmp_path)
+    state, records = pretrain.train(cfg, progress=False)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
+    assert int(state.step) == cfg.total_steps
+    assert os.path.isfile(os.path.join(cfg.run_dir, pretrain.STATE_FILE))
+
+    # Interrupted at step 10 (saved there), then resumed: the same final weights.
+    cut = tiny_config(tmp_path, run_dir=str(tmp_path / "run2"))
+    partial, _ = pretrain.train(cut, progress=False, stop_at=10)
+    assert int(partial.step) == 10
+    resumed, records2 = pretrain.train(cut, progress=False)
+    assert records2[0]["step"] == 12  # continued from the save at 10, not from 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), resumed.params, state.params)
+    with pytest.raises(ValueError, match="different settings"):
+        pretrain.train(tiny_config(tmp_path, run_dir=cut.run_dir, lr=5e-3), progress=False)
+
+    pretrain.export(cfg, state.params, [pretrain.evaluate(pretrain.Qwen3ForCausalLM(cfg.model), state.params, cfg,
+                                                          128, 2, split="test", batch=2)], "cmd", 1.0)
+    config, params = load_pretrained(cfg.out_dir)
+    assert config == cfg.model
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, state.params)
+    for name in ("tokenizer.json", "tokenizer_config.json", "README.md", "eval.json"):
+        assert os.path.isfile(os.path.join(cfg.out_dir, name)), name
+
+
+@pytest.mark.skipif(not os.path.isdir(TEACHER), reason="no shipped demo teacher")
+def test_shipped_teacher_loads_and_answers():
+    from transformers import AutoTokenizer
+
+    from kvpop_jax.generate import generate
+    from kvpop_jax.modeling import Qwen3ForCausalLM
+    from kvpop_jax.sampling import SamplingConfig
+
+    config, params = load_pretrained(TEACHER)
+    tok = AutoTokenizer.from_pretrained(TEACHER)
+    assert config.kvpop is None and config.num_key_value_heads < config.num_attention_heads
+    assert config.vocab_size == len(tok) and tok.eos_token_id == config.eos_token_id == 2
+    with open(os.path.join(TEACHER, "eval.json")) as f:
+        prompt_len = json.load(f)["results"][-1]["prompt_len"]
+    examples = demo_task.generate_dataset(2, 0, "test", seq_len=prompt_len)
+    ids = np.asarray([tok(ex["prompt"])["input_ids"] for ex in examples])
+    assert ids.shape == (2, prompt_len)
+    tokens, lengths = generate(Qwen3ForCausalLM(config), params, jnp.asarray(ids), max_new_tokens=24,
+                               sampling=SamplingConfig.greedy(), eos_ids=(tok.eos_token_id,), cache="dense")
+    for row, n in zip(np.asarray(tokens), np.asarray(lengths)):
+        text = tok.decode(row[:n].tolist(), skip_special_tokens=True)
+        assert demo_task.extract_answer(text) is not None, text
