@@ -1,0 +1,118 @@
+"""Demo-teacher training data: the curriculum's phases and their batches, generated on the fly.
+
+The batch of global step g holds train-split demo-task examples g * MAX_BATCH + r (r < batch),
+so every batch is a pure function of (seed, step): a resumed run sees exactly the batches an
+uninterrupted one would, and phases never share an example. Each row is one whole trace,
+`<bos> prompt completion <eos>`; every trace of a phase has the same length, so nothing is padded.
+Ids are the demo tokenizer's (`eval/demo_tokenizer.py`: one token per atom), computed directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from eval import demo_task
+from eval.demo_tokenizer import VOCAB
+
+MAX_BATCH = 1024  # example index = step * MAX_BATCH + row: phases never share an example
+EOS_ID, BOS_ID = VOCAB[demo_task.EOS], VOCAB[demo_task.BOS]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    prompt_len: int  # demo-task seq_len: tokens of the prompt, <bos> included
+    steps: int
+    batch: int
+    task: tuple[tuple[str, Any], ...] = ()  # demo-task overrides (e.g. p_scratch, difficulty) for this phase
+
+
+def _parse_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_curriculum(spec: str, default_batch: int) -> tuple[Phase, ...]:
+    """"128:600:32:p_scratch=0.5/difficulty=easy,1024:500:8" -> phases.
+
+    Each phase is LEN:STEPS[:BATCH][:OVERRIDES]; the batch defaults to `default_batch`;
+    OVERRIDES are `/`-separated demo-task fields (`eval.demo_task.DemoTaskConfig`, or difficulty).
+    """
+    phases = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        overrides: tuple = ()
+        if len(parts) == 4 or (len(parts) == 3 and "=" in parts[2]):
+            overrides = tuple((k.strip(), _parse_value(v.strip()))
+                              for k, v in (kv.split("=", 1) for kv in parts.pop().split("/") if kv.strip()))
+        if len(parts) not in (2, 3) or not all(x.strip().isdigit() for x in parts):
+            raise ValueError(f"curriculum entry {item!r} is not LEN:STEPS[:BATCH][:KEY=VALUE/...]")
+        length, steps, *batch = (int(x) for x in parts)
+        phases.append(Phase(length, steps, batch[0] if batch else default_batch, overrides))
+    return tuple(phases)
+
+
+def encode(text: str) -> list[int]:
+    """<bos> + one id per demo-task atom (the demo tokenizer's encoding, without its overhead)."""
+    return [BOS_ID] + [VOCAB.get(a, VOCAB[demo_task.UNK]) for a in demo_task.atomize(text)]
+
+
+def drill_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndarray]:
+    """An arithmetic drill row of `length` ids in the scratch-line format, and its result mask.
+
+    Lines `>a+b=c`, `>a-b=c` (mod 10, as in the task) and `>a/b=c` with c = (a + b) // 2. A
+    mod-10 result is independent of either operand alone, so a plain model finds no gradient
+    towards it and sits on a plateau; the floor average depends on each operand, teaches the
+    model to bring both to `=` and to represent a + b, after which the mod-10 tables follow fast.
+    """
+    ids, result = [BOS_ID], [False]
+    while len(ids) < length:
+        a, b = (int(x) for x in rng.integers(10, size=2))
+        op = "+-/"[int(rng.integers(3))]
+        c = (a + b) % 10 if op == "+" else (a - b) % 10 if op == "-" else (a + b) // 2
+        line = encode(f">{a}{op}{b}={c}\n")[1:]
+        ids += line
+        result += [False] * 5 + [True, False]  # > a op b = c \n
+    return ids[:length], np.asarray(result[:length])
+
+
+def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
+    """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
+    input_ids, targets int32, weights float32 and completion bool, all [B, T - 1].
+
+    A phase with a `drill=F` override makes the first round(F * batch) rows arithmetic drills
+    (`drill_row`), weighted like completions on their results and never counted as completions.
+    """
+    phase = cfg.phase_at(step)
+    task = cfg.task(phase)
+    n_drill = round(dict(phase.task).get("drill", 0.0) * phase.batch)
+    length = phase.prompt_len + task.completion_tokens + 1
+    rows, weights, completion = [], [], []
+    for r in range(phase.batch):
+        index = step * MAX_BATCH + r
+        if r < n_drill:
+            ids, target_weighted = drill_row(np.random.default_rng((cfg.seed, 3, index)), length)
+            is_completion = np.zeros(length - 1, bool)
+            target_weighted = target_weighted[1:]
+        else:
+            ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=task)
+            ids = encode(ex["text"]) + [EOS_ID]
+            is_completion = target_weighted = np.arange(1, len(ids)) >= ex["meta"]["n_prompt_tokens"]
+        rows.append(ids)
+        completion.append(is_completion)
+        weights.append(np.where(target_weighted, cfg.completion_weight, cfg.prompt_weight).astype(np.float32))
+    ids = np.asarray(rows, np.int32)
+    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], weights=np.stack(weights), completion=np.stack(completion))
+
+
+_ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}
+
+
+def decode(ids) -> str:
+    return "".join(_ID_TO_TOKEN.get(int(i), "") for i in ids if int(i) not in (EOS_ID, BOS_ID, VOCAB[demo_task.PAD]))

@@ -1,0 +1,128 @@
+"""The demo teacher's held-out accuracy and its export (HF checkpoint, tokenizer, model card).
+
+Accuracy is exact match of the boxed answer in completions generated from demo-task prompts
+(greedy unless a SamplingConfig is given) with the dense cache, as `eval.accuracy` scores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval import demo_task
+from eval.demo_tokenizer import VOCAB, save_tokenizer
+from kvpop_jax import save_pretrained
+from kvpop_jax.generate import generate
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from kvpop_jax.sampling import SamplingConfig
+from train.pretrain_data import EOS_ID, decode, encode
+
+if TYPE_CHECKING:
+    from train.pretrain import PretrainConfig
+
+
+def evaluate(model: Qwen3ForCausalLM, params, cfg: "PretrainConfig", task: demo_task.DemoTaskConfig | int, n: int,
+             *, split: str = "validation", batch: int = 16, sampling: SamplingConfig | None = None) -> dict:
+    """Exact-match accuracy of generated completions on n `split` prompts of `task` (or of the
+    plain task at that prompt length).
+
+    Greedy by default; returns dict(accuracy, n, prompt_len, samples=[(id, answer, completion)]).
+    """
+    task = cfg.task(task) if isinstance(task, int) else task
+    prompt_len = task.seq_len
+    examples = demo_task.generate_dataset(n, cfg.seed, split, config=task)
+    ids = np.asarray([encode(ex["prompt"]) for ex in examples], np.int32)
+    batch = min(batch, n)
+    sampling = sampling or SamplingConfig.greedy()
+    texts = []
+    for start in range(0, n, batch):
+        chunk = ids[start : start + batch]
+        rows = len(chunk)
+        if rows < batch:  # keep one compiled shape
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], batch - rows, 0)])
+        tokens, lengths = generate(model, params, chunk, max_new_tokens=task.completion_tokens + 2,
+                                   sampling=sampling, eos_ids=(EOS_ID,), cache="dense",
+                                   rng=jax.random.key(start))
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        texts += [decode(tokens[r, : lengths[r]]) for r in range(rows)]
+    correct = [demo_task.score(t, ex["answer"]) for t, ex in zip(texts, examples)]
+    return dict(accuracy=float(np.mean(correct)), n=n, prompt_len=prompt_len, split=split,
+                samples=[(ex["id"], ex["answer"], t) for ex, t in zip(examples, texts)])
+
+
+def final_eval(cfg: "PretrainConfig", params, sampling: SamplingConfig | None = None) -> list[dict]:
+    """Test-split accuracy at each of cfg.final_eval_lens (greedy unless `sampling`)."""
+    model = Qwen3ForCausalLM(cfg.model)
+    results = []
+    for length in cfg.final_eval_lens:
+        r = evaluate(model, params, cfg, length, cfg.final_eval_examples, split="test", batch=cfg.eval_batch,
+                     sampling=sampling)
+        print(f"test accuracy at prompt length {length}: {r['accuracy']:.3f} ({r['n']} problems, "
+              f"{'greedy' if sampling is None else sampling})")
+        results.append(r)
+    return results
+
+
+def export(cfg: "PretrainConfig", params, results: list[dict], command: str, train_seconds: float | None) -> None:
+    """OUT_DIR: save_pretrained + demo tokenizer + eval.json + README.md (model card)."""
+    dtype = jnp.bfloat16 if cfg.export_dtype == "bfloat16" else jnp.float32
+    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), jax.device_get(params))
+    save_pretrained(cfg.model, params, cfg.out_dir)
+    save_tokenizer(cfg.out_dir)
+    for name in os.listdir(cfg.out_dir):  # save_pretrained's atomic writes leave files 0600
+        os.chmod(os.path.join(cfg.out_dir, name), 0o644)
+    summary = [{k: r[k] for k in ("prompt_len", "split", "n", "accuracy")} for r in results]
+    with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
+        json.dump(dict(results=summary, samples={r["prompt_len"]: r["samples"][:3] for r in results}), f, indent=1)
+    with open(os.path.join(cfg.out_dir, "README.md"), "w") as f:
+        f.write(model_card(cfg, summary, command, train_seconds))
+
+
+def model_card(cfg: "PretrainConfig", results: list[dict], command: str, train_seconds: float | None) -> str:
+    m = cfg.model
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(m, jax.random.key(0)))))
+    phases = "\n".join(f"| {i + 1} | {p.prompt_len} | {p.prompt_len + cfg.task(p).completion_tokens + 1} "
+                       f"| {p.batch} | {p.steps} | {' '.join(f'{k}={v}' for k, v in p.task) or '-'} |"
+                       for i, p in enumerate(cfg.phases))
+    accuracy = "\n".join(f"| {r['prompt_len']} | {r['split']} | {r['n']} | {r['accuracy']:.1%} |" for r in results)
+    minutes = f"{train_seconds / 60:.0f} min" if train_seconds else "n/a"
+    return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
+
+A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo task
+(`eval/demo_task.py`, difficulty `{cfg.difficulty}`) by `train/pretrain.py`. It is the dense
+teacher that `train.main` retrofits with KVpop. Tokenizer: `eval/demo_tokenizer.py` (one token
+per atom, vocab {len(VOCAB)}).
+
+## Architecture
+
+{m.num_hidden_layers} layers, hidden {m.hidden_size}, SwiGLU {m.intermediate_size}, {m.num_attention_heads} query
+heads / {m.num_key_value_heads} KV heads (GQA), head_dim {m.head_dim}, RoPE theta {m.rope_theta:g}, tied
+embeddings, weights {cfg.export_dtype}.
+
+## Training
+
+Generated train-split traces `<bos> prompt completion <eos>` (seed {cfg.seed}); loss weight
+{cfg.prompt_weight:g} on prompt tokens, {cfg.completion_weight:g} on completion tokens. AdamW
+(b1 {cfg.b1}, b2 {cfg.b2}, weight decay {cfg.weight_decay}), peak LR {cfg.lr:g}, {cfg.warmup_steps} warmup
+steps, cosine to {cfg.final_lr:g}, clip {cfg.clip_norm}. Training time: {minutes} on CPU.
+
+| phase | prompt tokens | row tokens | batch | steps | task overrides |
+|---|---|---|---|---|---|
+{phases}
+
+Reproduce: `{command}`
+
+## Held-out accuracy
+
+Greedy exact match of the boxed answer on held-out test-split problems (`train.pretrain`'s
+final eval; rerun with `python -m train.pretrain --flagfile=configs/tiny_teacher.flags --eval_only`):
+
+| prompt tokens | split | problems | pass@1 (greedy) |
+|---|---|---|---|
+{accuracy}
+"""
