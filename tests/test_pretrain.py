@@ -1,6 +1,7 @@
 """train/pretrain.py (+ pretrain_data, pretrain_eval): the demo teacher's trainer (batches, loss goes
 down, checkpoint, resume, export) and the teacher shipped in checkpoints/demo-teacher/."""
 
+import dataclasses
 import json
 import os
 
@@ -14,7 +15,9 @@ from eval import demo_task
 from kvpop_jax import load_pretrained
 from kvpop_jax.config import Qwen3Config
 from train import pretrain
-from train.pretrain_data import BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, make_batch, parse_curriculum
+from train.pretrain_data import (BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, encode, lookup_row, make_batch,
+                                 parse_curriculum)
+from train.pretrain_init import DIGIT_IDS, init_offset_heads, plant_lookup_circuit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEACHER = os.path.join(REPO, "checkpoints", "demo-teacher")
@@ -23,8 +26,9 @@ TEACHER = os.path.join(REPO, "checkpoints", "demo-teacher")
 def tiny_config(tmp_path, steps=(12, 4), **overrides) -> pretrain.PretrainConfig:
     model = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                 rope_theta=10_000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    values = dict(model=model, phases=(Phase(128, steps[0], 4), Phase(160, steps[1], 2)),
+                                 rope_theta=10_000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                                 attention_bias=True)
+    values = dict(model=model, offset_heads=(1, 2), phases=(Phase(128, steps[0], 4), Phase(160, steps[1], 2)),
                   run_dir=str(tmp_path / "run"), out_dir=str(tmp_path / "out"), lr=1e-2, warmup_steps=4,
                   eval_every=0, checkpoint_every=4, log_every=2, final_eval_examples=2, eval_batch=2)
     values.update(overrides)
@@ -65,10 +69,72 @@ def test_drill_rows(tmp_path):
         a, op, b, c = int(line[1]), line[2], int(line[3]), int(line[5])
         assert c == {"+": (a + b) % 10, "-": (a - b) % 10, "/": (a + b) // 2}[op], line
     assert [decode([i]) for i, r in zip(ids, result) if r] == [ln[5] for ln in decode(ids).split("\n") if len(ln) > 5]
-    cfg = tiny_config(tmp_path, phases=parse_curriculum("128:2:4:drill=0.5/p_scratch=0.5", 4))
+    ids, weighted = lookup_row(np.random.default_rng(1), 80)
+    text = decode(ids)
+    bindings, *scratch = text.split(">")
+    values = dict(zip(bindings.replace("\n", "")[::2], bindings.replace("\n", "")[1::2]))
+    for line in scratch[:-1]:  # >name value op operand = result
+        assert line[1] == values[line[0]] and int(line[5]) == (int(line[1]) + (1 if line[2] == "+" else -1) * int(line[3])) % 10
+    assert [decode([i]) for i, w in zip(ids, weighted) if w][:4] == [scratch[0][1], scratch[0][5], scratch[1][1], scratch[1][5]]
+    cfg = tiny_config(tmp_path, phases=parse_curriculum("128:2:4:drill=0.25/lookup=0.25/p_scratch=0.5", 4))
     batch = make_batch(cfg, 0)
     assert not batch["completion"][:2].any() and batch["completion"][2:].any(axis=-1).all()
-    assert (batch["weights"][:2] == cfg.completion_weight).sum() > 0
+    assert (batch["weights"][:2] == cfg.completion_weight).sum(-1).min() > 0
+    assert decode(batch["input_ids"][1]).count(">") > 5  # the lookup drill row
+
+
+def test_offset_heads_attend_back_at_init():
+    from kvpop_jax.modeling import Attention, RMSNorm, init_params
+
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True,
+                         rope_theta=10_000.0, tie_word_embeddings=True)
+    params = init_offset_heads(init_params(config, jax.random.key(0)), config, (1, 2))
+    ids = jnp.asarray(np.random.default_rng(0).integers(4, len(VOCAB), size=(1, 40)))
+    positions = jnp.arange(40)[None]
+    layer = params["layers_0"]
+    x = RMSNorm(config.rms_norm_eps).apply({"params": layer["input_layernorm"]}, params["embed_tokens"]["embedding"][ids])
+    q, k, _ = Attention(config).apply({"params": layer["self_attn"]}, x, positions, method=Attention.project_qkv)
+    logits = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2))[0]  # query head h reads KV head h // 2
+    logits = jnp.where(jnp.tril(jnp.ones((40, 40), bool)), logits, -jnp.inf)
+    probs = jax.nn.softmax(logits / np.sqrt(32), axis=-1)
+    for head, offset in ((0, 1), (1, 1), (2, 2), (3, 2)):
+        rows = np.arange(8, 40)
+        assert np.all(np.argmax(probs[head, rows], -1) == rows - offset), head
+        assert float(jnp.min(probs[head, rows, rows - offset])) > 0.8
+    with pytest.raises(ValueError, match="attention_bias"):
+        pretrain.PretrainConfig(model=dataclasses.replace(config, attention_bias=False), phases=(Phase(128, 1, 1),),
+                                run_dir="r", out_dir="o", offset_heads=(1, 2))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
+    from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
+                         rope_theta=1e8, tie_word_embeddings=True)
+    random = init_offset_heads(init_params(config, jax.random.key(seed)), config, (1, 2))
+    planted = plant_lookup_circuit(random, config, seed)
+    # A fresh lookup drill row (bindings, then `>name value ...` lines) and demo-task traces whose
+    # completion looks up marked bindings hundreds of tokens back.
+    ids, _ = lookup_row(np.random.default_rng((seed, 99)), 256)
+    rows = [(np.asarray(ids), 0)]  # (ids, first position a lookup may sit at)
+    task = demo_task.make_config("medium", seq_len=640)
+    for i in range(4):
+        ex = demo_task.generate_example((seed, 99, i), config=task)
+        rows.append((np.asarray(encode(ex["text"])), ex["meta"]["n_prompt_tokens"]))
+    model = Qwen3ForCausalLM(config)
+    is_name = lambda x: np.isin(x, [VOCAB[n] for n in demo_task.NAMES])  # noqa: E731
+    for params, expect_all in ((planted, True), (random, False)):
+        right = []
+        for row, start in rows:
+            pred = np.asarray(model.apply({"params": params}, jnp.asarray(row[None])).logits[0]).argmax(-1)
+            lookup = is_name(row[:-1]) & np.isin(row[1:], DIGIT_IDS)  # name then digit ...
+            lookup &= (np.roll(row, 1)[:-1] == VOCAB[">"]) if start == 0 else (np.arange(len(row) - 1) >= start)
+            right += list(pred[:-1][lookup] == row[1:][lookup])  # ... read back: drill line or completion
+        assert len(right) >= 12
+        assert (np.mean(right) == 1.0) if expect_all else (np.mean(right) < 0.5), (expect_all, right)
 
 
 def test_train_checkpoint_resume_export(tmp_path):

@@ -6,13 +6,19 @@
 Data (`train/pretrain_data.py`): demo-task traces (`eval/demo_task.py`) generated on the fly,
 deterministic by (seed, step), one whole `<bos> prompt completion <eos>` trace per row.
 
+Init (`--offset_heads`, `--lookup_circuit`, `train/pretrain_init.py`): a plain model sits on
+long plateaus here. A looked-up value and a mod-10 result are each independent of any single
+token it can already attend to, so there is no first-order gradient towards those circuits; the
+long-range lookup (an associative recall among ~300 bindings) stays at chance for as many steps
+as a CPU run has. So the lookup circuit is not learned but planted: `--lookup_circuit` writes a
+previous-token head (layer 0) and a name-matching copy head (layer 1) into the initial weights,
+a mechanistic init that training then adapts along with everything else.
+
 Curriculum (`--curriculum=LEN:STEPS[:BATCH][:OVERRIDES],...`): phases of prompt length LEN, each
-optionally with demo-task overrides and a share of arithmetic drill rows (`drill=F`). A plain
-model sits on long plateaus here: a looked-up value and a mod-10 result are each independent of
-any single token it can already attend to, so there is no first-order gradient towards the
-circuits. Tiny traces with few candidate bindings and short scratch lookups, plus drills whose
-answers do depend on each operand, get it off both plateaus in a few hundred steps; longer
-phases then stretch the lookups to the demo length.
+optionally with demo-task overrides and shares of arithmetic and lookup drill rows (`drill=F`,
+`lookup=F`). Short traces with extra scratch lines and drills whose answers depend on each
+operand teach the format and the mod-10 tables in a few hundred steps; longer phases then
+stretch the lookups to the demo length.
 
 Loss: next-token cross-entropy over the whole trace; completion tokens (and <eos>) and drill
 results weigh `completion_weight`, other tokens `prompt_weight`; the mean is over the weights.
@@ -41,6 +47,7 @@ import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags
 
@@ -51,6 +58,7 @@ from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from kvpop_jax.sampling import SamplingConfig
 from train.pretrain_data import BOS_ID, EOS_ID, MAX_BATCH, Phase, make_batch, parse_curriculum
 from train.pretrain_eval import evaluate, export, final_eval
+from train.pretrain_init import init_offset_heads, plant_lookup_circuit
 
 STATE_FILE = "state.msgpack"
 METRICS_FILE = "metrics.jsonl"
@@ -83,6 +91,8 @@ class PretrainConfig:
     checkpoint_every: int = 100
     log_every: int = 20
     export_dtype: str = "float32"
+    offset_heads: tuple[int, ...] = ()  # KV head i of layer 0 starts attending offset_heads[i] back
+    lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/pretrain_init.py)
 
     def __post_init__(self):
         if not self.phases:
@@ -97,6 +107,13 @@ class PretrainConfig:
             raise ValueError(f"vocab_size={self.model.vocab_size} < the demo tokenizer's {len(VOCAB)}")
         if self.export_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
+        if self.offset_heads and not self.model.attention_bias:
+            raise ValueError("offset_heads needs a model with attention_bias=True (the heads are q/k biases)")
+        if self.lookup_circuit and self.offset_heads[:1] != (1,):
+            raise ValueError("lookup_circuit needs offset_heads to start with 1 (its previous-token head)")
+        if len(self.offset_heads) > self.model.num_key_value_heads or any(o < 1 for o in self.offset_heads):
+            raise ValueError(f"offset_heads={self.offset_heads}: at most one offset >= 1 per KV head "
+                             f"({self.model.num_key_value_heads})")
 
     @property
     def total_steps(self) -> int:
@@ -115,14 +132,15 @@ class PretrainConfig:
         if isinstance(phase, int):
             return demo_task.make_config(self.difficulty, seq_len=phase)
         overrides = dict(phase.task)
-        overrides.pop("drill", None)  # not a task field: the share of arithmetic drill rows
+        for drill in ("drill", "lookup"):  # not task fields: the shares of drill rows
+            overrides.pop(drill, None)
         difficulty = overrides.pop("difficulty", self.difficulty)
         return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)
 
     def resume_key(self) -> dict:
         """The settings a resumed run must share with the saved one."""
         keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
-                "clip_norm", "prompt_weight", "completion_weight")
+                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit")
         return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
                                           **{k: dataclasses.asdict(self)[k] for k in keys})))
 
@@ -148,6 +166,9 @@ def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
 
 def init_state(cfg: PretrainConfig, optimizer) -> TrainState:
     params = init_params(cfg.model, jax.random.key(cfg.seed))
+    params = init_offset_heads(params, cfg.model, cfg.offset_heads)
+    if cfg.lookup_circuit:
+        params = plant_lookup_circuit(params, cfg.model, cfg.seed)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
@@ -316,6 +337,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("head_dim", 48, "Head dimension.", **d)
     flags.DEFINE_float("rope_theta", 10_000.0, "RoPE base.", **d)
     flags.DEFINE_integer("max_position_embeddings", 4096, "Recorded in config.json.", **d)
+    flags.DEFINE_string("offset_heads", "", "Comma-separated offsets: KV head i of layer 0 starts as an "
+                        "offset-i-back head (sets attention_bias); e.g. 1,2. Empty: plain random init.", **d)
+    flags.DEFINE_bool("lookup_circuit", False, "Plant the lookup circuit at init (train/pretrain_init.py); "
+                      "needs offset_heads=1,...", **d)
     flags.DEFINE_string("difficulty", "medium", "Demo task difficulty (easy|medium|hard).", **d)
     flags.DEFINE_integer("seed", 0, "Data and init seed.", **d)
     flags.DEFINE_string("curriculum", "256:1000,1024:500", "Phases LEN:STEPS[:BATCH] (prompt length, steps, rows).", **d)
@@ -342,10 +367,11 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
 
 
 def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
+    offsets = tuple(int(x) for x in f.offset_heads.split(",") if x.strip())
     model = Qwen3Config(
         vocab_size=len(VOCAB), hidden_size=f.hidden_size, intermediate_size=f.intermediate_size,
         num_hidden_layers=f.num_layers, num_attention_heads=f.num_heads, num_key_value_heads=f.num_kv_heads,
-        head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True,
+        head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True, attention_bias=bool(offsets),
         max_position_embeddings=f.max_position_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
     phases = parse_curriculum(f.curriculum, f.batch)
     lens = tuple(int(x) for x in f.final_eval_lens.split(",") if x.strip()) or (phases[-1].prompt_len,)
@@ -355,7 +381,8 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         clip_norm=f.clip_norm, prompt_weight=f.prompt_weight, completion_weight=f.completion_weight,
         eval_every=f.eval_every, eval_examples=f.eval_examples, eval_batch=f.eval_batch,
         final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
-        log_every=f.log_every, export_dtype=f.export_dtype)
+        log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
+        lookup_circuit=f.lookup_circuit)
 
 
 def main(argv):

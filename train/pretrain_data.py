@@ -82,22 +82,51 @@ def drill_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndar
     return ids[:length], np.asarray(result[:length])
 
 
+def lookup_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndarray]:
+    """A lookup drill row of `length` ids: binding lines, then scratch lines that read them back.
+
+    2-8 bindings of distinct names (1-3 per line, as in the task), then `>name value op operand
+    = result` lines for random earlier names until the row is full; the mask marks each looked-up
+    value and result. Every second line is a lookup (the task has a few per hundred tokens), so
+    the selection-by-name circuit gets a strong, steady gradient.
+    """
+    names = [demo_task.NAMES[i] for i in rng.permutation(len(demo_task.NAMES))[: int(rng.integers(2, 9))]]
+    values = {n: int(v) for n, v in zip(names, rng.integers(10, size=len(names)))}
+    text, i = "", 0
+    while i < len(names):
+        k = min(int(rng.integers(1, 4)), len(names) - i)
+        text += "".join(f"{n}{values[n]}" for n in names[i : i + k]) + "\n"
+        i += k
+    ids, weighted = encode(text), [False] * (len(encode(text)))
+    while len(ids) < length:
+        name = names[int(rng.integers(len(names)))]
+        a, b = values[name], int(rng.integers(10))
+        op = "+" if rng.random() < 0.5 else "-"
+        c = (a + b) % 10 if op == "+" else (a - b) % 10
+        ids += encode(f">{name}{a}{op}{b}={c}\n")[1:]
+        weighted += [False, False, True, False, False, False, True, False]  # > name a op b = c \n
+    return ids[:length], np.asarray(weighted[:length])
+
+
 def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
     input_ids, targets int32, weights float32 and completion bool, all [B, T - 1].
 
-    A phase with a `drill=F` override makes the first round(F * batch) rows arithmetic drills
-    (`drill_row`), weighted like completions on their results and never counted as completions.
+    A phase's `drill=F` / `lookup=F` overrides make the first round(F * batch) rows arithmetic
+    (`drill_row`) / lookup (`lookup_row`) drills, weighted like completions on their answers and
+    never counted as completions.
     """
     phase = cfg.phase_at(step)
     task = cfg.task(phase)
     n_drill = round(dict(phase.task).get("drill", 0.0) * phase.batch)
+    n_lookup = round(dict(phase.task).get("lookup", 0.0) * phase.batch)
     length = phase.prompt_len + task.completion_tokens + 1
     rows, weights, completion = [], [], []
     for r in range(phase.batch):
         index = step * MAX_BATCH + r
-        if r < n_drill:
-            ids, target_weighted = drill_row(np.random.default_rng((cfg.seed, 3, index)), length)
+        if r < n_drill + n_lookup:
+            make_row = drill_row if r < n_drill else lookup_row
+            ids, target_weighted = make_row(np.random.default_rng((cfg.seed, 3, index)), length)
             is_completion = np.zeros(length - 1, bool)
             target_weighted = target_weighted[1:]
         else:

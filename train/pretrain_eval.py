@@ -91,6 +91,18 @@ def model_card(cfg: "PretrainConfig", results: list[dict], command: str, train_s
                        for i, p in enumerate(cfg.phases))
     accuracy = "\n".join(f"| {r['prompt_len']} | {r['split']} | {r['n']} | {r['accuracy']:.1%} |" for r in results)
     minutes = f"{train_seconds / 60:.0f} min" if train_seconds else "n/a"
+    init = "random (Flax defaults)"
+    if cfg.offset_heads:
+        init += (f", with layer 0's KV heads starting as fixed-offset heads {cfg.offset_heads} (q/k biases; "
+                 "`init_offset_heads`)")
+    if cfg.lookup_circuit:
+        init = ("mechanistic; the lookup circuit is planted, not learned (`train/pretrain_init.py`, "
+                "`plant_lookup_circuit`). Embeddings give each name a low-coherence code and each other token "
+                "a random identity vector; layer 0 starts with a previous-token head that copies the previous "
+                "name's code, layer 1 with a head that matches the current name against it on the slowest "
+                "rotary pairs and copies the digit bound to it. Training from a random init never left "
+                "chance on this associative recall within a CPU budget; here all weights, the planted ones "
+                "included, are then trained by the curriculum below")
     return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
 
 A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo task
@@ -105,6 +117,8 @@ heads / {m.num_key_value_heads} KV heads (GQA), head_dim {m.head_dim}, RoPE thet
 embeddings, weights {cfg.export_dtype}.
 
 ## Training
+
+Init: {init}.
 
 Generated train-split traces `<bos> prompt completion <eos>` (seed {cfg.seed}); loss weight
 {cfg.prompt_weight:g} on prompt tokens, {cfg.completion_weight:g} on completion tokens. AdamW
