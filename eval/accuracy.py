@@ -283,6 +283,19 @@ def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
     return os.fspath(path)
 
 
+def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """Consecutive problem indices in groups of up to `size` with equal prompt length."""
+    if size < 1:
+        raise ValueError(f"problem_batch must be >= 1, got {size}")
+    groups: list[list[int]] = []
+    for i, ids in enumerate(encoded):
+        if groups and len(groups[-1]) < size and len(encoded[groups[-1][0]]) == len(ids):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def run_accuracy(
     methods: Sequence[str],
     checkpoints: Mapping[str, Any],
@@ -303,6 +316,7 @@ def run_accuracy(
     seed: int = 0,
     dtype=None,
     progress: bool = True,
+    problem_batch: int = 1,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -314,6 +328,9 @@ def run_accuracy(
     tokenizer: object or path (default: the tokenizer saved with the first checkpoint).
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
     instruction. sampling: a SamplingConfig (default: the paper's 0.6 / 0.95 / 20 / 0).
+    problem_batch: with n_rollouts = 1, decode up to this many consecutive problems of equal
+    prompt length as one batch (the demo task's prompts all have the same length); the
+    batch starting at problem i uses the key of problem i.
     """
     import jax
     import jax.numpy as jnp
@@ -354,25 +371,28 @@ def run_accuracy(
                        [config.eos_token_id] if config.eos_token_id is not None else [])
             bar.set_postfix(method=method, cr=cr)
             for bench, problems in benchmarks.items():
-                for i, (problem, ids) in enumerate(zip(problems, encoded[bench])):
-                    correct = []
+                for group in _problem_groups(encoded[bench], problem_batch if n_rollouts == 1 else 1):
+                    correct = {i: [] for i in group}
                     for start in range(0, n_rollouts, batch):
-                        rows = min(batch, n_rollouts - start)
-                        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), start)
-                        tokens, lengths = generate(model, mparams, jnp.asarray([ids] * rows), cache=cache,
-                                                   max_new_tokens=max_new_tokens, sampling=sampling,
+                        # rows: (problem, rollout); one problem's rollouts, or one rollout of each problem
+                        rows = [(i, start + r) for i in group for r in range(min(batch, n_rollouts - start))]
+                        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), group[0]), start)
+                        tokens, lengths = generate(model, mparams, jnp.asarray([encoded[bench][i] for i, _ in rows]),
+                                                   cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
                                                    eos_ids=tuple(sorted(eos)), rng=key)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-                        for r in range(rows):
+                        for r, (i, rollout) in enumerate(rows):
+                            problem = problems[i]
                             text = tok.decode(tokens[r, : lengths[r]].tolist(), skip_special_tokens=True)
                             ok, pred = is_correct(text, problem["answer"])
-                            correct.append(ok)
+                            correct[i].append(ok)
                             samples.write(json.dumps(dict(method=method, cr=cr, benchmark=bench, id=problem["id"],
-                                                          rollout=start + r, answer=problem["answer"],
+                                                          rollout=rollout, answer=problem["answer"],
                                                           extracted=pred, correct=ok, completion=text)) + "\n")
-                    records.append(dict(method=method, cr=cr, budget=budget, benchmark=bench,
-                                        id=problem["id"], correct=correct))
-                    bar.update(1)
+                    for i in group:
+                        records.append(dict(method=method, cr=cr, budget=budget, benchmark=bench,
+                                            id=problems[i]["id"], correct=correct[i]))
+                    bar.update(len(group))
     bar.close()
 
     names = list(benchmarks)

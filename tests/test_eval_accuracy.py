@@ -80,3 +80,22 @@ def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     assert "| 50% | 16 | kvpop-mlp |" in (out / "accuracy.md").read_text()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 5 * 3 * 2
+
+    # one greedy rollout per problem: decoding equal-length problems together changes nothing
+    greedy = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=6,
+                  sampling=SamplingConfig.greedy(), progress=False)
+    checkpoints = {"dense": str(tmp_path / "dense"), "kvpop-mlp": str(tmp_path / "kvpop")}
+    methods = ["dense", "tova", "kvpop-mlp"]
+    one = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "one"), **greedy)
+    two = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "two"), problem_batch=2, **greedy)
+    assert [r["abs"] for r in one] == [r["abs"] for r in two]
+    read = lambda d: [json.loads(x)["completion"] for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()]
+    assert read("one") == read("two") and len(read("one")) == 3 * 3
+
+
+def test_problem_groups():
+    from eval.accuracy import _problem_groups
+
+    assert _problem_groups([[1, 2], [3, 4], [5], [6], [7], [8, 9]], 2) == [[0, 1], [2, 3], [4], [5]]
+    with pytest.raises(ValueError, match="problem_batch"):
+        _problem_groups([[1]], 0)

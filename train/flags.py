@@ -131,6 +131,23 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("log_every", 1, "Write metrics every N steps.", **d)
     flags.DEFINE_bool("tensorboard", True, "Also write TensorBoard events to run_dir/tb.", **d)
     flags.DEFINE_bool("progress", True, "tqdm progress bar.", **d)
+    # --- recipe: several retrofits of one teacher, then the demo comparison (train/recipe.py)
+    flags.DEFINE_list("variants", [],
+                      "Train these retrofits one after another, each into RUN_DIR/NAME with the flags above "
+                      f"except: {', '.join(VARIANTS)} (StreamingLLM+: k = 0, w = --window + --topk, same B). "
+                      "Empty: one run into RUN_DIR exactly as the flags say.", **d)
+    flags.DEFINE_list("eval_methods", [],
+                      "After training, pass@1 on held-out demo-task problems for these methods: dense, "
+                      "streaming, tova, h2o (the init checkpoint with a training-free cache) and any of "
+                      "--variants (their exports). Empty: no evaluation.", **d)
+    flags.DEFINE_integer("eval_problems", 100, "Held-out demo problems (test split) for --eval_methods.", **d)
+    flags.DEFINE_list("eval_crs", ["0.75", "0.88"], "Compression ratios: B = (1 - CR) * --eval_prompt_len.", **d)
+    flags.DEFINE_integer("eval_prompt_len", 1024, "Prompt length of the held-out demo problems (tokens).", **d)
+    flags.DEFINE_integer("eval_batch", 50, "Problems decoded per batch (greedy, one rollout each).", **d)
+    flags.DEFINE_integer("eval_recall_sequences", 8,
+                         "Held-out traces for the teacher-retention recall of each KVpop variant (0: skip).", **d)
+    flags.DEFINE_bool("quick", False,
+                      "A faster, rougher run: a quarter of --steps (and --warmup_steps) and of --eval_problems.", **d)
     flags.DEFINE_bool("dry_run", False,
                       "Compile the train step for the real shapes on abstract arrays, print per-device "
                       "memory, and exit (no weights or data needed).", **d)
@@ -163,6 +180,34 @@ class OptimConfig:
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise FlagError(f"--adam_{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+# Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k.
+VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
+TRAINING_FREE = ("dense", "streaming", "tova", "h2o")
+
+
+def variant_kvpop(kvpop: KVpopConfig, name: str) -> KVpopConfig:
+    """The KVpopConfig of retrofit variant `name` built from the flags' `kvpop`."""
+    if name == "kvpop-mlstm":
+        return dataclasses.replace(kvpop, scorer="mlstm")
+    if name == "kvpop-mlp":
+        return dataclasses.replace(kvpop, scorer="mlp")
+    if name == "streamingllm+":
+        return dataclasses.replace(kvpop, window=kvpop.window + kvpop.topk, topk=0)
+    raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The demo comparison after training (`--eval_*`): greedy pass@1 on held-out demo problems."""
+
+    methods: tuple[str, ...]
+    problems: int = 100
+    compression_ratios: tuple[float, ...] = (0.75, 0.88)
+    prompt_len: int = 1024
+    batch: int = 50
+    recall_sequences: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +253,8 @@ class TrainConfig:
     tensorboard: bool
     progress: bool
     dry_run: bool
+    variants: tuple[str, ...] = ()
+    evaluation: EvalConfig | None = None
 
     @property
     def grad_accum(self) -> int:
@@ -331,6 +378,41 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     if f.mesh_data == 0 or f.mesh_fsdp == 0 or f.mesh_tensor == 0:
         raise FlagError("mesh axes (--mesh_data/--mesh_fsdp/--mesh_tensor) must be >= 1 or -1")
 
+    variants = tuple(dict.fromkeys(v.strip() for v in f.variants if v.strip()))
+    for name in variants:
+        try:
+            variant_kvpop(kvpop, name)
+        except ValueError as e:
+            raise FlagError(f"--variants={name}: {e}") from e
+    evaluation = None
+    methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
+    if methods:
+        unknown = [m for m in methods if m not in TRAINING_FREE and m not in variants]
+        if unknown:
+            raise FlagError(f"--eval_methods: {unknown} are neither {'/'.join(TRAINING_FREE)} nor trained by "
+                            f"--variants={','.join(variants) or '(empty)'}")
+        try:
+            crs = tuple(float(c) for c in f.eval_crs)
+        except ValueError as e:
+            raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
+        if not crs or any(not 0.0 < c < 1.0 for c in crs):
+            raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
+        if f.eval_prompt_len < 64:
+            raise FlagError(f"--eval_prompt_len={f.eval_prompt_len}: the demo task needs >= 64 tokens")
+        for cr in crs:
+            budget = max(1, round((1.0 - cr) * f.eval_prompt_len))
+            if budget < kvpop.sinks + kvpop.window and any(m.startswith("kvpop") for m in methods):
+                raise FlagError(f"--eval_crs={cr}: B = {budget} at --eval_prompt_len={f.eval_prompt_len} is "
+                                f"below s + w = {kvpop.sinks + kvpop.window} of the KVpop variants")
+        if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
+            raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
+        problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
+        evaluation = EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems),
+                                f.eval_recall_sequences)
+    steps, warmup = f.steps, f.warmup_steps
+    if f.quick:
+        steps, warmup = max(1, steps // 4), warmup // 4
+
     demo_examples = 0
     data_path = f.data
     if not data_path and not f.dry_run:
@@ -359,8 +441,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             max_length=f.max_length, streaming=f.streaming,
         )
         optim = OptimConfig(
-            steps=f.steps, base_lr=f.base_lr, new_lr=f.new_lr, new_lr_final=f.new_lr_final,
-            warmup_steps=f.warmup_steps, b1=f.adam_b1, b2=f.adam_b2, eps=f.adam_eps,
+            steps=steps, base_lr=f.base_lr, new_lr=f.new_lr, new_lr_final=f.new_lr_final,
+            warmup_steps=warmup, b1=f.adam_b1, b2=f.adam_b2, eps=f.adam_eps,
             weight_decay=f.weight_decay, clip_norm=f.clip_norm, freeze_base=f.freeze_base,
         )
     except FlagError:
@@ -378,7 +460,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         remat=f.remat, loss_chunk=f.loss_chunk, checkpoint_every=f.checkpoint_every,
         keep_checkpoints=f.keep_checkpoints, async_checkpointing=f.async_checkpointing, resume=f.resume,
         export=f.export, export_dir=f.export_dir or os.path.join(f.run_dir, "export"), log_every=f.log_every,
-        tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run,
+        tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
     )
 
 

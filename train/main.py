@@ -9,6 +9,8 @@ per-device memory instead. Flags: `train/flags.py`.
 
 Outputs under RUN_DIR: train_config.json, checkpoints/<step>/, metrics.jsonl, tb/,
 export/ (or --export_dir), and init/ + data/ for `random:` models and `demo:N` data.
+With `--variants` (e.g. kvpop-mlstm,kvpop-mlp,streamingllm+) each variant is such a run in
+RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recipe.py`).
 """
 
 from __future__ import annotations
@@ -429,6 +431,10 @@ def main(argv):
             dry_run(cfg)
         elif cfg.write_teacher_logits:
             write_teacher_logits(cfg)
+        elif cfg.variants or cfg.evaluation is not None:
+            from train import recipe
+
+            recipe.run(cfg, sys.modules[__name__])
         else:
             train(cfg)
     except FlagError as e:

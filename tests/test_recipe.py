@@ -1,0 +1,72 @@
+"""train/recipe.py: --variants trains several retrofits of one teacher, --eval_methods compares them
+(README command 1's shape, on a 1-layer random model)."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvpop_jax import load_pretrained
+from tests.test_train import REPO, _env, _train_cmd, arch, parse, tiny_flags  # noqa: F401  (arch: fixture)
+from train.flags import FlagError, variant_kvpop
+from train.recipe import TARGETS, scores_at
+
+
+def test_variant_flags(tmp_path, arch):  # noqa: F811
+    cfg = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlstm,kvpop-mlp,streamingllm+",
+                           eval_methods="dense,tova,streamingllm+,kvpop-mlp", eval_problems=40, quick=True))
+    assert cfg.variants == ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
+    assert cfg.steps == 10 and cfg.optim.warmup_steps == 0  # --quick: a quarter of 40 steps and 2 warmup
+    assert cfg.evaluation.problems == 10 and cfg.evaluation.compression_ratios == (0.75, 0.88)
+    plus = variant_kvpop(cfg.kvpop, "streamingllm+")
+    assert (plus.topk, plus.window, plus.budget) == (0, 32, cfg.kvpop.budget)  # same B, no long-range slots
+    assert variant_kvpop(cfg.kvpop, "kvpop-mlstm").scorer == "mlstm"
+    for overrides, message in ((dict(variants="kvpop-gru"), "unknown variant 'kvpop-gru'"),
+                               (dict(variants="kvpop-mlp", eval_methods="dense,kvpop-mlstm"), "kvpop-mlstm"),
+                               (dict(eval_methods="dense", eval_crs="0.9,1.5"), "eval_crs"),
+                               (dict(variants="kvpop-mlp", eval_methods="kvpop-mlp", eval_prompt_len=64,
+                                     eval_crs="0.9"), "below s \\+ w")):
+        with pytest.raises(FlagError, match=message):
+            parse(tiny_flags(str(tmp_path), arch, **overrides))
+
+
+def test_targets_are_checked_against_the_rows():
+    rows = [dict(method="dense", cr=None, abs=0.9), dict(method="kvpop-mlstm", cr=0.88, abs=0.88),
+            dict(method="kvpop-mlp", cr=0.88, abs=0.8), dict(method="streaming", cr=0.88, abs=0.1),
+            dict(method="tova", cr=0.88, abs=0.7), dict(method="tova", cr=0.75, abs=0.0)]
+    scores = scores_at(rows, 0.88)
+    assert scores == {"dense": 0.9, "kvpop-mlstm": 0.88, "kvpop-mlp": 0.8, "streaming": 0.1, "tova": 0.7}
+    assert [check(scores) for _, check in TARGETS] == [True, True, False, True]  # tova is within 20 points
+
+
+def test_variants_then_comparison_end_to_end(tmp_path, arch):  # noqa: F811
+    run = str(tmp_path / "run")
+    argv = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+",
+                      eval_methods="dense,streaming,tova,streamingllm+,kvpop-mlp", eval_problems=3,
+                      eval_batch=2, eval_prompt_len=160, eval_crs="0.5,0.75", eval_recall_sequences=1)
+    proc = subprocess.run(_train_cmd(argv), cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, topk in (("kvpop-mlp", 16), ("streamingllm+", 0)):
+        config, _ = load_pretrained(os.path.join(run, name, "export"))
+        assert config.kvpop.topk == topk and config.kvpop.budget == 36
+        assert len(open(os.path.join(run, name, "metrics.jsonl")).readlines()) == 3
+    out = os.path.join(run, "eval")
+    with open(os.path.join(out, "accuracy.json")) as f:
+        report = json.load(f)
+    settings = {(r["method"], r["cr"]) for r in report["rows"]}
+    assert settings == {("dense", None)} | {(m, cr) for m in ("streaming", "tova", "streamingllm+", "kvpop-mlp")
+                                            for cr in (0.5, 0.75)}
+    assert {r["budget"] for r in report["rows"] if r["cr"] == 0.75} == {40}
+    assert all(len(r["correct"]) == 1 for r in report["records"]) and len(report["records"]) == 3 * 9
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 27 and len({s["id"] for s in samples}) == 3
+    summary = open(os.path.join(out, "summary.md")).read()
+    assert summary in proc.stdout and "| 75% | 40 | kvpop-mlp |" in summary and "recall" in summary
+    recall = json.load(open(os.path.join(out, "recall_kvpop-mlp", "recall.json")))
+    assert 0.0 <= np.mean(recall["recall"]) <= 1.0
+    assert os.path.getsize(os.path.join(out, "training.png")) > 1000
+    assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
