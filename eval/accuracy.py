@@ -329,7 +329,7 @@ def run_accuracy(
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
     instruction. sampling: a SamplingConfig (default: the paper's 0.6 / 0.95 / 20 / 0).
     problem_batch: with n_rollouts = 1, decode up to this many consecutive problems of equal
-    prompt length as one batch (the demo task's prompts all have the same length); the
+    prompt length as one batch (ignored with more rollouts: those batch one problem's rollouts) (the demo task's prompts all have the same length); the
     batch starting at problem i uses the key of problem i.
     """
     import jax
@@ -342,6 +342,8 @@ def run_accuracy(
 
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
+    if problem_batch < 1:
+        raise ValueError(f"problem_batch must be >= 1, got {problem_batch}")
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")

@@ -73,11 +73,12 @@ print(dense_text)
 print("extracted:", demo_task.extract_answer(dense_text), "| correct:", demo_task.score(dense_text, example["answer"]))"""),
     ("md", """## KVpop decoding (the bounded cache)
 
-With a trained KVpop export (the main job, `python -m train.main --flagfile=configs/tiny_cpu.flags`,
-writes one) the scorers are learned. Without one, the teacher is retrofitted with fresh,
-zero-initialized scorers: all scores are equal and the decay makes the long-range slots
-keep the most recent eligible tokens — a StreamingLLM-like policy, which is exactly what
-training improves on."""),
+`checkpoints/demo-kvpop-mlstm` is the KVpop-mLSTM retrofit of this teacher that the main
+job (`python -m train.main --flagfile=configs/tiny_cpu.flags`) trains, copied from
+`runs/tiny_cpu/kvpop-mlstm/export`; its scorers are learned. Without it, the teacher is
+retrofitted with fresh, zero-initialized scorers: all scores are equal and the decay makes
+the long-range slots keep the most recent eligible tokens — a StreamingLLM-like policy,
+which is exactly what training improves on."""),
     ("code", """budget = max(8, SEQ_LEN // 8)  # 12% of the context: 88% compression
 if os.path.isdir(KVPOP):
     kv_config, kv_params = load_pretrained(KVPOP)

@@ -147,7 +147,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("eval_recall_sequences", 8,
                          "Held-out traces for the teacher-retention recall of each KVpop variant (0: skip).", **d)
     flags.DEFINE_bool("quick", False,
-                      "A faster, rougher run: a quarter of --steps (and --warmup_steps) and of --eval_problems.", **d)
+                      "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
+                      "--checkpoint_every and --eval_problems).", **d)
     flags.DEFINE_bool("dry_run", False,
                       "Compile the train step for the real shapes on abstract arrays, print per-device "
                       "memory, and exit (no weights or data needed).", **d)
@@ -384,34 +385,11 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             variant_kvpop(kvpop, name)
         except ValueError as e:
             raise FlagError(f"--variants={name}: {e}") from e
-    evaluation = None
-    methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
-    if methods:
-        unknown = [m for m in methods if m not in TRAINING_FREE and m not in variants]
-        if unknown:
-            raise FlagError(f"--eval_methods: {unknown} are neither {'/'.join(TRAINING_FREE)} nor trained by "
-                            f"--variants={','.join(variants) or '(empty)'}")
-        try:
-            crs = tuple(float(c) for c in f.eval_crs)
-        except ValueError as e:
-            raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
-        if not crs or any(not 0.0 < c < 1.0 for c in crs):
-            raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
-        if f.eval_prompt_len < 64:
-            raise FlagError(f"--eval_prompt_len={f.eval_prompt_len}: the demo task needs >= 64 tokens")
-        for cr in crs:
-            budget = max(1, round((1.0 - cr) * f.eval_prompt_len))
-            if budget < kvpop.sinks + kvpop.window and any(m.startswith("kvpop") for m in methods):
-                raise FlagError(f"--eval_crs={cr}: B = {budget} at --eval_prompt_len={f.eval_prompt_len} is "
-                                f"below s + w = {kvpop.sinks + kvpop.window} of the KVpop variants")
-        if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
-            raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
-        problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
-        evaluation = EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems),
-                                f.eval_recall_sequences)
-    steps, warmup = f.steps, f.warmup_steps
-    if f.quick:
-        steps, warmup = max(1, steps // 4), warmup // 4
+    evaluation = evaluation_from_flags(f, kvpop, variants)
+    steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
+    if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
+        steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
+        run_dir = run_dir.rstrip("/") + "-quick"
 
     demo_examples = 0
     data_path = f.data
@@ -425,7 +403,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             demo_examples = -1
         if demo_examples < 1:
             raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
-        data_path = os.path.join(f.run_dir, "data", "demo_train.jsonl")
+        data_path = os.path.join(run_dir, "data", "demo_train.jsonl")
     elif not f.dry_run:
         from train.data import resolve_source
 
@@ -450,18 +428,55 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     except ValueError as e:
         raise FlagError(f"bad data flags: {e}") from e
     return TrainConfig(
-        run_dir=f.run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config,
+        run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,
         demo_seq_len=f.demo_seq_len, seq_len=f.seq_len, global_batch=f.global_batch, micro_batch=micro,
         optim=optim, mesh=MeshConfig(f.mesh_data, f.mesh_fsdp, f.mesh_tensor, f.distributed),
         teacher_dtype=_resolve_dtype(f.teacher_dtype, on_accelerator), teacher_logits_dir=f.teacher_logits_dir,
         write_teacher_logits=f.write_teacher_logits,
         param_dtype=f.param_dtype, compute_dtype=_resolve_dtype(f.compute_dtype, on_accelerator),
-        remat=f.remat, loss_chunk=f.loss_chunk, checkpoint_every=f.checkpoint_every,
+        remat=f.remat, loss_chunk=f.loss_chunk, checkpoint_every=checkpoint_every,
         keep_checkpoints=f.keep_checkpoints, async_checkpointing=f.async_checkpointing, resume=f.resume,
-        export=f.export, export_dir=f.export_dir or os.path.join(f.run_dir, "export"), log_every=f.log_every,
+        export=f.export, export_dir=f.export_dir or os.path.join(run_dir, "export"), log_every=f.log_every,
         tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
     )
+
+
+def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...]) -> EvalConfig | None:
+    """The `--eval_*` flags as an EvalConfig (None without --eval_methods), checked before any training."""
+    from eval.accuracy import budget_for, retarget_kvpop
+    from eval.demo_task import make_config
+
+    methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
+    if not methods:
+        return None
+    trained = variants or ("kvpop",)  # without --variants, the run itself is `kvpop`
+    unknown = [m for m in methods if m not in TRAINING_FREE and m not in trained]
+    if unknown:
+        raise FlagError(f"--eval_methods: {unknown} are neither {'/'.join(TRAINING_FREE)} nor trained here "
+                        f"({', '.join(trained)}; see --variants)")
+    try:
+        crs = tuple(float(c) for c in f.eval_crs)
+    except ValueError as e:
+        raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
+    if not crs or any(not 0.0 < c < 1.0 for c in crs):
+        raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
+    try:
+        make_config(seq_len=f.eval_prompt_len)
+    except ValueError as e:
+        raise FlagError(f"--eval_prompt_len={f.eval_prompt_len}: {e}") from e
+    for cr in crs:
+        budget = budget_for(cr, f.eval_prompt_len)
+        for m in (m for m in methods if m in trained):
+            try:
+                retarget_kvpop(variant_kvpop(kvpop, m) if variants else kvpop, budget)
+            except ValueError as e:
+                raise FlagError(f"--eval_crs={cr} at --eval_prompt_len={f.eval_prompt_len} (B = {budget}) does "
+                                f"not fit {m}: {e}") from e
+    if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
+        raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
+    problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
+    return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences)
 
 
 def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:
