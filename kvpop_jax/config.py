@@ -163,6 +163,7 @@ class Qwen3Config:
 SCORERS = ("linear", "mlp", "mlstm")
 AGGREGATIONS = ("max", "mean")
 NORMALIZERS = ("sparse", "dense")
+TARGET_REDUCTIONS = ("sum", "max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +197,7 @@ class KVpopConfig:
     aggregate: str = "max"  # GQA aggregation of the target (Eq. 14 / 15)
     count_normalize: bool = True  # divide by N_t (Eq. 16-17)
     normalizer: str = "sparse"  # LSE for the target: sparse (Eq. 9) or dense (Eq. 28)
+    target_reduce: str = "sum"  # over future queries: sum (the paper, Eq. 2) or max (not in the paper)
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
     kl_topk: int = 256  # teacher top-k logits for distillation
@@ -215,6 +217,8 @@ class KVpopConfig:
             raise ValueError(f"KVpopConfig.aggregate must be one of {AGGREGATIONS}, got {self.aggregate!r}")
         if self.normalizer not in NORMALIZERS:
             raise ValueError(f"KVpopConfig.normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+        if self.target_reduce not in TARGET_REDUCTIONS:
+            raise ValueError(f"KVpopConfig.target_reduce must be one of {TARGET_REDUCTIONS}, got {self.target_reduce!r}")
         if self.decay_step != 1:
             raise ValueError(
                 f"KVpopConfig.decay_step must be 1 (static priorities need n = 1), got {self.decay_step!r}"

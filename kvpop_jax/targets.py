@@ -52,6 +52,14 @@ def _check_inputs(q: jax.Array, k: jax.Array, lse: jax.Array | None, window: int
         raise ValueError(f"window must be an int >= 0, got {window!r}")
 
 
+REDUCTIONS = ("sum", "max")  # over a key's future queries: the paper's mass, or its strongest read
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+
+
 def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
     """(block, number of blocks, padding) covering S positions."""
     if block_size < 1:
@@ -69,6 +77,7 @@ def future_attention_log_mass(
     window: int,
     scale: float | None = None,
     block_size: int = 128,
+    reduce: str = "sum",
 ) -> jax.Array:
     """log m̄_t (Eq. 31) by the transposed blockwise pass (Appendix D.2).
 
@@ -78,12 +87,15 @@ def future_attention_log_mass(
       window: w >= 0; key t collects mass from queries d with t + w <= d < S.
       scale: logit scale, default D ** -0.5.
       block_size: query positions per loop step; memory is O(B · Hq · S · block).
+      reduce: "sum" (the paper's Eq. 31) or "max": log max_d exp(ℓ(d, t) − LSE_d), the
+        strongest single future read of key t (an option beyond the paper; `REDUCTIONS`).
 
     Returns:
       float32 [B, Hq, S]: log m̄_t^(h,g) per query head and key position; −inf for keys
       with no future query (t + w >= S). Not differentiated (inputs are stop-gradient).
     """
     _check_inputs(q, k, lse, window)
+    _check_reduce(reduce)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -113,7 +125,8 @@ def future_attention_log_mass(
 
     init = (jnp.full((b, hkv, g, s), _NEG, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
     (m, l), _ = jax.lax.scan(step, init, (q_blocks, lse_blocks, starts))
-    log_mass = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    # l > 0 exactly when key t has a future query; m is then the largest future logit.
+    log_mass = jnp.where(l > 0, (m + jnp.log(jnp.where(l > 0, l, 1.0))) if reduce == "sum" else m, -jnp.inf)
     return log_mass.reshape(b, hq, s)
 
 
@@ -125,6 +138,7 @@ def future_attention_log_mass_reference(
     window: int,
     scale: float | None = None,
     block_size: int = 128,
+    reduce: str = "sum",
 ) -> jax.Array:
     """Dense reference of `future_attention_log_mass` (materializes [B, Hq, S, S]).
 
@@ -132,6 +146,7 @@ def future_attention_log_mass_reference(
     """
     del block_size
     _check_inputs(q, k, lse, window)
+    _check_reduce(reduce)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -143,6 +158,8 @@ def future_attention_log_mass_reference(
     pos = jnp.arange(s)
     future = pos[:, None] >= pos[None, :] + window  # [d, t]
     logits = jnp.where(future, logits, -jnp.inf)
+    if reduce == "max":
+        return logits.max(axis=-2).reshape(b, hq, s)
     return jax.nn.logsumexp(logits, axis=-2).reshape(b, hq, s)  # Eq. 31: reduce over d
 
 
@@ -209,6 +226,7 @@ def future_attention_target(
     normalize: bool = True,
     scale: float | None = None,
     log_mass_fn: LogMassFn | None = None,
+    reduce: str = "sum",
 ) -> jax.Array:
     """Future-utility target r_tgt per KV head (Eq. 2–3, DESIGN.md).
 
@@ -225,7 +243,11 @@ def future_attention_target(
       normalize: divide by the future-query count N_t (Eq. 2 / 16).
       scale: logit scale, default D ** -0.5.
       log_mass_fn: computes log m̄ with `future_attention_log_mass`'s signature
-        (e.g. the Pallas kernel); default the blockwise XLA pass.
+        (e.g. the Pallas kernel); default the blockwise XLA pass. Used for reduce="sum".
+      reduce: "sum" (the paper) or "max": m_t is the largest single future attention
+        probability of key t (no count normalization: `normalize` is ignored), always by
+        the blockwise XLA pass. A key read once, decisively, then ranks above keys that
+        collect small leaks from many queries.
 
     Returns:
       float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
@@ -239,11 +261,15 @@ def future_attention_target(
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
+    _check_reduce(reduce)
     q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
-    log_m = log_mass_fn(q, k, lse, window=window, scale=scale).astype(jnp.float32)
-    log_m = log_m.reshape(b, hkv, g, s)
-    if normalize:
+    if reduce == "max":
+        log_m = future_attention_log_mass(q, k, lse, window=window, scale=scale, reduce="max")
+    else:
+        log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
+        log_m = log_mass_fn(q, k, lse, window=window, scale=scale)
+    log_m = log_m.astype(jnp.float32).reshape(b, hkv, g, s)
+    if normalize and reduce == "sum":
         log_m = log_m - jnp.log(future_query_count(s, window))  # Eq. 2
     if aggregate == "max":
         log_agg = log_m.max(axis=2)  # Eq. 14

@@ -106,6 +106,17 @@ def test_retention_aux_and_metrics(rng):
     layer = out.aux["layers"][1]
     assert layer["target"].shape == (1, BASE.num_key_value_heads, s)
     assert layer["boundary"].valid.shape == (1, BASE.num_key_value_heads, s)
+    # target_reduce="max" (an option beyond the paper) reaches the target of every layer: each key's
+    # strongest single future read, never above log(ε + 1) with the dense normalizer
+    kv_max = dataclasses.replace(kv, target_reduce="max", normalizer="dense")
+    config_max = dataclasses.replace(config, kvpop=kv_max)
+    out_max = Qwen3ForCausalLM(config_max).apply({"params": params}, ids, query_samples=q_idx, return_policy=True)
+    sums = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=dataclasses.replace(kv_max, target_reduce="sum"))).apply(
+        {"params": params}, ids, query_samples=q_idx, return_policy=True)
+    for a, b in zip(out_max.aux["layers"], sums.aux["layers"]):
+        assert float(jnp.max(a["target"])) <= np.log(kv.eps + 1.0) + 1e-5
+        assert not np.allclose(np.asarray(a["target"]), np.asarray(b["target"]))
+    assert np.isfinite(float(out_max.aux["retention_loss"]))
 
 
 def test_kvpop_rejects_segment_ids_and_dense_cache(rng):

@@ -77,3 +77,12 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):  # noqa: F811
     assert 0.0 <= np.mean(recall["recall"]) <= 1.0
     assert os.path.getsize(os.path.join(out, "training.png")) > 1000
     assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
+
+
+def test_target_reduce_flag_reaches_the_config(tmp_path, arch):  # noqa: F811
+    from kvpop_jax import KVpopConfig
+
+    assert parse(tiny_flags(str(tmp_path), arch)).kvpop.target_reduce == "sum"  # the paper's default
+    assert parse(tiny_flags(str(tmp_path), arch, target_reduce="max")).kvpop.target_reduce == "max"
+    with pytest.raises(ValueError, match="target_reduce"):
+        KVpopConfig(target_reduce="mean")

@@ -214,3 +214,27 @@ def test_bad_inputs_raise(rng):
         targets.future_attention_log_mass(q, k, lse, window=-1)
     with pytest.raises(ValueError, match="multiple"):
         targets.dense_lse(q[:, :, :3], k)
+
+
+@pytest.mark.parametrize("s, block, window", [(37, 8, 3), (12, 4, 12), (16, 16, 1)])
+def test_max_reduction_matches_reference_and_numpy(rng, s, block, window):
+    """reduce="max": log of the largest single future read, blockwise == dense == numpy."""
+    hkv, g = 2, 2
+    q, k = _qk(rng, s, hkv, g)
+    lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0
+    got = targets.future_attention_log_mass(q, k, lse, window=window, block_size=block, reduce="max")
+    want = targets.future_attention_log_mass_reference(q, k, lse, window=window, reduce="max")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    t = np.arange(s)
+    ell = _np_logits(q, k) - lse[..., None].astype(np.float64)  # [B, Hq, d, t]
+    future = t[:, None] >= t[None, :] + window
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(np.asarray(got), np.where(future, ell, -np.inf).max(axis=2), rtol=1e-4, atol=1e-4)
+    # the target: log(ε + max_g max_d p), never divided by N_t; a one-off strong read beats many weak ones
+    eps = 1e-6
+    dense = targets.dense_lse(q, k, block_size=8)
+    tgt = targets.future_attention_target(q, k, dense, window=window, eps=eps, reduce="max")
+    p = np.where(future, _np_dense_probs(q, k), 0.0).max(axis=2).reshape(B, hkv, g, s).max(axis=2)
+    np.testing.assert_allclose(np.asarray(tgt), np.log(eps + p), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="reduce"):
+        targets.future_attention_target(q, k, dense, window=window, eps=eps, reduce="mean")

@@ -25,7 +25,7 @@ from typing import Any
 
 from absl import flags
 
-from kvpop_jax.config import AGGREGATIONS, NORMALIZERS, SCORERS, KVpopConfig, Qwen3Config
+from kvpop_jax.config import AGGREGATIONS, NORMALIZERS, SCORERS, TARGET_REDUCTIONS, KVpopConfig, Qwen3Config
 from train.data import DataConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +63,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_bool("balance_weighting", True, "Keep/drop balance weighting (Eq. 24).", **d)
     flags.DEFINE_enum("normalizer", "sparse", NORMALIZERS, "LSE of the future-attention target.", **d)
     flags.DEFINE_enum("aggregate", "max", AGGREGATIONS, "GQA aggregation of the target.", **d)
+    flags.DEFINE_enum("target_reduce", "sum", TARGET_REDUCTIONS,
+                      "Reduction of a key's future attention: sum (the paper's mass, Eq. 2, divided by "
+                      "N_t) or max (its strongest single read; not in the paper).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
@@ -350,6 +353,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             mlstm_dim=f.mlstm_dim, gamma_min=f.gamma_min, gamma_max=f.gamma_max,
             loss_temperature=f.loss_temperature, margin_weighting=f.margin_weighting,
             balance_weighting=f.balance_weighting, normalizer=f.normalizer, aggregate=f.aggregate,
+            target_reduce=f.target_reduce,
             num_query_samples=f.num_query_samples, late_bias_fraction=f.late_bias_fraction,
             kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
         )
