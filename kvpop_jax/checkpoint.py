@@ -230,7 +230,8 @@ def load_pretrained(
 # Saving
 
 
-def _atomic_write_bytes(filename: str, data: bytes) -> None:
+def atomic_write_bytes(filename: str, data: bytes) -> None:
+    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn file."""
     directory = os.path.dirname(filename) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
     try:
@@ -280,16 +281,16 @@ def save_pretrained(
             os.unlink(os.path.join(path, stale))
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        _atomic_write_bytes(os.path.join(path, SINGLE_FILE), safetensors_save_bytes(shards[0], metadata=metadata))
+        atomic_write_bytes(os.path.join(path, SINGLE_FILE), safetensors_save_bytes(shards[0], metadata=metadata))
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_write_bytes(os.path.join(path, fn), safetensors_save_bytes(shard, metadata=metadata))
+            atomic_write_bytes(os.path.join(path, fn), safetensors_save_bytes(shard, metadata=metadata))
             weight_map.update({n: fn for n in shard})
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _atomic_write_bytes(os.path.join(path, INDEX_FILE), json.dumps(index, indent=2).encode())
+        atomic_write_bytes(os.path.join(path, INDEX_FILE), json.dumps(index, indent=2).encode())
     dtypes = {str(t.dtype) for shard in shards for t in shard.values()}
     hf_config = config.to_hf()
     hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
-    _atomic_write_bytes(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2).encode())
+    atomic_write_bytes(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2).encode())

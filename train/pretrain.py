@@ -40,7 +40,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
 
 import flax.serialization
@@ -53,6 +52,7 @@ from absl import app, flags
 
 from eval import demo_task
 from eval.demo_tokenizer import VOCAB
+from kvpop_jax.checkpoint import atomic_write_bytes
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from kvpop_jax.sampling import SamplingConfig
@@ -209,27 +209,13 @@ def make_train_step(model: Qwen3ForCausalLM, optimizer):
 # ------------------------------------------------------------------------------- checkpoint
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_state(cfg: PretrainConfig, state: TrainState, elapsed_s: float = 0.0) -> None:
     """params + optimizer state + step + the settings + training seconds so far, as one
     atomically replaced file."""
     payload = dict(state=flax.serialization.to_state_dict(jax.device_get(state)),
                    config=json.dumps(cfg.resume_key()), elapsed_s=float(elapsed_s))
     os.makedirs(cfg.run_dir, exist_ok=True)
-    _atomic_write(os.path.join(cfg.run_dir, STATE_FILE), flax.serialization.msgpack_serialize(payload))
+    atomic_write_bytes(os.path.join(cfg.run_dir, STATE_FILE), flax.serialization.msgpack_serialize(payload))
 
 
 def restore_state(cfg: PretrainConfig, target: TrainState) -> tuple[TrainState, float] | None:
