@@ -2,7 +2,7 @@
 
 Like the paper's Table 1: each problem gets `n_rollouts` sampled completions; pass@1 is the
 mean over problems of the fraction of correct rollouts; each method runs at every compression
-ratio CR = 1 - B / context_len (B derived per CR: `budget_for`), and is reported absolute and
+ratio CR = 1 - B / context_len (B derived per CR: `KVpopConfig.budget_at`), and is reported absolute and
 relative to dense (the teacher), averaged over benchmarks.
 
 Methods (names on the command line):
@@ -13,14 +13,11 @@ Methods (names on the command line):
   anything else              a KVpop-exported checkpoint (kvpop-mlp, kvpop-mlstm,
                              streamingllm+, ...) decoded with its bounded cache. Its (s, w) are
                              kept and B is met by setting k = B - s - w, or, for a k = 0
-                             checkpoint (StreamingLLM+), w = B - s. Pass `{cr: path}` as its
-                             checkpoint to use a model trained for each CR instead.
+                             checkpoint (StreamingLLM+), w = B - s (`KVpopConfig.retarget`).
+                             Pass `{cr: path}` as its checkpoint to use a model trained for
+                             each CR instead.
 
-Answers: the last `\\boxed{...}` (nested braces) or `#### ...` in the completion
-(`eval.demo_task.extract_answer`). With `math_verify` installed, answers are checked with it
-(HF's Math-Verify, as the paper); otherwise by normalized string compare (`normalize_answer`):
-whitespace, `$`, `\\left`/`\\right`, `\\dfrac`/`\\tfrac`, `\\text{}` and a trailing period are
-dropped, and numbers compare by value.
+Answers are checked by `eval/answers.py`; benchmarks load by `eval/benchmarks.py`.
 
 Outputs in out_dir: accuracy.md (table), accuracy.png (bars), accuracy.json (all numbers),
 samples.jsonl (every completion with its extracted answer).
@@ -31,237 +28,52 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
-try:  # the demo task's extractor: \boxed{...} (nested) and "#### ..."
-    from eval.demo_task import extract_answer
-except ImportError:  # pragma: no cover - the demo task ships with the repo
-    def extract_answer(text: str) -> str | None:
-        start = text.rfind("\\boxed{")
-        if start < 0:
-            return None
-        i, depth = start + len("\\boxed{"), 1
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i:j].strip()
-        return None
+from eval.answers import is_correct, math_verify_available
+from eval.benchmarks import benchmark_name, load_benchmark
+from eval.report import format_table, plot_bars, summarize
+from kvpop_jax import load_pretrained
+from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
+from kvpop_jax.baselines import BaselineConfig
+from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.config import KVpopConfig
+from kvpop_jax.generate import generate
+from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
+from kvpop_jax.sampling import SamplingConfig
 
-BASELINES = ("streaming", "tova", "h2o")
-PROMPT_FIELDS = ("prompt", "problem", "question")
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-
-
-# ---------------------------------------------------------------------------------- answers
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical string form for the fallback compare (see the module docstring)."""
-    a = answer.strip()
-    a = re.sub(r"\\text\{([^{}]*)\}", r"\1", a)
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                     ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""), (" ", "")):
-        a = a.replace(old, new)
-    a = a.rstrip(".")
-    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?", a):  # thousands separators
-        a = a.replace(",", "")
-    if re.fullmatch(r"[+-]?\d+", a):
-        return str(int(a))
-    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)", a):
-        x = float(a)
-        return str(int(x)) if x == int(x) else repr(x)
-    return a
-
-
-def _math_verify():
-    try:
-        from math_verify import parse, verify
-
-        return parse, verify
-    except ImportError:
-        return None
-
-
-def is_correct(completion: str, gold: Any) -> tuple[bool, str | None]:
-    """(correct, extracted answer) for one completion against the reference answer."""
-    pred = extract_answer(completion)
-    if pred is None:
-        return False, None
-    gold = str(gold)
-    mv = _math_verify()
-    if mv is not None:
-        parse, verify = mv
-        try:
-            if verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")):
-                return True, pred
-        except Exception:  # noqa: BLE001 - math_verify raises on unparsable input; fall back
-            pass
-    return normalize_answer(pred) == normalize_answer(gold), pred
-
-
-# -------------------------------------------------------------------------------- benchmarks
-
-
-def load_benchmark(source: str, *, split: str = "test", limit: int | None = None) -> list[dict]:
-    """Problems as dicts (id, prompt, answer) from a JSONL/JSON file, a local data file
-    `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
-    if source.endswith((".jsonl", ".json")) and os.path.isfile(source):
-        with open(source) as f:
-            text = f.read()
-        rows = json.loads(text) if source.endswith(".json") and text.lstrip().startswith("[") else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        import datasets
-
-        ext = os.path.splitext(source)[1].lstrip(".")
-        if os.path.exists(source) and ext in ("parquet", "csv"):
-            rows = datasets.load_dataset(ext, data_files=source, split="train")
-        else:
-            rows = datasets.load_dataset(source, split=split)
-        rows = [dict(r) for r in rows]
-    problems = []
-    for i, row in enumerate(rows[:limit] if limit else rows):
-        field = next((f for f in PROMPT_FIELDS if f in row), None)
-        if field is None or "answer" not in row:
-            raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
-        problems.append(dict(id=str(row.get("id", i)), prompt=row[field], answer=str(row["answer"])))
-    if not problems:
-        raise ValueError(f"benchmark {source!r} has no problems")
-    return problems
-
-
-def benchmark_name(source: str) -> str:
-    return os.path.splitext(os.path.basename(source.rstrip("/")))[0] or source
-
-
-# ------------------------------------------------------------------------------------ models
-
-
-def budget_for(compression_ratio: float, context_len: int) -> int:
-    """B = round((1 - CR) * context_len) (paper: 16k context, B 4096 / 2048 = CR 75% / 88%)."""
-    if not 0.0 <= compression_ratio < 1.0:
-        raise ValueError(f"compression ratio must be in [0, 1), got {compression_ratio}")
-    return max(1, int(round((1.0 - compression_ratio) * context_len)))
-
-
-def _strip_kvpop(params: dict) -> dict:
-    return {name: ({**sub, "self_attn": {k: v for k, v in sub["self_attn"].items() if k != "kvpop"}}
-                   if isinstance(sub, dict) and "self_attn" in sub else sub)
-            for name, sub in params.items()}
-
-
-def retarget_kvpop(kv, budget: int):
-    """The checkpoint's KVpopConfig at budget B: k = B - s - w, or w = B - s when k = 0."""
-    if kv.topk == 0:
-        if budget - kv.sinks < 1:
-            raise ValueError(f"budget {budget} leaves no window after {kv.sinks} sinks")
-        return dataclasses.replace(kv, window=budget - kv.sinks)
-    topk = budget - kv.sinks - kv.window
-    if topk < 0:
-        raise ValueError(f"budget {budget} < s + w = {kv.sinks} + {kv.window} of the checkpoint")
-    return dataclasses.replace(kv, topk=topk)
 
 
 def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):
     """(model, params, cache spec) for one method at budget B (None for dense)."""
-    from kvpop_jax.baselines import BaselineConfig
-    from kvpop_jax.modeling import Qwen3ForCausalLM
-
     config = checkpoint_config
     if method == "dense" or method in BASELINES:
         if config.kvpop is not None:  # run a retrofitted checkpoint's weights densely
-            config, params = dataclasses.replace(config, kvpop=None), _strip_kvpop(params)
+            config, params = strip_kvpop(config, params)
         if method == "dense":
             return Qwen3ForCausalLM(config, dtype=dtype), params, "dense"
         cfg = BaselineConfig(method, budget, sinks=min(sinks, budget - 1) if method == "streaming" else 0)
         return Qwen3ForCausalLM(config, dtype=dtype), params, cfg
     if config.kvpop is None:
         raise ValueError(f"method {method!r} needs a KVpop checkpoint (config.json with 'kvpop'), got a dense one")
-    config = dataclasses.replace(config, kvpop=retarget_kvpop(config.kvpop, budget))
+    config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget))
     return Qwen3ForCausalLM(config, dtype=dtype), params, "kvpop"
-
-
-# ------------------------------------------------------------------------------------ report
-
-
-def summarize(records: Sequence[dict], benchmarks: Sequence[str]) -> list[dict]:
-    """Rows (method, cr, budget, per-benchmark pass@1, abs, rel) from per-problem records.
-
-    A record: method, cr (None for dense), budget, benchmark, id, correct (list of bools).
-    abs = mean over benchmarks; rel = abs / dense abs (None without a dense row or at 0).
-    """
-    keys = []
-    for r in records:
-        if (r["method"], r["cr"]) not in keys:
-            keys.append((r["method"], r["cr"]))
-    rows = []
-    for method, cr in keys:
-        mine = [r for r in records if r["method"] == method and r["cr"] == cr]
-        per = {b: float(np.mean([np.mean(r["correct"]) for r in mine if r["benchmark"] == b]))
-               for b in benchmarks if any(r["benchmark"] == b for r in mine)}
-        rows.append(dict(method=method, cr=cr, budget=mine[0]["budget"], scores=per,
-                         abs=float(np.mean(list(per.values())))))
-    dense = next((r["abs"] for r in rows if r["method"] == "dense"), None)
-    for r in rows:
-        r["rel"] = r["abs"] / dense if dense else None
-    return rows
-
-
-def format_table(rows: Sequence[dict], benchmarks: Sequence[str]) -> str:
-    head = ["CR", "B", "Method", *benchmarks, "Abs.", "Rel."]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
-    order = sorted(rows, key=lambda r: (r["cr"] is not None, r["cr"] or 0.0))
-    for r in order:
-        cr = "—" if r["cr"] is None else f"{r['cr']:.0%}"
-        budget = "full" if r["budget"] is None else str(r["budget"])
-        cells = [f"{r['scores'][b]:.2f}" if b in r["scores"] else "—" for b in benchmarks]
-        rel = "—" if r["rel"] is None else f"{r['rel']:.2f}"
-        lines.append("| " + " | ".join([cr, budget, "dense (teacher)" if r["method"] == "dense" else r["method"],
-                                          *cells, f"{r['abs']:.2f}", rel]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_bars(rows: Sequence[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    crs = sorted({r["cr"] for r in rows if r["cr"] is not None})
-    methods = list(dict.fromkeys(r["method"] for r in rows if r["cr"] is not None))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(crs) * max(1, len(methods))), 3.6))
-    width = 0.8 / max(1, len(methods))
-    for j, m in enumerate(methods):
-        vals = [next((r["abs"] for r in rows if r["method"] == m and r["cr"] == cr), np.nan) for cr in crs]
-        ax.bar(np.arange(len(crs)) + (j - (len(methods) - 1) / 2) * width, vals, width, label=m)
-    dense = next((r["abs"] for r in rows if r["method"] == "dense"), None)
-    if dense is not None:
-        ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense (teacher)")
-    ax.set_xticks(np.arange(len(crs)), [f"CR {cr:.0%}" for cr in crs])
-    ax.set_ylabel("pass@1 (mean over benchmarks)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------- run
 
 
 def _load_tokenizer(tokenizer, checkpoint: str):
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
-    from transformers import AutoTokenizer
-
     path = os.fspath(tokenizer or checkpoint)
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"no tokenizer at {path!r} ({e}); pass tokenizer=") from e
+        return load_tokenizer(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; pass tokenizer=") from e
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -332,14 +144,6 @@ def run_accuracy(
     prompt length as one batch (ignored with more rollouts: those batch one problem's rollouts) (the demo task's prompts all have the same length); the
     batch starting at problem i uses the key of problem i.
     """
-    import jax
-    import jax.numpy as jnp
-    from tqdm.auto import tqdm
-
-    from kvpop_jax import load_pretrained
-    from kvpop_jax.generate import generate
-    from kvpop_jax.sampling import SamplingConfig
-
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
     if problem_batch < 1:
@@ -366,7 +170,7 @@ def run_accuracy(
             if path not in loaded:
                 loaded[path] = load_pretrained(path, dtype=dtype)
             config, params = loaded[path]
-            budget = None if cr is None else budget_for(cr, context_len)
+            budget = None if cr is None else KVpopConfig.budget_at(cr, context_len)
             model, mparams, cache = method_setup(method, config, params, budget, sinks=sinks, dtype=dtype)
             eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
             eos |= set(config.eos_token_id if isinstance(config.eos_token_id, tuple) else
@@ -400,7 +204,7 @@ def run_accuracy(
     names = list(benchmarks)
     rows = summarize(records, names)
     table = format_table(rows, names)
-    checker = "math_verify" if _math_verify() is not None else "normalized string compare"
+    checker = "math_verify" if math_verify_available() else "normalized string compare"
     with open(os.path.join(out_dir, "accuracy.md"), "w") as f:
         f.write(f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n")
         f.write(f"Context length {context_len} (CR = 1 - B / {context_len}); benchmarks: "
@@ -436,5 +240,4 @@ def parse_checkpoints(spec: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["budget_for", "extract_answer", "format_table", "is_correct", "load_benchmark", "normalize_answer",
-           "parse_checkpoints", "plot_bars", "retarget_kvpop", "run_accuracy", "summarize"]
+__all__ = ["method_setup", "parse_checkpoints", "run_accuracy"]

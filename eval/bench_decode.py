@@ -4,7 +4,7 @@ For every method (dense, kvpop, and the training-free baselines at the same budg
 every length L, one jitted single-token decode step (batch 1 by default) is timed in the
 state it has after L tokens:
 
-- dense: a `modeling.DenseCache` of capacity L + warmup + steps whose first L slots are
+- dense: a dense cache (`cache.init_dense_cache` layout) of capacity L + warmup + steps whose first L slots are
   filled with random keys/values and `length = L`. A fixed-shape dense cache costs what
   its capacity costs, so its capacity is L (plus the few timed steps), as in a decode
   loop sized for exactly L tokens.
@@ -33,31 +33,31 @@ the table with the command, date, device and versions to `benchmarks_md`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
 import inspect
 import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
-from eval.plots import load_model, markdown_table, plt, save_figure, strip_kvpop, timestamp, write_text
+from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
+from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
+from kvpop_jax import baselines
+from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
 from kvpop_jax.config import KVpopConfig, Qwen3Config
-from kvpop_jax.modeling import DenseCache, Qwen3ForCausalLM, init_params, retrofit_params
+from kvpop_jax.modeling import KVPOP_SUBTREE, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-BASELINES = ("streaming", "tova", "h2o")
-METHODS = ("dense", "kvpop") + BASELINES
-MIB = 2**20
+METHODS = ("dense", "kvpop") + baselines.BOUNDED_METHODS
 
 
 def tiny_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
@@ -84,44 +84,6 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def default_command() -> str:
-    """The command line of this process, as `python -m eval.<module> ...` when run that way."""
-    argv = list(sys.argv)
-    head, name = os.path.split(argv[0]) if argv else ("", "")
-    if os.path.basename(head) == "eval" and name.endswith(".py"):
-        return f"python -m eval.{name[:-3]} " + shlex.join(argv[1:])
-    return "python " + shlex.join(argv)
-
-
-def rss_bytes() -> int | None:
-    """Resident set size of this process (VmRSS), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def device_description() -> dict[str, Any]:
-    dev = jax.devices()[0]
-    desc = {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count()}
-    if dev.platform == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        except OSError:
-            model = None
-        desc["device_kind"] = model or platform.processor() or "cpu"
-        desc["cpu_count"] = os.cpu_count()
-    import jaxlib
-
-    desc.update(jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version())
-    return desc
-
-
 def _cache_nbytes(cache) -> int:
     return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)))
 
@@ -142,32 +104,29 @@ def _prefill(model: Qwen3ForCausalLM, params, cache, prompt_BxP):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "capacity", "dtype"))
-def _dense_state(config: Qwen3Config, batch: int, length, capacity: int, dtype, key) -> DenseCache:
-    """A DenseCache of `capacity` slots holding random k/v and `length` = L.
+def _dense_state(config: Qwen3Config, batch: int, length, capacity: int, dtype, key) -> Cache:
+    """A dense cache of `capacity` slots per layer holding random k/v and `length` = L.
 
     Jitted and tiled from a small random block so building it allocates little beyond the
     cache itself (the device's peak memory must be the decode step's, not the set-up's).
     Slots >= L are masked by the step; their content does not matter.
     """
-    shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
     block = min(capacity, 256)
     reps = -(-capacity // block)
 
     def fill(k):
-        small = jax.random.normal(k, shape[:2] + (block,) + shape[3:], dtype)
-        return jnp.tile(small, (1, 1, reps, 1, 1))[:, :, :capacity]
+        small = jax.random.normal(k, (batch, block, config.num_key_value_heads, config.head_dim), dtype)
+        return jnp.tile(small, (1, reps, 1, 1))[:, :capacity]
 
-    k_key, v_key = jax.random.split(key)
-    return DenseCache(k=fill(k_key), v=fill(v_key), length=jnp.asarray(length, jnp.int32))
+    keys = jax.random.split(key, 2 * config.num_hidden_layers)
+    layers = tuple(DenseLayerCache(k=fill(keys[2 * i]), v=fill(keys[2 * i + 1]))
+                   for i in range(config.num_hidden_layers))
+    return Cache(layers=layers, length=jnp.asarray(length, jnp.int32), started=True)
 
 
 def _empty_bounded_cache(method: str, config: Qwen3Config, kv: KVpopConfig, batch: int, dtype):
     if method == "kvpop":
-        from kvpop_jax.cache import init_cache
-
         return init_cache(config, batch, dtype)
-    from kvpop_jax import baselines
-
     cfg = baselines.BaselineConfig(method, budget=kv.budget, sinks=kv.sinks)
     return baselines.init_cache(config, cfg, batch, dtype)
 
@@ -237,7 +196,7 @@ def _models(checkpoint, model_config: Qwen3Config | None, kvpop: KVpopConfig | N
         config = config if kvpop is None else dataclasses.replace(config, kvpop=kvpop)
     if config.kvpop is None and kvpop is not None:  # a dense model: fresh KVpop heads (timing ignores values)
         config = dataclasses.replace(config, kvpop=kvpop)
-    if config.kvpop is not None and "kvpop" not in params["layers_0"]["self_attn"]:
+    if config.kvpop is not None and KVPOP_SUBTREE not in params["layers_0"]["self_attn"]:
         params = retrofit_params(config, params, jax.random.key(seed + 1))
     params = jax.tree.map(lambda x: x.astype(dtype), params)
     dense_config, dense_params = strip_kvpop(config, params)
@@ -301,8 +260,6 @@ def run_bench_decode(
 
     # Bounded methods first, dense last: the device's peak is a process-lifetime peak.
     order = [m for m in methods if m != "dense"] + [m for m in methods if m == "dense"]
-    from tqdm.auto import tqdm
-
     rows: list[BenchRow] = []
     bar = tqdm(total=len(order) * len(lengths), desc="bench decode", unit="point", disable=not progress)
     key = jax.random.key(seed)
@@ -417,22 +374,8 @@ def bench_markdown(rows: Sequence[BenchRow], info: dict, png: str, relative_to: 
     ])
 
 
-def append_benchmarks(path: str | os.PathLike, section: str) -> str:
-    """Appends `section` to the markdown file (created with a title if missing); never truncates."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a") as f:
-        if new:
-            f.write("# Benchmarks\n\nResults appended by the eval commands, newest last.\n\n")
-        f.write(section.rstrip("\n") + "\n\n")
-    return path
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m eval.bench_decode [flags]` (also reachable as `python -m eval.main bench decode`)."""
-    import argparse
-
     d = dict(inspect.signature(tiny_config).parameters)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a random tiny model)")
@@ -468,5 +411,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["BASELINES", "DEFAULT_LENGTHS", "METHODS", "BenchRow", "append_benchmarks", "bench_markdown",
-           "default_command", "parse_lengths", "plot_bench", "rss_bytes", "run_bench_decode", "tiny_config"]
+__all__ = ["DEFAULT_LENGTHS", "METHODS", "BenchRow", "bench_markdown", "parse_lengths", "plot_bench",
+           "run_bench_decode", "tiny_config"]

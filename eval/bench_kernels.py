@@ -4,10 +4,10 @@
 k = B − s − w, Qwen3-4B-like heads: Hq = 32, Hkv = 8, D = 128, batch 1):
 
   * sparse attention forward, and forward + backward (`kvpop_jax.attention.kvpop_attention`);
-  * the transposed future-LSE pass (`targets.future_attention_log_mass` / `future_lse`);
-  * the running top-k cutoff (`policy.running_topk_cutoff` / `topk_cutoff`);
+  * the transposed future-LSE pass (`targets.future_attention_log_mass`);
+  * the running top-k cutoff (`policy.running_topk_cutoff`);
 
-each by its XLA reference and its Pallas kernel, beside `jax.nn.dot_product_attention`
+each by its XLA reference and its Pallas kernel (the dispatchers' "xla" and "pallas"), beside `jax.nn.dot_product_attention`
 (dense causal; forward or forward + backward to match the row). Pallas kernels run only
 on GPU; on other back ends their cells read "n/a (<backend>)". The table is printed and
 appended, with the command, date, device and versions, to a markdown file.
@@ -21,13 +21,17 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jaxlib
 import jax.numpy as jnp
+import jaxlib
+
+from eval.bench_common import default_command
+from kvpop_jax.attention import kvpop_attention
+from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
+from kvpop_jax.targets import future_attention_log_mass
 
 GPU_SEQ_LENS = (4096, 16384)
 GPU_BUDGETS = (2048, 4096)
@@ -114,12 +118,6 @@ def run_bench_kernels(
     Returns:
       The markdown section (header + table).
     """
-    from kvpop_jax.attention import kvpop_attention
-    from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
-    from kvpop_jax.targets import future_attention_log_mass
-    from pallas_kernels.future_lse import future_lse
-    from pallas_kernels.topk_cutoff import topk_cutoff
-
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     seq_lens = tuple(seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS))
@@ -143,7 +141,7 @@ def run_bench_kernels(
         }
         for budget in budgets:
             topk = budget - sinks - window
-            cut = running_topk_cutoff(ranks, topk=topk, **policy)
+            cut = running_topk_cutoff(ranks, topk=topk, implementation="xla", **policy)
             _, lse = kvpop_attention(q, k, v, ranks, cut, implementation="xla", **policy)
 
             def attend(impl):
@@ -153,10 +151,13 @@ def run_bench_kernels(
                 ("sparse attention fwd", jax.jit(attend("xla")), jax.jit(attend("pallas")), (q, k, v), "fwd"),
                 ("sparse attention fwd+bwd", _grad_of_sum(attend("xla")), _grad_of_sum(attend("pallas")),
                  (q, k, v), "fwd+bwd"),
-                ("future LSE", jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window)),
-                 jax.jit(lambda q, k, lse: future_lse(q, k, lse, window=window)), (q, k, lse), "fwd"),
-                ("top-k cutoff", jax.jit(lambda r: running_topk_cutoff(r, topk=topk, **policy)),
-                 jax.jit(lambda r: topk_cutoff(r, topk=topk, **policy)), (ranks,), None),
+                ("future LSE", jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
+                                                                                    implementation="xla")),
+                 jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
+                                                                     implementation="pallas")), (q, k, lse), "fwd"),
+                ("top-k cutoff", jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="xla", **policy)),
+                 jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="pallas", **policy)),
+                 (ranks,), None),
             ]
             for name, xla_fn, pallas_fn, args, dense_key in cases:
                 xla_ms = _guarded(xla_fn, args, iters, warmup)
@@ -175,7 +176,7 @@ def run_bench_kernels(
     header = [
         f"## Kernel benchmark, {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         "",
-        f"- command: `{command or _default_command()}`",
+        f"- command: `{command or default_command()}`",
         f"- device: {device.device_kind} ({backend}, {jax.device_count()} device(s)); "
         f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
         f"- shape: batch {batch}, Hq {num_q_heads}, Hkv {num_kv_heads}, D {head_dim}, {dtype.name}; "
@@ -194,14 +195,6 @@ def run_bench_kernels(
         with open(out_md, "a", encoding="utf-8") as f:
             f.write(("# Benchmarks\n\n" if new_file else "\n") + report)
     return report
-
-
-def _default_command() -> str:
-    argv0 = sys.argv[0] if sys.argv else ""
-    for module in ("eval/main.py", "eval/bench_kernels.py"):
-        if argv0.endswith(module):
-            return " ".join(["python -m " + module[:-3].replace("/", ".")] + sys.argv[1:])
-    return " ".join(["python"] + sys.argv)
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ Commands (each prints its own `--help`):
   patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
+  diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
 Every command that produces results writes a markdown table and PNG plots to --out_dir.
 """
@@ -16,6 +17,20 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval import bench_decode, bench_kernels, diagnose
+from eval.accuracy import parse_checkpoints, run_accuracy
+from eval.patterns import run_patterns
+from eval.recall import run_recall
+from kvpop_jax import load_pretrained
+from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.generate import generate
+from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_jax.sampling import SamplingConfig
 
 
 def cmd_generate(argv: Sequence[str]) -> None:
@@ -31,26 +46,14 @@ def cmd_generate(argv: Sequence[str]) -> None:
     parser.add_argument("--min_p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from kvpop_jax import load_pretrained
-    from kvpop_jax.generate import generate
-    from kvpop_jax.modeling import Qwen3ForCausalLM
-    from kvpop_jax.sampling import SamplingConfig
-
     config, params = load_pretrained(args.checkpoint)
     tokenizer = None
     if args.prompt_ids:
         ids = [int(t) for t in args.prompt_ids.split(",")]
     else:
-        from transformers import AutoTokenizer
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-        except (OSError, ValueError) as e:
+            tokenizer = load_tokenizer(args.checkpoint)
+        except ValueError as e:
             parser.error(f"no tokenizer in {args.checkpoint!r} ({e}); pass --prompt_ids instead of --prompt")
         ids = tokenizer(args.prompt)["input_ids"]
     if not ids:
@@ -101,9 +104,6 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
                         help="with --n_rollouts=1: decode this many equal-length problems per batch")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
-    from eval.accuracy import parse_checkpoints, run_accuracy
-    from kvpop_jax.sampling import SamplingConfig
-
     run_accuracy(
         [m for m in args.methods.split(",") if m], parse_checkpoints(args.checkpoints),
         [b for b in args.benchmark.split(",") if b], n_rollouts=args.n_rollouts,
@@ -128,8 +128,6 @@ def cmd_recall(argv: Sequence[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
-    from eval.recall import run_recall
-
     run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed)
     print(open(f"{args.out_dir}/recall.md").read())
@@ -146,8 +144,6 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     parser.add_argument("--last_n", type=int, default=112)
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
-    from eval.patterns import run_patterns
-
     if args.ids:
         source = [int(t) for t in args.ids.split(",")]
     elif args.text_file:
@@ -160,11 +156,10 @@ def cmd_patterns(argv: Sequence[str]) -> None:
 
 def cmd_bench(argv: Sequence[str]) -> None:
     """Benchmarks: kernels, decode."""
-    benches: dict[str, Callable[[Sequence[str]], None]] = {}
-    from eval import bench_decode, bench_kernels
-
-    benches["kernels"] = bench_kernels.main
-    benches["decode"] = bench_decode.main
+    benches: dict[str, Callable[[Sequence[str]], None]] = {
+        "kernels": bench_kernels.main,
+        "decode": bench_decode.main,
+    }
     if not argv or argv[0] not in benches:
         raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")
     benches[argv[0]](argv[1:])
@@ -176,6 +171,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
     "recall": cmd_recall,
     "patterns": cmd_patterns,
     "bench": cmd_bench,
+    "diagnose": diagnose.main,
 }
 
 

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from eval.plots import checkpoint_tokenizer, load_model, markdown_table, plt, save_figure, timestamp, write_text
+from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
+from kvpop_jax.checkpoint import checkpoint_tokenizer
 from eval.recall import policy_arrays
 from kvpop_jax.kvpop import kept_long_range
 from kvpop_jax.modeling import Qwen3ForCausalLM

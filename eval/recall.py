@@ -34,11 +34,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
-from eval.plots import (checkpoint_tokenizer, load_model, markdown_table, plt, save_figure, strip_kvpop, timestamp,
-                        write_text)
+from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
+from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.documents import DocumentSpec, columns_and_first, open_dataset, render, text_spec, tokenize
 from kvpop_jax.kvpop import kept_long_range
-from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 
 _ID_FIELDS = ("input_ids", "ids", "token_ids", "tokens")
 
@@ -101,10 +103,10 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
               text_field: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """Rows of token ids to evaluate: (ids int32 [N, S], loss_mask float32 [N, S]).
 
-    `data` is an int array [N, S'] (rows, truncated to `seq_len`), a JSONL of token ids
-    (documents concatenated into one stream, cut into rows of `seq_len`), or a text
-    dataset `train.data` reads (JSONL/parquet/hub name; packed with the checkpoint's
-    tokenizer as in training, documents split across rows, no attention reset).
+    `data` is an int array [N, S'] (rows, truncated to `seq_len`), a JSONL of token ids, or a
+    text dataset `kvpop_jax.documents` reads (JSONL/parquet/hub name, tokenized with the
+    checkpoint's tokenizer, EOS-terminated as in training). Documents are concatenated into
+    one stream and cut into rows of `seq_len` (split across rows, no attention reset).
     loss_mask is 1 where the next token belongs to the same document (0 on the last
     column).
     """
@@ -124,32 +126,34 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
     if seq_len is None:
         raise ValueError("seq_len is required when reading rows from a dataset")
     docs = _read_jsonl_ids(path) if path.endswith(".jsonl") and os.path.isfile(path) else None
-    if docs is not None:
-        stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
-        segments = np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)])
-        n = min(num_sequences, len(stream) // seq_len)
-        if n < 1:
-            raise ValueError(f"{path} holds {len(stream)} tokens, fewer than one row of seq_len={seq_len}")
-        ids = stream[: n * seq_len].reshape(n, seq_len)
-        seg = segments[: n * seq_len].reshape(n, seq_len)
-        mask = np.zeros(ids.shape, np.float32)
-        mask[:, :-1] = seg[:, :-1] == seg[:, 1:]
-        return ids, mask
-    from train.data import DataConfig, PackedBatchIterator
+    if docs is None:
+        if tokenizer is None:
+            raise ValueError(f"{path} holds text: the checkpoint needs a tokenizer (or pass token ids)")
+        docs = _text_documents(DocumentSpec(path, text_field=text_field), tokenizer, num_sequences * seq_len)
+    stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
+    segments = np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)])
+    n = min(num_sequences, len(stream) // seq_len)
+    if n < 1:
+        raise ValueError(f"{path} holds {len(stream)} tokens, fewer than one row of seq_len={seq_len}")
+    ids = stream[: n * seq_len].reshape(n, seq_len)
+    seg = segments[: n * seq_len].reshape(n, seq_len)
+    mask = np.zeros(ids.shape, np.float32)
+    mask[:, :-1] = seg[:, :-1] == seg[:, 1:]
+    return ids, mask
 
-    if tokenizer is None:
-        raise ValueError(f"{path} holds text: the checkpoint needs a tokenizer (or pass token ids)")
-    config = DataConfig(data=path, seq_len=seq_len, batch_size=1, text_field=text_field, shuffle=False,
-                        split_documents=True, max_length=2**62)
-    batches = PackedBatchIterator(config, tokenizer)
-    ids, mask = [], []
-    while len(ids) < num_sequences:
-        batch = next(batches)
-        if batches.epoch > 0 and ids:  # the stream wrapped around: do not count data twice
+
+def _text_documents(spec: DocumentSpec, tokenizer, tokens: int) -> list[np.ndarray]:
+    """Tokenized documents of a text source, in stored order, until `tokens` tokens are read."""
+    ds = open_dataset(spec)
+    text = text_spec(spec, *columns_and_first(spec, ds))
+    docs, total = [], 0
+    for example in ds:
+        (ids,) = tokenize([render(example, text, tokenizer)], tokenizer, text.chat)
+        docs.append(ids)
+        total += len(ids)
+        if total >= tokens:
             break
-        ids.append(batch["input_ids"][0])
-        mask.append(batch["loss_mask"][0])
-    return np.stack(ids).astype(np.int32), np.stack(mask).astype(np.float32)
+    return docs
 
 
 def sample_saturated_queries(rng: np.random.Generator, n: int, *, seq_len: int, budget: int, num: int) -> np.ndarray:
@@ -267,7 +271,6 @@ def run_recall(
             raise ValueError(f"teacher vocab {t_config.vocab_size} != student vocab {config.vocab_size}")
         t_model = Qwen3ForCausalLM(t_config, dtype=dtype)
 
-    from tqdm.auto import tqdm
 
     hits = np.zeros((config.num_hidden_layers, config.num_key_value_heads), np.int64)
     totals = np.zeros_like(hits)

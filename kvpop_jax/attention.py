@@ -1,42 +1,134 @@
-"""Attention back ends behind one signature.
+"""Attention: the dense and KVpop-masked references, and the masked-attention dispatcher.
 
 Every back end takes queries `q [B, S, Hq, D]` and keys/values `k, v [B, T, Hkv, D]`
 (grouped-query attention: Hq = G * Hkv, query head h*G + g reads KV head h, as in HF)
 and returns `(out [B, S, Hq, D], lse [B, Hq, S])` with the natural-log log-sum-exp of
-the attention logits of each query (float32). The model calls attention only through
-`attend`, so a back end can be swapped without touching the layers.
+the attention logits of each query (float32).
+
+`kvpop_attention` is the model's masked attention: it dispatches (`dispatch.Op`) to the
+blockwise XLA reference or a Pallas kernel (`pallas_kernels.sparse_attention`, or its
+compacted-key-list variant) behind the reference's signature.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from kvpop_jax import sharding as shd
+from kvpop_jax.dispatch import Backend, Op
+from pallas_kernels.common import NEG_INF, check_attention_args
+from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
+from pallas_kernels.sparse_attention import kvpop_attention_pallas
 
-NEG_INF = -1e30  # finite "minus infinity": keeps fully masked rows free of NaNs
 
-
-def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """[B, S, Hq, D] -> [B, S, Hkv, G, D] (query head h*G + g belongs to KV head h)."""
     b, s, hq, d = q.shape
     return q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
 
 
-def dense_attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    kv_valid: jax.Array | None = None,
-    scale: float | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def attend(q_grouped: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
+    """Softmax attention of one block of grouped queries over masked keys.
+
+    q_grouped [B, Q, Hkv, G, D]; k, v [B, T, Hkv, D]; mask bool broadcastable to
+    [B, Hkv, G, Q, T]. Returns out [B, Q, Hkv, G, D] (q's dtype) and lse [B, Hkv, G, Q]
+    float32. A row with no kept key gets a uniform average (its lse is NEG_INF-like).
+    """
+    logits = jnp.einsum("bqhgd,bthd->bhgqt", q_grouped, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask, logits, NEG_INF)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None])
+    out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q_grouped.dtype), lse
+
+
+def split_query_blocks(xs: Sequence[jax.Array], axes: Sequence[int], block: int,
+                       pad_values: Sequence | None = None) -> tuple[jax.Array, list[jax.Array]]:
+    """Cuts each xs[i] along its query axis `axes[i]` into blocks of `block` positions.
+
+    The axis is padded to a multiple of the block (with pad_values[i], default 0). Returns the
+    blocks' first positions int32 [nb] and the blocks, each with a leading [nb] axis.
+    """
+    s = xs[0].shape[axes[0]]
+    bq = min(block, s)
+    nb = -(-s // bq)
+    pad_values = pad_values or [0] * len(xs)
+
+    def split(x, axis, value):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, nb * bq - s)
+        x = jnp.pad(x, widths, constant_values=value)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], nb, bq, *x.shape[axis + 1:]), axis, 0)
+
+    return jnp.arange(nb, dtype=jnp.int32) * bq, [split(x, a, p) for x, a, p in zip(xs, axes, pad_values)]
+
+
+def map_query_blocks(block_fn: Callable, xs: Sequence[jax.Array], axes: Sequence[int], *, block: int,
+                     out_axes: Sequence[int] = (1, -1), pad_values: Sequence | None = None):
+    """Runs `block_fn(start, *blocks)` over blocks of `block` positions of the query axis.
+
+    Inputs as for `split_query_blocks`. `block_fn` gets the block's first position (int32
+    scalar) and the blocks, and returns a tuple of outputs whose query axis is `out_axes[j]`
+    (default: out [B, Q, ...] and lse [..., Q]). Each block is rematerialized in autodiff
+    (`jax.checkpoint`), so memory is O(block) per head. Returns the outputs with the blocks
+    joined and the padding cut off.
+    """
+    s = xs[0].shape[axes[0]]
+    starts, blocks = split_query_blocks(xs, axes, block, pad_values)
+    outs = jax.lax.map(jax.checkpoint(lambda a: block_fn(a[0], *a[1:]), prevent_cse=False), (starts, *blocks))
+
+    def merge(y, axis):  # [nb, ..., bq at axis, ...] -> [..., nb * bq, ...][:s]
+        axis = axis % (y.ndim - 1)
+        y = jnp.moveaxis(y, 0, axis)
+        y = y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2:])
+        return jax.lax.slice_in_dim(y, 0, s, axis=axis)
+
+    return tuple(merge(y, axis) for y, axis in zip(outs, out_axes))
+
+
+# --- dense -------------------------------------------------------------------------------
+
+DENSE_BLOCKWISE_MIN_QUERIES = 2048  # above this many queries `dense_attention` goes blockwise
+
+
+def _dense_mask(q_pos, kv_positions, q_seg, kv_segment_ids, kv_valid):
+    """bool [B, 1, 1, Q, T]: key t visible to query s (causal by position, same segment, valid)."""
+    mask = kv_positions[:, None, :] <= q_pos[:, :, None]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == kv_segment_ids[:, None, :]
+    if kv_valid is not None:
+        mask &= kv_valid[:, None, :]
+    return mask[:, None, None]
+
+
+def dense_attention_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+                              kv_valid=None, scale: float | None = None, block_q: int = 512):
+    """Causal softmax attention one query block at a time; contract of `dense_attention`.
+
+    Memory is O(block_q * T) per head instead of O(S * T), in autodiff too (each block is
+    rematerialized). S need not be a multiple of `block_q`.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    xs, axes = [group_queries(q, hkv), q_positions], [1, 1]
+    if q_segment_ids is not None:
+        xs, axes = xs + [q_segment_ids], axes + [1]
+
+    def one_block(_, q_blk, qpos_blk, seg_blk=None):
+        mask = _dense_mask(qpos_blk, kv_positions, seg_blk, kv_segment_ids, kv_valid)
+        return attend(q_blk, k, v, mask, scale)
+
+    out, lse = map_query_blocks(one_block, xs, axes, block=block_q)
+    return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
+
+
+def dense_attention_reference(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+                              kv_valid=None, scale: float | None = None):
     """Causal softmax attention over the whole `[S, T]` logits at once (the dense reference).
 
     Args:
@@ -53,93 +145,14 @@ def dense_attention_reference(
       out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log).
     """
     b, s, hq, d = q.shape
-    hkv = k.shape[2]
     scale = d**-0.5 if scale is None else scale
-    qg = _group_queries(q, hkv)
-    logits = jnp.einsum("bshgd,bthd->bhgst", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = kv_positions[:, None, :] <= q_positions[:, :, None]  # [B, S, T]
-    if q_segment_ids is not None:
-        mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-    if kv_valid is not None:
-        mask &= kv_valid[:, None, :]
-    logits = jnp.where(mask[:, None, None], logits, NEG_INF)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, G, S]
-    probs = jnp.exp(logits - lse[..., None])
-    out = jnp.einsum("bhgst,bthd->bshgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, hq, d).astype(q.dtype), lse.reshape(b, hq, s)
+    mask = _dense_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid)
+    out, lse = attend(group_queries(q, k.shape[2]), k, v, mask, scale)
+    return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 
-
-DENSE_BLOCKWISE_MIN_QUERIES = 2048  # above this many queries `dense_attention` goes blockwise
-
-
-def dense_attention_blockwise(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    kv_valid: jax.Array | None = None,
-    scale: float | None = None,
-    block_q: int = 512,
-) -> tuple[jax.Array, jax.Array]:
-    """`dense_attention_reference` one query block at a time (same contract).
-
-    Memory is O(block_q * T) per head instead of O(S * T), in autodiff too: each block is
-    rematerialized (`jax.checkpoint`). S need not be a multiple of `block_q`.
-    """
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    scale = d**-0.5 if scale is None else scale
-    bq = min(block_q, s)
-    nb = -(-s // bq)
-    pad = nb * bq - s
-
-    def blocks(x):  # [B, S, ...] -> [nb, B, bq, ...]; padded queries are sliced off at the end
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(b, nb, bq, *x.shape[2:]), 1, 0)
-
-    xs = [blocks(_group_queries(q, hkv)), blocks(q_positions)]
-    if q_segment_ids is not None:
-        xs.append(blocks(q_segment_ids))
-
-    def one_block(args):
-        q_blk, qpos_blk = args[0], args[1]
-        mask = kv_positions[:, None, :] <= qpos_blk[:, :, None]  # [B, bq, T]
-        if q_segment_ids is not None:
-            mask &= args[2][:, :, None] == kv_segment_ids[:, None, :]
-        if kv_valid is not None:
-            mask &= kv_valid[:, None, :]
-        logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(mask[:, None, None], logits, NEG_INF)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, G, bq]
-        probs = jnp.exp(logits - lse[..., None])
-        out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.astype(q.dtype), lse
-
-    out, lse = jax.lax.map(jax.checkpoint(one_block, prevent_cse=False), tuple(xs))
-    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * bq, hkv, g, d)[:, :s].reshape(b, s, hq, d)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hq, nb * bq)[:, :, :s]
-    return out, lse
-
-
-def dense_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    kv_valid: jax.Array | None = None,
-    scale: float | None = None,
-    blockwise: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+                    kv_valid=None, scale: float | None = None, blockwise: bool | None = None):
     """Causal softmax attention; contract of `dense_attention_reference`.
 
     blockwise: True runs `dense_attention_blockwise` (no `[S, T]` logits), False the
@@ -152,28 +165,11 @@ def dense_attention(
               kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, scale=scale)
 
 
-# --- KVpop-masked attention -------------------------------------------------------------
-
-KVPOP_IMPL_ENV = "KVPOP_ATTENTION_IMPL"  # xla | pallas | pallas_interpret; overrides the default
+# --- KVpop-masked ------------------------------------------------------------------------
 
 
-def _check_kvpop_args(q, k, v, ranks, cutoffs, sinks, window):
-    b, s, hq, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}, got {k.shape}, {v.shape}")
-    hkv = k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
-    for name, x in (("ranks", ranks), ("cutoffs", cutoffs)):
-        if x.shape != (b, hkv, s) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be int [B, Hkv, S] = {(b, hkv, s)}, got {x.dtype}{x.shape}")
-    if sinks < 0 or window < 1:
-        raise ValueError(f"need sinks >= 0 and window >= 1 (query q always sees t = q), got {sinks}, {window}")
-
-
-def kvpop_block_mask(
-    q_pos: jax.Array, k_pos: jax.Array, ranks: jax.Array, cutoffs: jax.Array, *, sinks: int, window: int
-) -> jax.Array:
+def kvpop_block_mask(q_pos: jax.Array, k_pos: jax.Array, ranks: jax.Array, cutoffs: jax.Array, *, sinks: int,
+                     window: int) -> jax.Array:
     """The KVpop mask (DESIGN.md) on a tile: query positions `q_pos [Q]`, key positions `k_pos [T]`.
 
     ranks: int [..., T] for the keys; cutoffs: int [..., Q] τ for the queries (S keeps every
@@ -187,18 +183,8 @@ def kvpop_block_mask(
     return (diff >= 0) & (is_sink | (diff < window) | (eligible & kept))
 
 
-def kvpop_attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    ranks: jax.Array,
-    cutoffs: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    scale: float | None = None,
-    block_q: int = 512,
-) -> tuple[jax.Array, jax.Array]:
+def kvpop_attention_reference(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: float | None = None,
+                              topk: int | None = None, block_q: int = 512):
     """KVpop-masked causal attention in plain XLA, one query block at a time (paper Eq. 26).
 
     Args:
@@ -207,74 +193,78 @@ def kvpop_attention_reference(
       cutoffs: int [B, Hkv, S], τ_q per query position (S: keep all eligible; < 0: none).
       sinks, window: s and w (window >= 1).
       scale: logit scale, default D ** -0.5.
+      topk: the k the cutoffs were computed with (a hint for back ends that size their work
+        by it; ignored here).
       block_q: queries per block; memory is O(S * block_q) per head in the forward and,
-        because each block is rematerialized (`jax.checkpoint`), in autodiff too.
+        because each block is rematerialized, in autodiff too.
 
     Returns:
       out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log over kept keys).
       Differentiable in q, k, v (both outputs) by plain autodiff.
     """
-    _check_kvpop_args(q, k, v, ranks, cutoffs, sinks, window)
+    del topk
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
     b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    bq = min(block_q, s)
-    nb = -(-s // bq)
-    pad = nb * bq - s
-    q_blocks = jnp.pad(_group_queries(q, hkv), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    q_blocks = jnp.moveaxis(q_blocks.reshape(b, nb, bq, hkv, g, d), 1, 0)  # [nb, B, bq, Hkv, G, D]
-    cut_blocks = jnp.pad(cutoffs.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-    cut_blocks = jnp.moveaxis(cut_blocks.reshape(b, hkv, nb, bq), 2, 0)  # [nb, B, Hkv, bq]
     k_pos = jnp.arange(s, dtype=jnp.int32)
     ranks = ranks.astype(jnp.int32)
 
-    def one_block(args):
-        q_blk, cut_blk, start = args
-        q_pos = start + jnp.arange(bq, dtype=jnp.int32)
-        mask = kvpop_block_mask(q_pos, k_pos, ranks, cut_blk, sinks=sinks, window=window)  # [B, Hkv, bq, S]
-        logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(mask[:, :, None], logits, NEG_INF)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, G, bq]
-        probs = jnp.exp(logits - lse[..., None])
-        out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.astype(q.dtype), lse
+    def one_block(start, q_blk, cut_blk):
+        q_pos = start + jnp.arange(q_blk.shape[1], dtype=jnp.int32)
+        mask = kvpop_block_mask(q_pos, k_pos, ranks, cut_blk, sinks=sinks, window=window)  # [B, Hkv, Q, S]
+        return attend(q_blk, k, v, mask[:, :, None], scale)
 
-    starts = jnp.arange(nb, dtype=jnp.int32) * bq
-    out, lse = jax.lax.map(jax.checkpoint(one_block, prevent_cse=False), (q_blocks, cut_blocks, starts))
-    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * bq, hq, d)[:, :s]
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hq, nb * bq)[:, :, :s]
-    return out, lse
+    xs = [group_queries(q, k.shape[2]), cutoffs.astype(jnp.int32)]
+    out, lse = map_query_blocks(one_block, xs, [1, 2], block=block_q, pad_values=[0, -1])
+    return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 
-def kvpop_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    ranks: jax.Array,
-    cutoffs: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    scale: float | None = None,
-    implementation: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """KVpop-masked attention, dispatched to a back end (same contract as the reference).
+def _compacted_rejects(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    del q, k, v, ranks, cutoffs, sinks, window, scale
+    return "needs topk= (the key lists are sized by it)" if topk is None else None
 
-    implementation: "xla" (`kvpop_attention_reference`), "pallas" (the Triton-lowered
-    kernel, `pallas_kernels.sparse_attention`) or "pallas_interpret" (the same kernel in
-    interpret mode, for CPU tests). None picks `$KVPOP_ATTENTION_IMPL` if set, else
-    "pallas" on GPU and "xla" elsewhere. Under an active mesh (`sharding.activate`) the
-    Pallas kernel runs in shard_map over batch and heads (`pallas_call` is not
-    auto-partitioned); the XLA reference is left to the SPMD partitioner.
+
+def _compacted_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    del k, v, ranks, cutoffs, scale
+    return compacted_is_cheaper(q.shape[1], sinks=sinks, window=window, topk=topk)
+
+
+def _pallas(kernel, interpret: bool, with_topk: bool) -> Callable:
+    """A masked-attention kernel under the dispatcher's signature, in shard_map under a mesh."""
+
+    def run(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+        kw = dict(sinks=sinks, window=window, scale=scale, interpret=interpret, **({"topk": topk} if with_topk else {}))
+        fn = shd.shard_kernel(functools.partial(kernel, **kw), ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"))
+        return fn(q, k, v, ranks, cutoffs)
+
+    return run
+
+
+KVPOP_ATTENTION = Op(
+    "kvpop_attention", "KVPOP_ATTENTION_IMPL",
+    {
+        "xla": Backend(kvpop_attention_reference),
+        "pallas": Backend(_pallas(kvpop_attention_pallas, False, False), platforms=("gpu",)),
+        "pallas_compacted": Backend(_pallas(kvpop_attention_pallas_compacted, False, True), platforms=("gpu",),
+                                    rejects=_compacted_rejects, preferred=_compacted_preferred),
+        "pallas_interpret": Backend(_pallas(kvpop_attention_pallas, True, False)),
+        "pallas_compacted_interpret": Backend(_pallas(kvpop_attention_pallas_compacted, True, True),
+                                              rejects=_compacted_rejects),
+    },
+    auto=("pallas_compacted", "pallas", "xla"),
+)
+
+
+def kvpop_attention(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: float | None = None,
+                    topk: int | None = None, implementation: str | None = None):
+    """KVpop-masked attention on the back end `KVPOP_ATTENTION` picks (contract of the reference).
+
+    implementation: one of `KVPOP_ATTENTION.implementations` — "xla"
+    (`kvpop_attention_reference`), "pallas" (`kvpop_attention_pallas`), "pallas_compacted"
+    (compacted key lists; needs `topk`), or their "_interpret" twins (CPU tests). None reads
+    `$KVPOP_ATTENTION_IMPL`, else picks automatically: on GPU the compacted kernel where its
+    tile count is lower, else the block-skipping kernel; the XLA reference elsewhere. Under an
+    active mesh the kernels run in shard_map over batch and heads.
     """
-    from pallas_kernels._common import resolve_implementation
-
-    impl = resolve_implementation(implementation, KVPOP_IMPL_ENV)
-    kwargs = dict(sinks=sinks, window=window, scale=scale)
-    if impl == "xla":
-        return kvpop_attention_reference(q, k, v, ranks, cutoffs, **kwargs)
-    from pallas_kernels.sparse_attention import sparse_attention
-
-    kernel = functools.partial(sparse_attention, interpret=impl == "pallas_interpret", **kwargs)
-    return shd.shard_kernel(kernel, ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"))(q, k, v, ranks, cutoffs)
+    return KVPOP_ATTENTION(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
+                           implementation=implementation)

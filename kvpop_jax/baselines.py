@@ -22,7 +22,7 @@ Rules (the candidates that may be evicted are never the `sinks` first positions 
              KV head, so each KV head evicts on its own (the original is per head, G = 1).
              Default split: `recent = B // 2` newest tokens, the rest heavy hitters.
   dense      no eviction. It has no bounded layout: `generate` runs it with the plain
-             `modeling.DenseCache`; `BaselineConfig("dense")` only names it.
+             dense cache (`cache.init_dense_cache`); `BaselineConfig("dense")` only names it.
 
 Keys keep the RoPE of their original position (no re-indexing inside the cache), as the
 KVpop cache does. Prefill keeps the protected tokens plus the best-keyed others (ties: the
@@ -39,9 +39,11 @@ import jax
 import jax.numpy as jnp
 
 from kvpop_jax import attention as attn_lib
+from kvpop_jax.cache import Cache, one_token
+from pallas_kernels.common import NEG_INF
 
-NEG_INF = -1e30
-METHODS = ("dense", "streaming", "tova", "h2o")
+METHODS = ("dense", "streaming", "tova", "h2o")  # the training-free methods, dense included
+BOUNDED_METHODS = METHODS[1:]  # those with a bounded cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +97,19 @@ class BaselineLayerCache:
     score: jax.Array
     config: BaselineConfig = flax.struct.field(pytree_node=False, default=None)
 
+    def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
+        """Dense attention over the prompt, then its compression to B tokens (`prefill`).
 
-@flax.struct.dataclass
-class BaselineCache:
-    """All layers (`layers[i]` a BaselineLayerCache) and the number of tokens seen so far."""
+        A KVpop model's scorers are not used: the policy is the baseline's.
+        """
+        del length, policy, return_policy
+        out, cache = prefill(self.config, q, k, v, positions)
+        return out, cache, None
 
-    layers: tuple
-    length: jax.Array
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+    def decode(self, q, k, v, *, positions, length, policy):
+        del positions, policy
+        one_token(q, self.config.method)
+        return decode(self.config, self, q, k, v, length)
 
 
 def init_layer_cache(cfg: BaselineConfig, batch: int, num_kv_heads: int, head_dim: int,
@@ -119,10 +123,10 @@ def init_layer_cache(cfg: BaselineConfig, batch: int, num_kv_heads: int, head_di
     )
 
 
-def init_cache(model_config, cfg: BaselineConfig, batch: int, dtype=jnp.float32) -> BaselineCache:
+def init_cache(model_config, cfg: BaselineConfig, batch: int, dtype=jnp.float32) -> Cache:
     """An empty bounded cache for every layer of a `Qwen3Config` (constant size)."""
     layer = init_layer_cache(cfg, batch, model_config.num_key_value_heads, model_config.head_dim, dtype)
-    return BaselineCache(layers=(layer,) * model_config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
+    return Cache(layers=(layer,) * model_config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
 
 
 def _policy_key(cfg: BaselineConfig, score, pos):
@@ -153,24 +157,17 @@ def _column_attention(q, k, lse, positions, block: int = 256):
     """
     b, p, hq, d = q.shape
     hkv = k.shape[2]
-    g = hq // hkv
-    nb = -(-p // block)
-    pad = nb * block - p
-    qp = jnp.pad(q.reshape(b, p, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    lsep = jnp.pad(lse.reshape(b, hkv, g, p), ((0, 0), (0, 0), (0, 0), (0, pad)))
-    posp = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)  # padded queries see nothing
-    qb = jnp.moveaxis(qp.reshape(b, nb, block, hkv, g, d), 1, 0)
-    lb = jnp.moveaxis(lsep.reshape(b, hkv, g, nb, block), 3, 0)
-    pb = jnp.moveaxis(posp.reshape(b, nb, block), 1, 0)
 
-    def one(args):
+    def one(args):  # padded queries have position -1 and see nothing
         q_blk, lse_blk, pos_blk = args
         logits = jnp.einsum("bqhgd,bthd->bhgqt", q_blk, k, preferred_element_type=jnp.float32) * d**-0.5
         mask = (positions[:, None, :] <= pos_blk[:, :, None]) & (pos_blk >= 0)[:, :, None]  # [B, q, T]
         probs = jnp.where(mask[:, None, None], jnp.exp(logits - lse_blk[..., None]), 0.0)
         return jnp.sum(probs, axis=3)
 
-    return jnp.sum(jax.lax.map(one, (qb, lb, pb)), axis=0)
+    xs = [attn_lib.group_queries(q, hkv), lse.reshape(b, hkv, hq // hkv, p), positions]
+    _, blocks = attn_lib.split_query_blocks(xs, [1, 3, 1], block, pad_values=[0, 0, -1])
+    return jnp.sum(jax.lax.map(one, tuple(blocks)), axis=0)
 
 
 def prefill(cfg: BaselineConfig, q, k, v, positions):
@@ -250,5 +247,5 @@ def decode(cfg: BaselineConfig, lc: BaselineLayerCache, q_tok, k_tok, v_tok, pos
     return out, lc
 
 
-__all__ = ["METHODS", "BaselineCache", "BaselineConfig", "BaselineLayerCache", "decode", "init_cache",
+__all__ = ["BOUNDED_METHODS", "METHODS", "BaselineConfig", "BaselineLayerCache", "decode", "init_cache",
            "init_layer_cache", "prefill"]

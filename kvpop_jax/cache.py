@@ -1,6 +1,21 @@
-"""Bounded KVpop cache for decoding: constant memory per KV head.
+"""Decoding caches: one small protocol, one container, the dense and the bounded KVpop kinds.
 
-Each layer keeps `B = s + w + k` slots per (batch, KV head):
+Every cache kind (dense here, bounded KVpop here, StreamingLLM / TOVA / H2O in
+`baselines.py`) is a `Cache` whose `layers[i]` implement the `LayerCache` protocol, so the
+model has one `if cache is not None` path:
+
+  prefill(q, k, v, *, positions, length, policy, return_policy) -> (out, layer cache, aux)
+      the first call: the prompt's own attention (dense, or KVpop's masked parallel
+      forward), then the cache after its last token;
+  decode(q, k, v, *, positions, length, policy) -> (out, layer cache)
+      a later call: the new token(s) attend to the cache, which then takes them in.
+
+q [B, S, Hq, D] and k, v [B, S, Hkv, D] are the new tokens' (RoPE at their positions);
+positions int [B, S]; length int [] tokens the cache has seen; policy: the layer's
+`KVpopHead` (bound, its scorer and decay) or None for a dense model. Bounded caches take
+one token per decode call; the dense cache any number.
+
+Bounded KVpop cache. Each layer keeps `B = s + w + k` slots per (batch, KV head):
 
   slots [0, s)          sinks: token t < s sits in slot t
   slots [s, s + w)      the protected window, a ring buffer: token t >= s in slot s + (t - s) % w
@@ -11,7 +26,7 @@ u = q - w leaves the window (its ring slot is the one q is written to). It is sc
 (stateless scorers and the non-delayed mLSTM scored it when it entered; the delayed
 mLSTM reads its state after q with u's query features), and competes with the worst
 long-range slot: it enters iff its priority is strictly better (on a tie the earlier
-position wins, as in `policy.ranks_from_priority`, and u is always the later one). The
+position wins, as in `policy_lib.ranks_from_priority`, and u is always the later one). The
 loser is gone for good. Because priorities are static, this greedy replacement keeps
 exactly the top-k of E(q), so teacher-forced decoding reproduces the masked parallel
 forward.
@@ -19,17 +34,93 @@ forward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpop_jax import policy
+from kvpop_jax import attention as attn_lib
+from kvpop_jax import policy as policy_lib
 from kvpop_jax.config import KVpopConfig, Qwen3Config
+from kvpop_jax.scorers import mlstm_init_state, mlstm_value_dim
+from pallas_kernels.common import NEG_INF
 
-NEG_INF = -1e30
+
+class LayerCache(Protocol):
+    """What the model needs of one layer's cache (see the module docstring)."""
+
+    def prefill(self, q, k, v, *, positions, length, policy, return_policy: bool = False): ...
+
+    def decode(self, q, k, v, *, positions, length, policy): ...
+
+
+@flax.struct.dataclass
+class Cache:
+    """Every layer's cache (`layers[i]` a LayerCache) and the number of tokens seen so far.
+
+    started (static): False until the first call (the prefill) has run.
+    """
+
+    layers: tuple
+    length: jax.Array
+    started: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+    @property
+    def batch(self) -> int:
+        return jax.tree_util.tree_leaves(self.layers)[0].shape[0]
+
+
+def one_token(q: jax.Array, kind: str) -> None:
+    """Bounded caches decode one token per call (their eviction is per token)."""
+    if q.shape[1] != 1:
+        raise ValueError(f"a {kind} cache decodes one token per call after the prefill, got {q.shape[1]} tokens; "
+                         "feed them one at a time (or start a new cache for a new prompt)")
+
+
+# ------------------------------------------------------------------------------- dense
+
+
+@flax.struct.dataclass
+class DenseLayerCache:
+    """k, v: [B, T, Hkv, D], slot i holds the token at position i (T = max cache length)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
+        out, cache = self.decode(q, k, v, positions=positions, length=length, policy=policy)
+        return out, cache, None
+
+    def decode(self, q, k, v, *, positions, length, policy):
+        if policy is not None:
+            raise ValueError("a KVpop model decodes with its bounded cache (kvpop_jax.cache.init_cache), "
+                             "not a dense one")
+        b, t = self.k.shape[:2]
+        cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), length, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), length, axis=1)
+        slots = jnp.arange(t, dtype=jnp.int32)
+        kv_valid = jnp.broadcast_to(slots < length + q.shape[1], (b, t))
+        out, _ = attn_lib.dense_attention(
+            q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+            q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
+        )
+        return out, DenseLayerCache(cache_k, cache_v)
+
+
+def init_dense_cache(config: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+    """An empty dense cache of `max_len` slots per layer (it holds every token)."""
+    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    layer = DenseLayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
+
+
+# ------------------------------------------------------------------------------- KVpop
 
 
 @flax.struct.dataclass
@@ -47,32 +138,36 @@ class KVpopLayerCache:
     priority: jax.Array
     scorer_state: Any = None
 
+    def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
+        """The masked parallel forward over the prompt, then its retained set (`KVpopHead.prefill`)."""
+        del positions, length
+        _require_policy(policy)
+        return policy.prefill(q, k, v, return_policy=return_policy)
 
-@flax.struct.dataclass
-class KVpopCache:
-    """All layers (`layers[i]` a KVpopLayerCache) and the number of tokens seen so far."""
-
-    layers: tuple
-    length: jax.Array
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+    def decode(self, q, k, v, *, positions, length, policy):
+        """One token against the cache (`KVpopHead.decode`)."""
+        del positions
+        _require_policy(policy)
+        one_token(q, "KVpop")
+        return policy.decode(self, q, k, v, length)
 
 
-def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> KVpopCache:
-    """An empty bounded cache for every layer (constant size: it never grows)."""
+def _require_policy(policy) -> None:
+    if policy is None:
+        raise ValueError("a KVpop cache needs a model whose config has kvpop set")
+
+
+def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> Cache:
+    """An empty bounded KVpop cache for every layer (constant size: it never grows)."""
     if config.kvpop is None:
         raise ValueError("init_cache needs a config with kvpop set")
     kv = config.kvpop
     state = None
-    if kv.scorer == "mlstm":
-        from kvpop_jax.scorers import mlstm_init_state
-
-        # Same shapes as MLSTMScorer.init_state (value dim d/2).
-        state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_dim, kv.mlstm_dim // 2)
+    if kv.scorer == "mlstm":  # the shapes of MLSTMScorer.init_state
+        state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_dim,
+                                 mlstm_value_dim(kv, config.head_dim))
     layers = tuple(init_layer_cache(config, batch, dtype, state) for _ in range(config.num_hidden_layers))
-    return KVpopCache(layers=layers, length=jnp.zeros((), jnp.int32))
+    return Cache(layers=layers, length=jnp.zeros((), jnp.int32))
 
 
 def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, scorer_state=None) -> KVpopLayerCache:
@@ -183,7 +278,7 @@ def build_from_prefill(
         return cache
     eligible = jnp.asarray(eligible_np)
     # top-k by (priority desc, position asc): ranks give exactly that order.
-    ranks = policy.ranks_from_priority(jnp.where(eligible, priority, -jnp.inf))
+    ranks = policy_lib.ranks_from_priority(jnp.where(eligible, priority, -jnp.inf))
     kth = min(kv.topk, p)
     chosen_rank_order = jnp.argsort(ranks, axis=-1)[..., :kth]  # tokens of the best ranks
     chosen = jnp.sort(chosen_rank_order, axis=-1)  # position order (any order is valid)
@@ -204,4 +299,4 @@ def build_from_prefill(
 def static_priority_at(score: jax.Array, log_gamma: jax.Array, position) -> jax.Array:
     """Priority of one token per (batch, head): score [B, H], position int [] or [B, H]."""
     pos = jnp.broadcast_to(jnp.asarray(position), score.shape)[..., None]
-    return policy.static_priority(score[..., None], log_gamma, positions=pos)[..., 0]
+    return policy_lib.static_priority(score[..., None], log_gamma, positions=pos)[..., 0]

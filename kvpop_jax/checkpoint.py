@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as safetensors_save_bytes
 
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.modeling import KVPOP_SUBTREE, abstract_params
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,9 +104,6 @@ LAYER_TABLE = [
     ("model.layers.{i}.mlp.up_proj.weight", "layers_{i}/mlp/up_proj/kernel", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers_{i}/mlp/down_proj/kernel", "linear"),
 ]
-KVPOP_SUBTREE = "kvpop"
-
-
 def name_map(config: Qwen3Config, param_paths: Iterable[str]) -> dict[str, tuple[str, str]]:
     """HF tensor name -> (param path "a/b/c", transform) for every param of the model."""
     by_path: dict[str, tuple[str, str]] = {}
@@ -183,8 +181,6 @@ def load_pretrained(
       shardings: optional pytree of `jax.sharding.Sharding` matching the params; each
         tensor is placed straight onto its shards.
     """
-    from kvpop_jax.modeling import abstract_params  # local: modeling imports attention only
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
@@ -294,3 +290,40 @@ def save_pretrained(
     hf_config = config.to_hf()
     hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
     atomic_write_bytes(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2).encode())
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizers
+
+# What a HF tokenizer may consist of (copied next to an export); the first two or
+# `tokenizer.model` make a directory loadable.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """The checkpoint's own tokenizer (`AutoTokenizer.from_pretrained`, offline: a local path
+    is never looked up on the hub)."""
+    from transformers import AutoTokenizer
+
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise ValueError(f"no tokenizer at {directory!r}: not a directory")
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"no tokenizer could be loaded from {directory}: {e}") from e
+
+
+def checkpoint_tokenizer(checkpoint):
+    """The checkpoint directory's tokenizer, or None when it ships none.
+
+    Checked by file first: transformers 5 otherwise builds an empty tokenizer of the model
+    type's class from config.json alone.
+    """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return None
+    loadable = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in loadable):
+        return None
+    return load_tokenizer(checkpoint)

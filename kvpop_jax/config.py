@@ -69,11 +69,6 @@ class Qwen3Config:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"Qwen3Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 
-    @property
-    def num_groups(self) -> int:
-        """Query heads per KV head (the GQA group size G)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":
         """Builds the config from a HF `config.json` dict, file, or checkpoint directory.
@@ -262,6 +257,24 @@ class KVpopConfig:
                 f"sequence length {seq_len} must exceed the KVpop budget B = s + w + k = "
                 f"{self.sinks} + {self.window} + {self.topk} = {self.budget}; nothing would be evicted"
             )
+
+    @staticmethod
+    def budget_at(compression_ratio: float, context_len: int) -> int:
+        """B = round((1 - CR) * context_len) (paper: 16k context, B 4096 / 2048 = CR 75% / 88%)."""
+        if not 0.0 <= compression_ratio < 1.0:
+            raise ValueError(f"compression ratio must be in [0, 1), got {compression_ratio}")
+        return max(1, int(round((1.0 - compression_ratio) * context_len)))
+
+    def retarget(self, budget: int) -> "KVpopConfig":
+        """This config at budget B: k = B - s - w, or w = B - s when k = 0 (StreamingLLM+)."""
+        if self.topk == 0:
+            if budget - self.sinks < 1:
+                raise ValueError(f"budget {budget} leaves no window after {self.sinks} sinks")
+            return dataclasses.replace(self, window=budget - self.sinks)
+        topk = budget - self.sinks - self.window
+        if topk < 0:
+            raise ValueError(f"budget {budget} < s + w = {self.sinks} + {self.window} of the checkpoint")
+        return dataclasses.replace(self, topk=topk)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,11 +2,11 @@
 
 Cache kinds (the `cache` argument of `generate`):
 
-  "dense"           `modeling.DenseCache` of prompt + max_new_tokens slots (no eviction);
+  "dense"           a dense cache (`cache.init_dense_cache`) of prompt + max_new_tokens slots;
   "kvpop"           the bounded KVpop cache (`cache.py`): prefill with the masked parallel
                     forward, then S = 1 steps that reproduce its mask exactly;
   BaselineConfig    a training-free policy at budget B (`baselines.py`): StreamingLLM, TOVA,
-                    H2O ("dense" maps to the DenseCache);
+                    H2O ("dense" maps to the dense cache);
   "auto"            "kvpop" when `model.config.kvpop` is set, else "dense".
 
 Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpop_jax import baselines
-from kvpop_jax import cache as kvpop_cache
+from kvpop_jax import cache as cache_lib
 from kvpop_jax.baselines import BaselineConfig
 from kvpop_jax.config import Qwen3Config
-from kvpop_jax.modeling import DenseCache, Qwen3ForCausalLM
+from kvpop_jax.modeling import Qwen3ForCausalLM
 from kvpop_jax.sampling import SamplingConfig, sample
 
 CacheSpec = Union[str, BaselineConfig]
@@ -55,9 +55,9 @@ def init_generation_cache(config: Qwen3Config, cache: CacheSpec, batch: int, max
     """An empty cache of the resolved kind; `max_len` (prompt + new tokens) sizes only the dense one."""
     kind = resolve_cache(config, cache)
     if kind == "dense":
-        return DenseCache.init(config, batch, max_len, dtype=dtype)
+        return cache_lib.init_dense_cache(config, batch, max_len, dtype=dtype)
     if kind == "kvpop":
-        return kvpop_cache.init_cache(config, batch, dtype)
+        return cache_lib.init_cache(config, batch, dtype)
     return baselines.init_cache(config, kind, batch, dtype)
 
 

@@ -5,8 +5,9 @@ the layer's scorer and one decay parameter α per KV head. Everything else is a 
 function of arrays from `policy`, `targets` and `losses`.
 
 The kernels (masked attention, transposed future-LSE pass, running cutoff) are chosen
-per call by their dispatchers: Pallas on GPU, the XLA references elsewhere (see
-`$KVPOP_ATTENTION_IMPL`, `$KVPOP_FUTURE_LSE_IMPL`, `$KVPOP_CUTOFF_IMPL`).
+per call by their dispatchers (`attention.kvpop_attention`,
+`targets.future_attention_log_mass`, `policy.running_topk_cutoff`): Pallas on GPU, the XLA
+references elsewhere (`$KVPOP_ATTENTION_IMPL`, `$KVPOP_FUTURE_LSE_IMPL`, `$KVPOP_CUTOFF_IMPL`).
 
 Gradient flow (DESIGN.md): the scorer reads stop-gradient [k; v]; the attention sees only
 integer ranks/cutoffs, so the distillation loss never reaches scorer or decay; the
@@ -26,8 +27,7 @@ from kvpop_jax import cache as cache_lib
 from kvpop_jax import losses, policy, targets
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.scorers import make_scorer, mlstm_step
-from pallas_kernels.future_lse import future_attention_log_mass_auto
-from pallas_kernels.topk_cutoff import running_topk_cutoff_auto
+from pallas_kernels.common import NEG_INF
 
 RECALL_QUERIES = 32  # sampled positions the recall metric looks at (it is O(S) each)
 
@@ -67,6 +67,15 @@ class KVpopHead(nn.Module):
     def init_scorer_state(self, batch: int):
         return self.scorer.init_state(batch) if self.is_mlstm else None
 
+    def prefill(self, q, k, v, *, return_policy: bool = False):
+        """A prompt through the masked parallel forward, then the cache after its last token.
+
+        q [B, P, Hq, D], k/v [B, P, Hkv, D] -> (out [B, P, Hq, D], KVpopLayerCache, aux or None).
+        """
+        scores, log_gamma = self(k, v)
+        out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config, return_policy=return_policy)
+        return out, self.prefill_cache(k, v, scores, log_gamma), aux
+
     def prefill_cache(self, k, v, scores, log_gamma) -> cache_lib.KVpopLayerCache:
         """Cache after a prefill of P tokens. k, v [B, P, Hkv, D]; scores [B, Hkv, P]."""
         p = k.shape[1]
@@ -94,7 +103,7 @@ class KVpopHead(nn.Module):
         if self.is_mlstm:
             state = self.scorer.step(state, k_t, v_t)
         if self.delayed:
-            prio_t = jnp.full((b, h), cache_lib.NEG_INF, jnp.float32)
+            prio_t = jnp.full((b, h), NEG_INF, jnp.float32)
         else:
             if self.is_mlstm:
                 score_t = self.scorer.readout(state, k_t, v_t)
@@ -124,7 +133,7 @@ def sparse_policy(scores: jax.Array, log_gamma: jax.Array, config: KVpopConfig):
     """Scores [B, Hkv, S] -> (ranks, cutoffs) int32 [B, Hkv, S] of the running top-k mask."""
     priority = policy.static_priority(jax.lax.stop_gradient(scores), jax.lax.stop_gradient(log_gamma))
     ranks = policy.ranks_from_priority(priority)
-    cutoffs = running_topk_cutoff_auto(ranks, sinks=config.sinks, window=config.window, topk=config.topk)
+    cutoffs = policy.running_topk_cutoff(ranks, sinks=config.sinks, window=config.window, topk=config.topk)
     return ranks, cutoffs
 
 
@@ -177,11 +186,11 @@ def retention_objective(
         lse = targets.dense_lse(q, k)
     target = targets.future_attention_target(
         q, k, lse, window=c.window, eps=c.eps, aggregate=c.aggregate, normalize=c.count_normalize,
-        log_mass_fn=future_attention_log_mass_auto, reduce=c.target_reduce,
+        reduce=c.target_reduce,
     )
     t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
     t_ranks = policy.ranks_from_priority(t_priority)
-    t_cutoffs = running_topk_cutoff_auto(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
+    t_cutoffs = policy.running_topk_cutoff(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
     boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
     loss, metrics = losses.retention_loss(
         scores, log_gamma, target, boundary, q_idx,
@@ -205,7 +214,8 @@ def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_
     `return_policy`.
     """
     ranks, cutoffs = sparse_policy(scores, log_gamma, config)
-    out, lse = attn_lib.kvpop_attention(q, k, v, ranks, cutoffs, sinks=config.sinks, window=config.window)
+    out, lse = attn_lib.kvpop_attention(q, k, v, ranks, cutoffs, sinks=config.sinks, window=config.window,
+                                        topk=config.topk)
     aux: dict[str, Any] = {}
     if return_policy:
         aux.update(scores=scores, ranks=ranks, cutoffs=cutoffs, log_gamma=log_gamma, lse=lse)

@@ -1,4 +1,4 @@
-"""Qwen3 causal LM in Flax Linen (dense attention; KVpop plugs in through `attention.py`).
+"""Qwen3 causal LM in Flax Linen (dense attention; KVpop plugs in through `kvpop.py`).
 
 Parameter layout (the table in `checkpoint.py` maps HF names onto it):
 
@@ -12,13 +12,16 @@ Parameter layout (the table in `checkpoint.py` maps HF names onto it):
   norm/scale [embed];  lm_head/kernel [embed, vocab]  (absent when embeddings are tied:
   the head then *is* embed_tokens/embedding, shared, not copied)
 
-Shapes: B batch, S query length, T key length (cache), E embed, H heads, K kv heads,
-D head_dim, F mlp, V vocab.
+Shapes: B batch, S query length, T key length (cache), E embed, Hq query heads, Hkv KV
+heads, D head_dim, F mlp, V vocab; a `_BxSxE` suffix names an array's axes.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import dataclasses
+import inspect
 
 import flax.linen as nn
 import flax.struct
@@ -26,10 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from kvpop_jax import attention as attn_lib
-from kvpop_jax import baselines
 from kvpop_jax import sharding as shd
-from kvpop_jax.baselines import BaselineCache, BaselineLayerCache
-from kvpop_jax.cache import KVpopCache, KVpopLayerCache
+from kvpop_jax.cache import Cache
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
 
@@ -45,31 +46,17 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 
 
-@flax.struct.dataclass
-class DenseCache:
-    """Dense per-layer KV cache for decoding.
-
-    k, v: [L, B, T, K, D] (T = max cache length); length: int32 [] tokens written so far.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    length: jax.Array
-
-    @classmethod
-    def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype: Dtype = jnp.float32) -> "DenseCache":
-        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32))
+KVPOP_SUBTREE = "kvpop"  # layers_{i}/self_attn/kvpop: the scorer and decay of a retrofitted layer
 
 
 @flax.struct.dataclass
 class CausalLMOutput:
-    """logits [B, S, V] float32 (None with `return_hidden`); cache (DenseCache or None);
+    """logits [B, S, V] float32 (None with `return_hidden`); cache (`cache.Cache` or None);
     aux: per-layer extras (KVpop); hidden [B, S, E]: the final normed hidden states (only
     with `return_hidden`; `Qwen3ForCausalLM.logits_from_hidden` maps them to logits)."""
 
     logits: jax.Array | None
-    cache: DenseCache | None = None
+    cache: Cache | None = None
     aux: Any = None
     hidden: jax.Array | None = None
 
@@ -122,70 +109,49 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         if c.kvpop is not None:
-            self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim)
+            self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim, name=KVPOP_SUBTREE)
 
-    def project_qkv(self, x_BSE: jax.Array, positions: jax.Array):
+    def project_qkv(self, x_BxSxE: jax.Array, positions: jax.Array):
         """x [B, S, E] -> q [B, S, H, D], k, v [B, S, K, D] (normed, rotated)."""
         c = self.config
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        q = apply_rope(self.q_norm(self.q_proj(x_BSE)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x_BSE)), cos, sin)
-        v = self.v_proj(x_BSE)
+        q = apply_rope(self.q_norm(self.q_proj(x_BxSxE)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x_BxSxE)), cos, sin)
+        v = self.v_proj(x_BxSxE)
         return q, k, v
 
-    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None,
-                 query_samples=None, return_policy=False):
-        """Returns (out [B, S, E], new layer cache (k, v) or None, KVpop aux or None)."""
-        q, k, v = self.project_qkv(x_BSE, positions)
-        aux = None
-        if isinstance(layer_cache, BaselineLayerCache):  # training-free policies: prefill, then S = 1 steps
-            if x_BSE.shape[1] > 1:
-                out, new_cache = baselines.prefill(layer_cache.config, q, k, v, positions)
+    def __call__(self, x_BxSxE, positions, segment_ids=None, layer_cache=None, cache_length=None,
+                 decoding=False, query_samples=None, return_policy=False):
+        """Returns (out [B, S, E], new layer cache or None, KVpop aux or None).
+
+        With `layer_cache` (any `cache.LayerCache`): its `decode` when `decoding`, else its
+        `prefill`. Without: the dense causal attention, or KVpop's masked parallel forward.
+        """
+        q, k, v = self.project_qkv(x_BxSxE, positions)
+        policy = self.kvpop if self.config.kvpop is not None else None
+        if layer_cache is not None:
+            kw = dict(positions=positions, length=cache_length, policy=policy)
+            if decoding:
+                (out, new_cache), aux = layer_cache.decode(q, k, v, **kw), None
             else:
-                out, new_cache = baselines.decode(layer_cache.config, layer_cache, q, k, v, cache_length)
+                out, new_cache, aux = layer_cache.prefill(q, k, v, return_policy=return_policy, **kw)
             return self.o_proj(out), new_cache, aux
-        if isinstance(layer_cache, KVpopLayerCache):
-            if x_BSE.shape[1] > 1:  # prefill: the masked parallel forward, then keep its retained set
-                scores, log_gamma = self.kvpop(k, v)
-                out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config.kvpop,
-                                                 return_policy=return_policy)
-                new_cache = self.kvpop.prefill_cache(k, v, scores, log_gamma)
-            else:
-                out, new_cache = self.kvpop.decode(layer_cache, q, k, v, cache_length)
-            return self.o_proj(out), new_cache, aux
-        if layer_cache is None and self.config.kvpop is not None:
+        if policy is not None:
             if segment_ids is not None:
                 raise ValueError(
                     "KVpop attention does not reset at segment boundaries (the paper packs without "
                     "resetting); pass segment_ids=None for a KVpop model"
                 )
-            scores, log_gamma = self.kvpop(k, v)
+            scores, log_gamma = policy(k, v)
             out, aux = kvpop_layer_attention(
                 q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, return_policy=return_policy
             )
-            new_cache = None
-        elif layer_cache is None:
-            out, _ = attn_lib.dense_attention(
-                q, k, v, q_positions=positions, kv_positions=positions,
-                q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-            )
-            new_cache = None
-        else:
-            if self.config.kvpop is not None:
-                raise ValueError("a KVpop model decodes with its bounded cache (kvpop_jax.cache), not a DenseCache")
-            cache_k, cache_v = layer_cache
-            b, t = cache_k.shape[:2]
-            cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_length, axis=1)
-            cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_length, axis=1)
-            slots = jnp.arange(t, dtype=jnp.int32)
-            kv_valid = jnp.broadcast_to(slots < cache_length + x_BSE.shape[1], (b, t))
-            # Slot i holds the token at position i (positions start at 0 for cached decoding).
-            out, _ = attn_lib.dense_attention(
-                q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-                q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
-            )
-            new_cache = (cache_k, cache_v)
-        return self.o_proj(out), new_cache, aux
+            return self.o_proj(out), None, aux
+        out, _ = attn_lib.dense_attention(
+            q, k, v, q_positions=positions, kv_positions=positions,
+            q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+        )
+        return self.o_proj(out), None, None
 
 
 class MLP(nn.Module):
@@ -194,13 +160,13 @@ class MLP(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSE):
+    def __call__(self, x_BxSxE):
         c = self.config
         dense = lambda feats, name: nn.Dense(  # noqa: E731
             feats, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
         )
-        gate = dense(c.intermediate_size, "gate_proj")(x_BSE)
-        up = dense(c.intermediate_size, "up_proj")(x_BSE)
+        gate = dense(c.intermediate_size, "gate_proj")(x_BxSxE)
+        up = dense(c.intermediate_size, "up_proj")(x_BxSxE)
         return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
@@ -210,22 +176,22 @@ class DecoderLayer(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSE, positions, segment_ids=None, layer_cache=None, cache_length=None,
-                 query_samples=None, return_policy=False):
+    def __call__(self, x_BxSxE, positions, segment_ids=None, layer_cache=None, cache_length=None,
+                 decoding=False, query_samples=None, return_policy=False):
         """x [B, S, E] -> (x [B, S, E], new layer cache or None, KVpop aux or None).
 
         The residual stream is pinned to (batch, length, act_embed) under an active mesh.
         """
         c = self.config
-        x_BSE = shd.constrain(x_BSE, ("batch", "length", "act_embed"))
-        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BSE)
+        x_BxSxE = shd.constrain(x_BxSxE, ("batch", "length", "act_embed"))
+        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BxSxE)
         h, new_cache, aux = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
-            h, positions, segment_ids, layer_cache, cache_length, query_samples, return_policy
+            h, positions, segment_ids, layer_cache, cache_length, decoding, query_samples, return_policy
         )
-        x_BSE = x_BSE + h
-        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BSE)
-        x_BSE = x_BSE + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return shd.constrain(x_BSE, ("batch", "length", "act_embed")), new_cache, aux
+        x_BxSxE = x_BxSxE + h
+        h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BxSxE)
+        x_BxSxE = x_BxSxE + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        return shd.constrain(x_BxSxE, ("batch", "length", "act_embed")), new_cache, aux
 
 
 class LMHead(nn.Module):
@@ -236,21 +202,21 @@ class LMHead(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSE):
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x_BSE.shape[-1], self.vocab_size),
+    def __call__(self, x_BxSxE):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x_BxSxE.shape[-1], self.vocab_size),
                             self.param_dtype)
-        return _project_to_vocab(x_BSE, kernel, self.dtype)
+        return _project_to_vocab(x_BxSxE, kernel, self.dtype)
 
 
-def _project_to_vocab(x_BSE, w_EV, dtype):
+def _project_to_vocab(x_BxSxE, w_ExV, dtype):
     """hidden [B, S, E] @ weight [E, V] in `dtype` -> logits float32 [B, S, V].
 
     The weight is gathered over fsdp (vocab stays split over tensor) before the matmul:
     left to itself, SPMD may instead split the contraction and all-gather the `[B, S, V]`
     logits across the batch (4.6 GB per 1024-token chunk for Qwen3-8B).
     """
-    w_EV = shd.constrain(w_EV.astype(dtype), (None, "vocab"))
-    logits = jnp.dot(x_BSE.astype(dtype), w_EV)
+    w_ExV = shd.constrain(w_ExV.astype(dtype), (None, "vocab"))
+    logits = jnp.dot(x_BxSxE.astype(dtype), w_ExV)
     return shd.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
@@ -289,9 +255,9 @@ class Qwen3ForCausalLM(nn.Module):
         )
         layer_cls = DecoderLayer
         if self.remat_policy != "none":
-            # DecoderLayer.__call__ argnum 7 (self = 0) is the Python bool return_policy; caches,
-            # None and the other arguments are pytrees and may be traced.
-            layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat_policy], static_argnums=(7,))
+            # The Python bools are static; caches, None and the other arguments are pytrees.
+            layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat_policy],
+                                 static_argnums=_argnums(DecoderLayer.__call__, "decoding", "return_policy"))
         self.layers = [
             layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)
         ]
@@ -299,48 +265,37 @@ class Qwen3ForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.vocab_size, self.dtype, self.param_dtype)
 
-    def logits_from_hidden(self, hidden_BSE: jax.Array) -> jax.Array:
+    def logits_from_hidden(self, hidden_BxSxE: jax.Array) -> jax.Array:
         """Final normed hidden states [B, S, E] (any S) -> logits float32 [B, S, V] (tied or untied head)."""
         if self.config.tie_word_embeddings:
-            return _project_to_vocab(hidden_BSE, self.embed_tokens.embedding.T, self.dtype)
-        return self.lm_head(hidden_BSE)
+            return _project_to_vocab(hidden_BxSxE, self.embed_tokens.embedding.T, self.dtype)
+        return self.lm_head(hidden_BxSxE)
 
-    def __call__(self, input_ids, positions=None, segment_ids=None, cache: DenseCache | None = None,
+    def __call__(self, input_ids, positions=None, segment_ids=None, cache: Cache | None = None,
                  query_samples=None, return_policy: bool = False, return_hidden: bool = False):
         b, s = input_ids.shape
         if positions is None:
             start = 0 if cache is None else cache.length
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
-        if cache is not None and segment_ids is not None:
-            raise ValueError("segment_ids are not supported together with a decoding cache")
+        decoding = False
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids are not supported together with a decoding cache")
+            if cache.batch != b:
+                raise ValueError(f"the cache holds {cache.batch} rows but the input has {b}; a cache serves the "
+                                 f"batch it was made for (init it with batch={b})")
+            decoding = cache.started or s == 1  # a one-token prompt is a step on an empty cache
         x = self.embed_tokens(input_ids)
-        bounded = isinstance(cache, (KVpopCache, BaselineCache))
-        if isinstance(cache, KVpopCache) and self.config.kvpop is None:
-            raise ValueError("a KVpopCache needs a model whose config has kvpop set")
-        new_k, new_v, layer_aux, new_layers = [], [], [], []
+        layer_aux, new_layers = [], []
         for i, layer in enumerate(self.layers):
-            if cache is None:
-                layer_cache = None
-            elif bounded:
-                layer_cache = cache.layers[i]
-            else:
-                layer_cache = (cache.k[i], cache.v[i])
-            x, lc, aux = layer(
-                x, positions, segment_ids, layer_cache, None if cache is None else cache.length,
-                query_samples, return_policy,
-            )
+            x, lc, aux = layer(x, positions, segment_ids, None if cache is None else cache.layers[i],
+                               None if cache is None else cache.length, decoding, query_samples, return_policy)
             layer_aux.append(aux)
-            if bounded:
-                new_layers.append(lc)
-            elif lc is not None:
-                new_k.append(lc[0])
-                new_v.append(lc[1])
+            new_layers.append(lc)
         x = self.norm(x)
         new_cache = None
-        if bounded:
-            new_cache = cache.replace(layers=tuple(new_layers), length=cache.length + s)
-        elif cache is not None:
-            new_cache = DenseCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + s)
+        if cache is not None:
+            new_cache = cache.replace(layers=tuple(new_layers), length=cache.length + s, started=True)
         aux = _collect_aux(layer_aux)
         if return_hidden:
             return CausalLMOutput(logits=None, cache=new_cache, aux=aux, hidden=x)
@@ -349,11 +304,17 @@ class Qwen3ForCausalLM(nn.Module):
     def decode_step(self, input_ids, cache):
         """New tokens [B, S] against the cache -> CausalLMOutput with the new cache.
 
-        With a DenseCache any S works. With a KVpopCache (or a baselines.BaselineCache) the
-        first call is the prefill (S >= 1 prompt tokens, masked parallel forward; dense for
-        the baselines) and later calls take S = 1.
+        The first call on a cache is the prefill (S >= 1 prompt tokens; KVpop: the masked
+        parallel forward, the baselines: dense). Later calls take S = 1 for the bounded caches
+        (KVpop, StreamingLLM, TOVA, H2O) and any S for the dense one.
         """
         return self(input_ids, cache=cache)
+
+
+def _argnums(fn, *names: str) -> tuple[int, ...]:
+    """Positions of the named parameters of `fn` (self = 0), for `nn.remat(static_argnums=...)`."""
+    params = list(inspect.signature(fn).parameters)
+    return tuple(params.index(n) for n in names)
 
 
 def _collect_aux(layer_aux: list) -> dict | None:
@@ -390,8 +351,21 @@ def retrofit_params(config: Qwen3Config, base_params: dict, rng: jax.Array) -> d
     for i in range(config.num_hidden_layers):
         name = f"layers_{i}"
         kvpop = head.init(jax.random.fold_in(rng, i), dummy, dummy)["params"]
-        out[name] = {**base_params[name], "self_attn": {**base_params[name]["self_attn"], "kvpop": kvpop}}
+        out[name] = {**base_params[name], "self_attn": {**base_params[name]["self_attn"], KVPOP_SUBTREE: kvpop}}
     return out
+
+
+def strip_kvpop(config: Qwen3Config, params: dict) -> tuple[Qwen3Config, dict]:
+    """The dense model inside a KVpop checkpoint: config without `kvpop`, params without the
+    per-layer `self_attn/kvpop` subtrees (the inverse of `retrofit_params`)."""
+    if config.kvpop is None:
+        return config, params
+    out = {}
+    for name, sub in params.items():
+        if name.startswith("layers_") and KVPOP_SUBTREE in sub.get("self_attn", {}):
+            sub = {**sub, "self_attn": {k: v for k, v in sub["self_attn"].items() if k != KVPOP_SUBTREE}}
+        out[name] = sub
+    return dataclasses.replace(config, kvpop=None), out
 
 
 def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
@@ -401,11 +375,13 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
 
 __all__ = [
     "CausalLMOutput",
-    "DenseCache",
+    "KVPOP_SUBTREE",
     "REMAT_POLICIES",
     "Qwen3ForCausalLM",
     "abstract_params",
-    "init_params",
     "apply_rope",
+    "init_params",
+    "retrofit_params",
     "rope_cos_sin",
+    "strip_kvpop",
 ]

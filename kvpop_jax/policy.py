@@ -26,26 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_budget(sinks, window, topk=None) -> None:
-    _check_int("sinks", sinks, 0)
-    _check_int("window", window, 1)
-    if topk is not None:
-        _check_int("topk", topk, 0)
-
-
-def _check_ranks(ranks) -> jax.Array:
-    ranks = jnp.asarray(ranks)
-    if ranks.ndim < 1 or ranks.shape[-1] < 1:
-        raise ValueError(f"ranks must have shape [..., S] with S >= 1, got {ranks.shape}")
-    if not jnp.issubdtype(ranks.dtype, jnp.integer):
-        raise ValueError(f"ranks must be an integer array, got dtype {ranks.dtype}")
-    return ranks.astype(jnp.int32)
+from kvpop_jax import sharding as shd
+from kvpop_jax.dispatch import Backend, Op
+from pallas_kernels.common import check_budget, check_ranks
+from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas
 
 
 @functools.partial(jax.jit, static_argnames=("gamma_min", "gamma_max"))
@@ -109,7 +93,7 @@ def static_priority(scores, log_gamma, positions=None) -> jax.Array:
 @jax.jit
 def token_of_rank(ranks) -> jax.Array:
     """Inverse permutation: int32 [..., S] with `token_of_rank(r)[rank[t]] = t`."""
-    ranks = _check_ranks(ranks)
+    ranks = check_ranks(ranks)
     s = ranks.shape[-1]
     flat = ranks.reshape(-1, s)
     rows = jnp.arange(flat.shape[0])[:, None]
@@ -161,8 +145,8 @@ def running_kth_rank(ranks, *, sinks: int, window: int, topk: int) -> jax.Array:
       teacher boundary needs it when |E(q)| == k, where the cutoff is already S).
       For k = 0 it is −1 everywhere (no rank is <= −1).
     """
-    _check_budget(sinks, window, topk)
-    ranks = _check_ranks(ranks)
+    check_budget(sinks, window, topk)
+    ranks = check_ranks(ranks)
     if topk == 0:
         return jnp.full(ranks.shape, -1, jnp.int32)
     s = ranks.shape[-1]
@@ -202,8 +186,8 @@ def running_kth_rank(ranks, *, sinks: int, window: int, topk: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sinks", "window", "topk"))
-def running_topk_cutoff(ranks, *, sinks: int, window: int, topk: int) -> jax.Array:
-    """Cutoff rank τ_q for every query q (Eq. 26): keep `t ∈ E(q)` iff `rank(t) <= τ_q`.
+def running_topk_cutoff_reference(ranks, *, sinks: int, window: int, topk: int) -> jax.Array:
+    """Cutoff rank τ_q for every query q (Eq. 26) in plain XLA: keep `t ∈ E(q)` iff `rank(t) <= τ_q`.
 
     `τ_q = S` (keep every eligible token) where |E(q)| <= k, else the k-th smallest
     rank in E(q). Non-increasing in q. For k = 0: S while E(q) is empty, then −1.
@@ -219,6 +203,36 @@ def running_topk_cutoff(ranks, *, sinks: int, window: int, topk: int) -> jax.Arr
     return jnp.where(counts <= topk, kth.shape[-1], kth)
 
 
+def _pallas(interpret: bool):
+    def run(ranks, *, sinks, window, topk):
+        kernel = functools.partial(running_topk_cutoff_pallas, sinks=sinks, window=window, topk=topk,
+                                   interpret=interpret)
+        return shd.shard_kernel(kernel, ("BHS",), "BHS")(ranks) if jnp.ndim(ranks) == 3 else kernel(ranks)
+
+    return run
+
+
+RUNNING_TOPK_CUTOFF = Op(
+    "running_topk_cutoff", "KVPOP_CUTOFF_IMPL",
+    {
+        "xla": Backend(running_topk_cutoff_reference),
+        "pallas": Backend(_pallas(False), platforms=("gpu",)),
+        "pallas_interpret": Backend(_pallas(True)),
+    },
+    auto=("pallas", "xla"),
+)
+
+
+def running_topk_cutoff(ranks, *, sinks: int, window: int, topk: int, implementation: str | None = None):
+    """τ_q on the back end `RUNNING_TOPK_CUTOFF` picks (contract of `running_topk_cutoff_reference`).
+
+    implementation: "xla" (the Fenwick scan), "pallas" (`pallas_kernels.topk_cutoff`) or
+    "pallas_interpret". None reads `$KVPOP_CUTOFF_IMPL`, else picks the kernel on GPU and the
+    XLA scan elsewhere. Under an active mesh the kernel runs in shard_map over batch and heads.
+    """
+    return RUNNING_TOPK_CUTOFF(ranks, sinks=sinks, window=window, topk=topk, implementation=implementation)
+
+
 @functools.partial(jax.jit, static_argnames=("sinks", "window"))
 def kvpop_mask(ranks, cutoffs, *, sinks: int, window: int) -> jax.Array:
     """Dense KVpop mask (Eq. 26), a reference for small S.
@@ -231,8 +245,8 @@ def kvpop_mask(ranks, cutoffs, *, sinks: int, window: int) -> jax.Array:
     Returns:
       bool [..., S, S], indexed [..., q, t].
     """
-    _check_budget(sinks, window)
-    ranks = _check_ranks(ranks)
+    check_budget(sinks, window)
+    ranks = check_ranks(ranks)
     cutoffs = jnp.asarray(cutoffs)
     if cutoffs.shape != ranks.shape:
         raise ValueError(f"cutoffs shape {cutoffs.shape} must equal ranks shape {ranks.shape}")
@@ -273,7 +287,7 @@ def teacher_boundary(ranks, *, sinks: int, window: int, topk: int) -> Boundary:
       Boundary of [..., S] arrays. Where valid, y = +1 iff rank(t_new) < rank(t_bnd),
       and the token the bounded cache evicts at q is the worse of t_new and t_bnd.
     """
-    ranks = _check_ranks(ranks)
+    ranks = check_ranks(ranks)
     s = ranks.shape[-1]
     kth = running_kth_rank(ranks, sinks=sinks, window=window, topk=topk)
     counts = _eligible_count(s, sinks, window)
@@ -293,7 +307,7 @@ def teacher_boundary(ranks, *, sinks: int, window: int, topk: int) -> Boundary:
 @functools.partial(jax.jit, static_argnames=("sinks", "window", "topk"))
 def policy_from_scores(scores, log_gamma, *, sinks: int, window: int, topk: int):
     """Scores -> (priority float32 [..., S], ranks int32 [..., S], cutoffs int32 [..., S])."""
-    _check_budget(sinks, window, topk)
+    check_budget(sinks, window, topk)
     priority = static_priority(scores, log_gamma)
     ranks = ranks_from_priority(priority)
     cutoffs = running_topk_cutoff(ranks, sinks=sinks, window=window, topk=topk)

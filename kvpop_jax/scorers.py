@@ -54,6 +54,12 @@ def scorer_input(k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(x)
 
 
+def mlstm_value_dim(config: KVpopConfig, head_dim: int) -> int:
+    """dv of the mLSTM memory C [d, dv]: the value projection's width (App. A: d/2)."""
+    del head_dim
+    return config.mlstm_dim // 2
+
+
 def delay_for(seq_len: int, window: int, delayed: bool) -> int:
     """Effective readout delay: `min(w, S - 1)` (a longer delay also reads the final state)."""
     return min(window, seq_len - 1) if delayed else 0
@@ -273,7 +279,7 @@ class MLSTMScorer(nn.Module):
 
     @property
     def dv(self) -> int:
-        return self.value_dim or self.config.mlstm_dim // 2
+        return self.value_dim or mlstm_value_dim(self.config, self.head_dim)
 
     def features(self, k: jax.Array, v: jax.Array):
         """k, v [..., Hkv, D] -> q~, k~ [..., Hkv, d], v~ [..., Hkv, dv], log i, log f [..., Hkv].

@@ -27,37 +27,19 @@ Conventions (DESIGN.md wins over the paper where they differ):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # finite start of the running max: exp(_NEG − m) underflows to 0, never NaN
+from kvpop_jax import sharding as shd
+from kvpop_jax.dispatch import Backend, Op
+from pallas_kernels.common import NEG_INF, check_log_mass_args
+from pallas_kernels.future_lse import future_attention_log_mass_pallas
 
 LogMassFn = Callable[..., jax.Array]
-
-
-def _check_inputs(q: jax.Array, k: jax.Array, lse: jax.Array | None, window: int | None) -> None:
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must be [B, S, H, D], got q {q.shape} and k {k.shape}")
-    b, s, hq, d = q.shape
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
-        raise ValueError(f"k {k.shape} does not match q {q.shape} in batch, sequence or head_dim")
-    if hq % k.shape[2]:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {k.shape[2]}")
-    if lse is not None and lse.shape != (b, hq, s):
-        raise ValueError(f"lse must be [B, Hq, S] = {(b, hq, s)}, got {lse.shape}")
-    if window is not None and (not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be an int >= 0, got {window!r}")
-
-
-REDUCTIONS = ("sum", "max")  # over a key's future queries: the paper's mass, or its strongest read
-
-
-def _check_reduce(reduce: str) -> None:
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
 
 
 def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
@@ -69,7 +51,7 @@ def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
     return blk, nblk, nblk * blk - s
 
 
-def future_attention_log_mass(
+def future_attention_log_mass_reference(
     q: jax.Array,
     k: jax.Array,
     lse: jax.Array,
@@ -79,7 +61,7 @@ def future_attention_log_mass(
     block_size: int = 128,
     reduce: str = "sum",
 ) -> jax.Array:
-    """log m̄_t (Eq. 31) by the transposed blockwise pass (Appendix D.2).
+    """log m̄_t (Eq. 31) by the transposed blockwise pass in plain XLA (Appendix D.2).
 
     Args:
       q: [B, S, Hq, D] queries; k: [B, S, Hkv, D] keys (any float dtype).
@@ -88,14 +70,13 @@ def future_attention_log_mass(
       scale: logit scale, default D ** -0.5.
       block_size: query positions per loop step; memory is O(B · Hq · S · block).
       reduce: "sum" (the paper's Eq. 31) or "max": log max_d exp(ℓ(d, t) − LSE_d), the
-        strongest single future read of key t (an option beyond the paper; `REDUCTIONS`).
+        strongest single future read of key t (an option beyond the paper).
 
     Returns:
       float32 [B, Hq, S]: log m̄_t^(h,g) per query head and key position; −inf for keys
       with no future query (t + w >= S). Not differentiated (inputs are stop-gradient).
     """
-    _check_inputs(q, k, lse, window)
-    _check_reduce(reduce)
+    check_log_mass_args(q, k, lse, window, reduce)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -119,18 +100,18 @@ def future_attention_log_mass(
         logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33: subtract the query normalizer
         future = (d_pos[None, :] >= t_pos[:, None] + window) & (d_pos[None, :] < s)  # [S, blk]
         logits = jnp.where(future, logits, -jnp.inf)
-        m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at _NEG
+        m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at NEG_INF
         l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
         return (m_new, l), None
 
-    init = (jnp.full((b, hkv, g, s), _NEG, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
+    init = (jnp.full((b, hkv, g, s), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
     (m, l), _ = jax.lax.scan(step, init, (q_blocks, lse_blocks, starts))
     # l > 0 exactly when key t has a future query; m is then the largest future logit.
     log_mass = jnp.where(l > 0, (m + jnp.log(jnp.where(l > 0, l, 1.0))) if reduce == "sum" else m, -jnp.inf)
     return log_mass.reshape(b, hq, s)
 
 
-def future_attention_log_mass_reference(
+def future_attention_log_mass_dense(
     q: jax.Array,
     k: jax.Array,
     lse: jax.Array,
@@ -140,13 +121,12 @@ def future_attention_log_mass_reference(
     block_size: int = 128,
     reduce: str = "sum",
 ) -> jax.Array:
-    """Dense reference of `future_attention_log_mass` (materializes [B, Hq, S, S]).
+    """Brute-force check of `future_attention_log_mass_reference` (materializes [B, Hq, S, S]).
 
     Same signature and result; `block_size` is accepted and ignored.
     """
     del block_size
-    _check_inputs(q, k, lse, window)
-    _check_reduce(reduce)
+    check_log_mass_args(q, k, lse, window, reduce)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -180,7 +160,7 @@ def dense_lse(
     Returns:
       float32 [B, Hq, S], finite (every query sees at least key 0). Stop-gradient.
     """
-    _check_inputs(q, k, None, None)
+    check_log_mass_args(q, k, None, None)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -204,9 +184,42 @@ def dense_lse(
         l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
         return (m_new, l), None
 
-    init = (jnp.full((b, hkv, g, s), _NEG, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
+    init = (jnp.full((b, hkv, g, s), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
     (m, l), _ = jax.lax.scan(step, init, (k_blocks, starts))
     return (m + jnp.log(l)).reshape(b, hq, s)
+
+
+def _pallas(interpret: bool):
+    def run(q, k, lse, *, window, scale=None, reduce="sum"):
+        kernel = functools.partial(future_attention_log_mass_pallas, window=window, scale=scale, reduce=reduce,
+                                   interpret=interpret)
+        return shd.shard_kernel(kernel, ("BSHD", "BSHD", "BHS"), "BHS")(q, k, lse)
+
+    return run
+
+
+FUTURE_ATTENTION_LOG_MASS = Op(
+    "future_attention_log_mass", "KVPOP_FUTURE_LSE_IMPL",
+    {
+        "xla": Backend(future_attention_log_mass_reference),
+        "pallas": Backend(_pallas(False), platforms=("gpu",)),
+        "pallas_interpret": Backend(_pallas(True)),
+    },
+    auto=("pallas", "xla"),
+)
+
+
+def future_attention_log_mass(q, k, lse, *, window: int, scale: float | None = None, reduce: str = "sum",
+                              implementation: str | None = None) -> jax.Array:
+    """log m̄_t (Eq. 31) on the back end `FUTURE_ATTENTION_LOG_MASS` picks (contract of the reference).
+
+    implementation: "xla" (`future_attention_log_mass_reference`), "pallas"
+    (`pallas_kernels.future_lse`) or "pallas_interpret". None reads `$KVPOP_FUTURE_LSE_IMPL`,
+    else picks the kernel on GPU and the XLA pass elsewhere. Under an active mesh the kernel
+    runs in shard_map over batch and heads. `reduce` ("sum" | "max") is part of the contract.
+    """
+    return FUTURE_ATTENTION_LOG_MASS(q, k, lse, window=window, scale=scale, reduce=reduce,
+                                     implementation=implementation)
 
 
 def future_query_count(seq_len: int, window: int) -> jax.Array:
@@ -242,18 +255,17 @@ def future_attention_target(
       aggregate: "max" or "mean" over the G query heads sharing a KV head.
       normalize: divide by the future-query count N_t (Eq. 2 / 16).
       scale: logit scale, default D ** -0.5.
-      log_mass_fn: computes log m̄ with `future_attention_log_mass`'s signature
-        (e.g. the Pallas kernel); default the blockwise XLA pass. Used for reduce="sum".
+      log_mass_fn: computes log m̄ with `future_attention_log_mass`'s signature (reduce
+        included); default that dispatcher.
       reduce: "sum" (the paper) or "max": m_t is the largest single future attention
-        probability of key t (no count normalization: `normalize` is ignored), always by
-        the blockwise XLA pass. A key read once, decisively, then ranks above keys that
-        collect small leaks from many queries.
+        probability of key t (no count normalization: `normalize` is ignored). A key read
+        once, decisively, then ranks above keys that collect small leaks from many queries.
 
     Returns:
       float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
       no gradient flows to q, k or lse.
     """
-    _check_inputs(q, k, lse, window)
+    check_log_mass_args(q, k, lse, window, reduce)
     if aggregate not in ("max", "mean"):
         raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
     if not eps > 0:
@@ -261,13 +273,9 @@ def future_attention_target(
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    _check_reduce(reduce)
     q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
-    if reduce == "max":
-        log_m = future_attention_log_mass(q, k, lse, window=window, scale=scale, reduce="max")
-    else:
-        log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
-        log_m = log_mass_fn(q, k, lse, window=window, scale=scale)
+    log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
+    log_m = log_mass_fn(q, k, lse, window=window, scale=scale, reduce=reduce)
     log_m = log_m.astype(jnp.float32).reshape(b, hkv, g, s)
     if normalize and reduce == "sum":
         log_m = log_m - jnp.log(future_query_count(s, window))  # Eq. 2

@@ -27,13 +27,13 @@ if os.path.basename(os.getcwd()) == "notebooks":
 import jax, jax.numpy as jnp, numpy as np
 from IPython.display import Image, Markdown, display
 
+from demo import task as demo_task
 from kvpop_jax import KVpopConfig, load_pretrained
-from kvpop_jax.cache import init_cache
+from kvpop_jax.cache import init_cache, init_dense_cache
+from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.generate import generate
-from kvpop_jax.modeling import DenseCache, Qwen3ForCausalLM, retrofit_params
+from kvpop_jax.modeling import Qwen3ForCausalLM, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
-from eval import demo_task
-from eval.plots import checkpoint_tokenizer
 
 # Parameters (tests shrink them through the environment).
 TEACHER = os.environ.get("KVPOP_NB_TEACHER", "checkpoints/demo-teacher")
@@ -48,7 +48,7 @@ print(jax.devices())"""),
     # makes one): fall back to random weights with the demo tokenizer, so every cell still runs.
     from kvpop_jax import Qwen3Config, save_pretrained
     from kvpop_jax.modeling import init_params
-    from eval.demo_tokenizer import save_tokenizer
+    from demo.tokenizer import save_tokenizer
     TEACHER = os.path.join(OUT, "random-teacher")
     cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
@@ -96,7 +96,7 @@ print(kv_text)
 print("extracted:", demo_task.extract_answer(kv_text), "| correct:", demo_task.score(kv_text, example["answer"]))"""),
     ("md", "## Cache memory: constant for KVpop, linear for dense"),
     ("code", """total = prompt_ids.shape[1] + 40
-dense_bytes = jax.tree_util.tree_reduce(lambda a, x: a + x.nbytes, DenseCache.init(config, 1, total), 0)
+dense_bytes = init_dense_cache(config, 1, total).nbytes
 kv_bytes = init_cache(kv_config, 1).nbytes
 display(Markdown(f"| cache | bytes at {total} tokens | grows with length |\\n|---|---:|---|\\n"
                  f"| dense | {dense_bytes:,} | yes, linearly |\\n| KVpop (B = {kv_config.kvpop.budget}) | {kv_bytes:,} | no |"))"""),

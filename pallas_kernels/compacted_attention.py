@@ -1,6 +1,6 @@
 """KVpop flash attention over a compacted key list per query block (second implementation).
 
-Same contract as `sparse_attention` (and `kvpop_attention_reference`). The block-skipping
+Same contract as `kvpop_attention_pallas` (and `kvpop_attention_reference`). The block-skipping
 kernel still visits most key blocks, because the k long-range keys are scattered over the
 whole prefix. But for a query block [q0, q1] with running top-k cutoffs (τ non-increasing,
 ranks a permutation) the long-range keys any of its queries keeps are among
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LOG2E, round_up
+from pallas_kernels.common import LOG2E, round_up
 from pallas_kernels.sparse_attention import (
     StaticArgs,
     dkdv_call,
@@ -41,8 +41,8 @@ from pallas_kernels.sparse_attention import (
     online_softmax_step,
     prepare_inputs,
     softmax_backward_delta,
+    kvpop_attention_pallas,
     softmax_grad_tile,
-    sparse_attention,
 )
 
 
@@ -222,26 +222,11 @@ def _compacted_bwd(st, residuals, cotangents):
 _compacted_padded.defvjp(_compacted_fwd, _compacted_bwd)
 
 
-def compacted_sparse_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    ranks: jax.Array,
-    cutoffs: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    topk: int | None = None,
-    block_q: int = 64,
-    block_k: int = 64,
-    block_q_bwd: int = 32,
-    block_k_bwd: int = 32,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-) -> tuple[jax.Array, jax.Array]:
-    """`sparse_attention` over compacted long-range key lists (same arguments and results).
+def kvpop_attention_pallas_compacted(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: float | None = None,
+                                     interpret: bool = False, topk: int | None = None, block_q: int = 64,
+                                     block_k: int = 64, block_q_bwd: int = 32, block_k_bwd: int = 32,
+                                     num_warps: int | None = None, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+    """`kvpop_attention_pallas` over compacted long-range key lists (same arguments and results).
 
     topk: the k the cutoffs were computed with; sizes the list to min(S, k + block_q). Inputs
       whose candidate list is longer (cutoffs that are not a running top-k) take the
@@ -270,9 +255,26 @@ def compacted_sparse_attention(
               block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
     return lax.cond(
         jnp.any(counts > length),
-        lambda: sparse_attention(q, k, v, ranks, cutoffs, **kw),
+        lambda: kvpop_attention_pallas(q, k, v, ranks, cutoffs, **kw),
         lambda: compacted(qp, kp, vp),
     )
+
+
+def compacted_is_cheaper(seq_len: int, *, sinks: int, window: int, topk: int, block_q: int = 64,
+                         block_k: int = 64, margin: float = 0.9) -> bool:
+    """Static work model for choosing this kernel: does its forward visit fewer key tiles?
+
+    Per query block the compacted kernel visits the sink tiles, the window tiles and the
+    `topk + block_q` list (never more than the block's causal tiles); block skipping visits,
+    at worst (long-range keys scattered over the prefix, as a decayed top-k keeps them), every
+    causal tile. True when the compacted total is below `margin` times the causal total (the
+    lists cost an XLA pass of their own). `forward_key_tiles` counts both exactly for given
+    ranks and cutoffs.
+    """
+    n_q, n_k = -(-seq_len // block_q), -(-seq_len // block_k)
+    per_block = -(-sinks // block_k) + (window + block_q) // block_k + 1 + -(-(topk + block_q) // block_k)
+    causal = [min(((i + 1) * block_q - 1) // block_k + 1, n_k) for i in range(n_q)]
+    return sum(min(per_block, c) for c in causal) < margin * sum(causal)
 
 
 def forward_key_tiles(ranks, cutoffs, *, sinks: int, window: int, block_q: int = 64, block_k: int = 64):

@@ -1,11 +1,12 @@
 """Transposed future-LSE pass (paper Appendix D.2) as a Pallas kernel for the Triton lowering.
 
-`future_lse` has the contract of `kvpop_jax.targets.future_attention_log_mass`: for every
-query head and key t,
+`future_attention_log_mass_pallas` has the contract of
+`kvpop_jax.targets.future_attention_log_mass_reference`: for every query head and key t,
 
     log m̄_t = LSE_{d : t+w <= d < S} [<q_d, k_t> · scale − LSE_d]        (Eq. 31)
 
-and exactly −inf where no query lies that far ahead (t + w >= S).
+(`reduce="sum"`; `reduce="max"` keeps the running max instead of the log-sum-exp: the
+strongest single future read) and exactly −inf where no query lies that far ahead (t + w >= S).
 
 Shape of the kernel: the dK/dV loop of flash attention's backward with the roles kept.
 One program per (batch, query head, key block) holds its keys `[block_k, D]` and loops
@@ -26,18 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
-    LN2,
-    LOG2E,
-    NEG_INF,
-    fit_block,
-    pad_axis,
-    padded_head_dim,
-    resolve_implementation,
-    round_up,
-)
-
-FUTURE_LSE_IMPL_ENV = "KVPOP_FUTURE_LSE_IMPL"  # xla | pallas | pallas_interpret
+from pallas_kernels.common import (LN2, LOG2E, NEG_INF, check_log_mass_args, fit_block, pad_axis, padded_head_dim,
+                                   round_up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +42,7 @@ class _Static:
     num_warps: int
     num_stages: int
     interpret: bool
+    reduce: str  # "sum" (Eq. 31) or "max"
 
 
 def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
@@ -80,7 +72,7 @@ def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
     init = (jnp.full((bk,), NEG_INF, jnp.float32), jnp.zeros((bk,), jnp.float32))
     m, l = lax.fori_loop(first_q_block, num_q_blocks, body, init)
     has_future = l > 0.0  # l >= 1 as soon as one query is in the future of t
-    log_mass = (m + jnp.log2(jnp.where(has_future, l, 1.0))) * LN2
+    log_mass = (m if st.reduce == "max" else m + jnp.log2(jnp.where(has_future, l, 1.0))) * LN2
     out_ref[...] = jnp.where(has_future, log_mass, -jnp.inf)
 
 
@@ -103,26 +95,17 @@ def _future_lse_padded(st: _Static, q, k, lse):
     )(k, q, lse)
 
 
-def future_lse(
-    q: jax.Array,
-    k: jax.Array,
-    lse: jax.Array,
-    *,
-    window: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_k: int = 64,
-    block_q: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> jax.Array:
-    """log m̄_t (Eq. 31) by the Pallas transposed pass; contract of `future_attention_log_mass`.
+def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | None = None, reduce: str = "sum",
+                                     interpret: bool = False, block_k: int = 64, block_q: int = 64,
+                                     num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """log m̄_t (Eq. 31) by the Pallas transposed pass; contract of `future_attention_log_mass_reference`.
 
     Args:
       q: [B, S, Hq, D] queries; k: [B, S, Hkv, D] keys (query head h*G + g reads KV head h).
       lse: [B, Hq, S] per-query log-normalizers (natural log), dense or sparse.
       window: w >= 0; key t collects mass from queries d with t + w <= d < S.
       scale: logit scale, default D ** -0.5.
+      reduce: "sum" (Eq. 31) or "max" (log of the largest single future attention weight).
       interpret: run in Pallas interpret mode (CPU tests).
       block_k, block_q: keys per program and queries per loop step; powers of 2 >= 16,
         shrunk to the padded sequence when S is short.
@@ -135,9 +118,7 @@ def future_lse(
     S is padded to a multiple of the blocks and D to a power of 2 >= 16 inside; padded
     queries are masked and padded keys dropped.
     """
-    from kvpop_jax.targets import _check_inputs
-
-    _check_inputs(q, k, lse, window)
+    check_log_mass_args(q, k, lse, window, reduce)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     blocks = [fit_block(x, s) for x in (block_k, block_q)]
@@ -153,6 +134,7 @@ def future_lse(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=bool(interpret),
+        reduce=reduce,
     )
     q, k, lse = (lax.stop_gradient(x) for x in (q, k, lse))
     if q.dtype != k.dtype:  # one dot operand type; the reference accumulates in f32 either way
@@ -161,32 +143,3 @@ def future_lse(
     k_p = pad_axis(pad_axis(k, 1, s_pad), 3, d_pad)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, s_pad)
     return _future_lse_padded(st, q_p, k_p, lse_p)[:, :, :s]
-
-
-def future_attention_log_mass_auto(
-    q: jax.Array,
-    k: jax.Array,
-    lse: jax.Array,
-    *,
-    window: int,
-    scale: float | None = None,
-    block_size: int = 128,
-    implementation: str | None = None,
-) -> jax.Array:
-    """`future_attention_log_mass` on the back end chosen at call time (same contract).
-
-    implementation: "xla" (the blockwise reference, `block_size` queries per step),
-    "pallas" (`future_lse`) or "pallas_interpret". None picks `$KVPOP_FUTURE_LSE_IMPL` if
-    set, else "pallas" on GPU and "xla" elsewhere. Under an active mesh the kernel runs in
-    shard_map over batch and heads (`kvpop_jax.sharding.shard_kernel`). Pass it as
-    `log_mass_fn` to `targets.future_attention_target`.
-    """
-    impl = resolve_implementation(implementation, FUTURE_LSE_IMPL_ENV)
-    if impl == "xla":
-        from kvpop_jax.targets import future_attention_log_mass
-
-        return future_attention_log_mass(q, k, lse, window=window, scale=scale, block_size=block_size)
-    from kvpop_jax.sharding import shard_kernel  # pallas_call is not auto-partitioned
-
-    kernel = functools.partial(future_lse, window=window, scale=scale, interpret=impl == "pallas_interpret")
-    return shard_kernel(kernel, ("BSHD", "BSHD", "BHS"), "BHS")(q, k, lse)

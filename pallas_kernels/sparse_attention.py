@@ -1,7 +1,7 @@
 """Flash attention under the KVpop mask: Pallas kernels for the Triton lowering.
 
-`sparse_attention` has the signature of `kvpop_jax.attention.kvpop_attention_reference`
-(plus `interpret` and block sizes) and returns the same `(out, lse)`. Key t is kept for
+`kvpop_attention_pallas` has the signature of `kvpop_jax.attention.kvpop_attention_reference`
+(plus `interpret` and block sizes; `kvpop_jax.attention.kvpop_attention` dispatches to it) and returns the same `(out, lse)`. Key t is kept for
 query q iff `t <= q ∧ (t < s ∨ q − t < w ∨ (s <= t <= q − w ∧ rank(t) <= τ_q))` (paper
 Eq. 26); the mask is evaluated per tile from positions, ranks and cutoffs, never stored.
 
@@ -39,11 +39,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
+from pallas_kernels.common import (
     BIG_RANK,
     LN2,
     LOG2E,
     NEG_INF,
+    check_attention_args,
     fit_block,
     pad_axis,
     padded_head_dim,
@@ -341,24 +342,10 @@ def _padded_bwd(st: StaticArgs, residuals, cotangents):
 _sparse_attention_padded.defvjp(_padded_fwd, _padded_bwd)
 
 
-def sparse_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    ranks: jax.Array,
-    cutoffs: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    scale: float | None = None,
-    interpret: bool = False,
-    block_q: int = 64,
-    block_k: int = 64,
-    block_q_bwd: int = 32,
-    block_k_bwd: int = 32,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-) -> tuple[jax.Array, jax.Array]:
+def kvpop_attention_pallas(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: float | None = None,
+                           interpret: bool = False, block_q: int = 64, block_k: int = 64, block_q_bwd: int = 32,
+                           block_k_bwd: int = 32, num_warps: int | None = None,
+                           num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
     """KVpop-masked flash attention (Pallas); contract of `kvpop_attention_reference`.
 
     Args:
@@ -394,9 +381,7 @@ def prepare_inputs(
 ) -> tuple[StaticArgs, tuple[jax.Array, ...]]:
     """Validates, fixes the static arguments and pads: S to a multiple of every block (padded
     keys get rank BIG_RANK, padded queries cutoff −1), D to a power of 2 >= 16 (zeros)."""
-    from kvpop_jax.attention import _check_kvpop_args
-
-    _check_kvpop_args(q, k, v, ranks, cutoffs, sinks, window)
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
     b, s, hq, d = q.shape
     blocks = [fit_block(x, s) for x in blocks]
     s_pad = round_up(s, max(blocks))

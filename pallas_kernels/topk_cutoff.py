@@ -1,6 +1,6 @@
 """Running top-k cutoff τ_q (paper Eq. 26, Appendix C.2) as a Pallas kernel for the Triton lowering.
 
-`topk_cutoff` has the contract of `kvpop_jax.policy.running_topk_cutoff`: `τ_q = S` while
+`running_topk_cutoff_pallas` has the contract of `kvpop_jax.policy.running_topk_cutoff_reference`: `τ_q = S` while
 `|E(q)| <= k`, else the k-th smallest rank in `E(q) = {t : s <= t <= q − w}` (and −1 from
 then on when k = 0).
 
@@ -12,8 +12,8 @@ enters:
   * |K| < k: it joins K, `top = max(top, rank)`;
   * rank < top: it replaces `top`, and the new `top` is the largest rank below the old one
     still in E(q) (every eligible rank below `top` is in K, so that is max K). It is found
-    by scanning the inverse permutation (`token_of_rank`, computed outside: Triton has no
-    scatter) downwards from `top` in blocks; the scan stops at `rank` at the latest.
+    by scanning the inverse permutation (token of each rank, computed outside: Triton has
+    no scatter) downwards from `top` in blocks; the scan stops at `rank` at the latest.
 Once |K| = k, `top` only decreases, so all the downward scans of a row cover the ranks
 once: O(S) work per row in total, no S limit, memory O(block).
 
@@ -32,9 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import BIG_RANK, fit_block, pad_axis, resolve_implementation, round_up
-
-CUTOFF_IMPL_ENV = "KVPOP_CUTOFF_IMPL"  # xla | pallas | pallas_interpret
+from pallas_kernels.common import BIG_RANK, check_budget, check_ranks, fit_block, pad_axis, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +108,9 @@ def _topk_cutoff_padded(st: _Static, entering, tokens):
     )(entering, tokens)
 
 
-def topk_cutoff(
-    ranks: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    topk: int,
-    interpret: bool = False,
-    block: int = 64,
-    num_warps: int = 1,
-) -> jax.Array:
-    """Cutoff rank τ_q for every query q by the Pallas kernel; contract of `running_topk_cutoff`.
+def running_topk_cutoff_pallas(ranks, *, sinks: int, window: int, topk: int, interpret: bool = False,
+                               block: int = 64, num_warps: int = 1) -> jax.Array:
+    """Cutoff rank τ_q for every query q by the Pallas kernel; contract of `running_topk_cutoff_reference`.
 
     Args:
       ranks: int [..., S], a permutation of 0..S−1 per row (e.g. [B, Hkv, S]).
@@ -132,10 +122,8 @@ def topk_cutoff(
     Returns:
       int32 [..., S]: S where |E(q)| <= k, else the k-th smallest rank in E(q) (−1 for k = 0).
     """
-    from kvpop_jax.policy import _check_budget, _check_ranks, token_of_rank
-
-    _check_budget(sinks, window, topk)
-    ranks = _check_ranks(ranks)
+    check_budget(sinks, window, topk)
+    ranks = check_ranks(ranks)
     shape, s = ranks.shape, ranks.shape[-1]
     blk = fit_block(block, s)
     s_pad = round_up(s, blk)
@@ -146,34 +134,8 @@ def topk_cutoff(
     q = jnp.arange(s, dtype=jnp.int32)
     entering = jnp.where(q - window >= sinks, shifted, -1)
     entering = pad_axis(entering, 1, s_pad, -1)
-    tokens = pad_axis(token_of_rank(flat), 1, s_pad, BIG_RANK)
+    rows = jnp.arange(flat.shape[0])[:, None]
+    token_of_rank = jnp.zeros_like(flat).at[rows, flat].set(q[None, :])  # inverse permutation
+    tokens = pad_axis(token_of_rank, 1, s_pad, BIG_RANK)
     out = _topk_cutoff_padded(st, entering, tokens)
     return out[:, :s].reshape(shape)
-
-
-def running_topk_cutoff_auto(
-    ranks: jax.Array,
-    *,
-    sinks: int,
-    window: int,
-    topk: int,
-    implementation: str | None = None,
-) -> jax.Array:
-    """`running_topk_cutoff` on the back end chosen at call time (same contract).
-
-    implementation: "xla" (`policy.running_topk_cutoff`), "pallas" (`topk_cutoff`) or
-    "pallas_interpret". None picks `$KVPOP_CUTOFF_IMPL` if set, else "pallas" on GPU and
-    "xla" elsewhere.
-    """
-    impl = resolve_implementation(implementation, CUTOFF_IMPL_ENV)
-    if impl == "xla":
-        from kvpop_jax.policy import running_topk_cutoff
-
-        return running_topk_cutoff(ranks, sinks=sinks, window=window, topk=topk)
-    kernel = functools.partial(topk_cutoff, sinks=sinks, window=window, topk=topk,
-                               interpret=impl == "pallas_interpret")
-    if ranks.ndim != 3:
-        return kernel(ranks)
-    from kvpop_jax.sharding import shard_kernel  # pallas_call is not auto-partitioned
-
-    return shard_kernel(kernel, ("BHS",), "BHS")(ranks)

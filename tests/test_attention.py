@@ -6,68 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvpop_jax.attention import (
-    KVPOP_IMPL_ENV,
-    dense_attention,
-    kvpop_attention,
-    kvpop_attention_reference,
-)
+from helpers import kvpop_mask_np, masked_attention_np, random_qkv, random_ranks, running_cutoffs_np
+from kvpop_jax.attention import KVPOP_ATTENTION, dense_attention, kvpop_attention, kvpop_attention_reference
 
-
-# --- numpy brute force (independent of kvpop_jax.policy) ---------------------------------
-
-
-def random_ranks(rng, b, hkv, s):
-    """A random permutation of 0..S-1 per (batch, KV head)."""
-    return np.stack([np.stack([rng.permutation(s) for _ in range(hkv)]) for _ in range(b)]).astype(np.int32)
-
-
-def running_cutoffs_np(ranks, *, sinks, window, topk):
-    """τ_q by a per-query sort: k-th smallest rank in E(q) = [s, q − w], or S if |E(q)| <= k."""
-    b, h, s = ranks.shape
-    cut = np.full((b, h, s), s, np.int32)
-    for q in range(s):
-        lo, hi = sinks, q - window
-        if hi - lo + 1 > topk:
-            cut[:, :, q] = np.sort(ranks[:, :, lo : hi + 1], axis=-1)[:, :, topk - 1] if topk > 0 else -1
-    return cut
-
-
-def kvpop_mask_np(ranks, cutoffs, *, sinks, window):
-    """bool [B, Hkv, S, S], one (q, t) at a time, straight from DESIGN.md."""
-    b, h, s = ranks.shape
-    m = np.zeros((b, h, s, s), bool)
-    for q in range(s):
-        for t in range(q + 1):
-            sink = t < sinks
-            win = q - t < window
-            long_range = (sinks <= t <= q - window) & (ranks[:, :, t] <= cutoffs[:, :, q])
-            m[:, :, q, t] = sink | win | long_range
-    return m
-
-
-def masked_attention_np(q, k, v, mask, scale=None):
-    """float64 masked softmax attention; returns out [B, S, Hq, D], lse [B, Hq, S]."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, s, hq, d = q.shape
-    g = hq // k.shape[2]
-    scale = d**-0.5 if scale is None else scale
-    k = np.repeat(k, g, axis=2)
-    v = np.repeat(v, g, axis=2)
-    mask = np.repeat(mask, g, axis=1)  # [B, Hq, S, S]
-    logits = np.einsum("bqhd,bthd->bhqt", q, k) * scale
-    logits = np.where(mask, logits, -np.inf)
-    mx = logits.max(-1, keepdims=True)
-    lse = np.log(np.exp(logits - mx).sum(-1)) + mx[..., 0]
-    p = np.exp(logits - lse[..., None])
-    return np.einsum("bhqt,bthd->bqhd", p, v), lse
-
-
-def random_qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
-    q = rng.standard_normal((b, s, hq, d))
-    k = rng.standard_normal((b, s, hkv, d))
-    v = rng.standard_normal((b, s, hkv, d))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+KVPOP_IMPL_ENV = KVPOP_ATTENTION.env_var
 
 
 # --- tests --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""train/data.py: sources, text extraction, length filter, packing invariants, shuffle, resume,
+"""train/packing.py and kvpop_jax/documents.py: sources, text extraction, length filter, packing invariants, shuffle, resume,
 host sharding. Local generated files and the demo tokenizer only (no network)."""
 
 import json
@@ -7,8 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from eval.demo_tokenizer import build_tokenizer, save_tokenizer
-from train.data import DataConfig, PackedBatchIterator, load_documents, resolve_source
+from demo.tokenizer import build_tokenizer, save_tokenizer
+from kvpop_jax.documents import load_documents, resolve_source
+from train.packing import DataConfig, PackedBatchIterator
 
 CHARS = list("abcdefghij0123456789 ")
 S, B = 32, 4
@@ -106,7 +107,7 @@ def _write(tmp_path, fmt, records):
 def test_local_sources(tmp_path, rng, fmt):
     texts = random_texts(rng, 7, hi=20)
     data = _write(tmp_path, fmt, [{"id": i, "text": t} for i, t in enumerate(texts)])
-    assert list(load_documents(config(tmp_path, data))) == texts
+    assert list(load_documents(config(tmp_path, data).documents)) == texts
     batches = PackedBatchIterator(config(tmp_path, data, shuffle=False), build_tokenizer())
     assert segments(take(batches, 1))[0] == doc_ids(batches.tokenizer, texts[0])
 
@@ -126,7 +127,7 @@ def test_unreadable_file_is_named(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"text": "ab"}\n{"text": \n')
     with pytest.raises(ValueError, match="broken.jsonl"):
-        list(load_documents(config(tmp_path, path)))
+        list(load_documents(config(tmp_path, path).documents))
 
 
 @pytest.mark.parametrize("field", ["auto", "prompt+missing"])
@@ -152,7 +153,7 @@ def test_messages_use_chat_template(tmp_path):
     tokenizer = build_tokenizer()
     tokenizer.chat_template = "<bos>{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT, "text_len": 1}])
-    assert list(load_documents(config(tmp_path, data), tokenizer)) == ["<bos>u:a+b\na:c0\n"]
+    assert list(load_documents(config(tmp_path, data).documents, tokenizer)) == ["<bos>u:a+b\na:c0\n"]
     batches = PackedBatchIterator(config(tmp_path, data), tokenizer)
     (doc,) = segments(take(batches, 1))[:1]
     # The template's <bos> is the only one: special tokens are not added to rendered chats.
@@ -161,11 +162,11 @@ def test_messages_use_chat_template(tmp_path):
 
 def test_messages_without_template_and_prompt_fields(tmp_path):
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    assert list(load_documents(config(tmp_path, chat), build_tokenizer())) == ["user: a+b\nassistant: c0\n"]
+    assert list(load_documents(config(tmp_path, chat).documents, build_tokenizer())) == ["user: a+b\nassistant: c0\n"]
     records = [{"prompt": "x1\n", "answer": "7", "completion": "y=7\n"}, {"prompt": "q", "answer": None, "completion": "z"}]
     qa = write_jsonl(tmp_path / "qa.jsonl", records)
-    assert list(load_documents(config(tmp_path, qa))) == ["x1\ny=7\n", "qz"]  # completion before answer
-    assert list(load_documents(config(tmp_path, qa, text_field="prompt+answer"))) == ["x1\n7", "q"]
+    assert list(load_documents(config(tmp_path, qa).documents)) == ["x1\ny=7\n", "qz"]  # completion before answer
+    assert list(load_documents(config(tmp_path, qa, text_field="prompt+answer").documents)) == ["x1\n7", "q"]
 
 
 # --------------------------------------------------------------------------------- packing

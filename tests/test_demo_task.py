@@ -1,17 +1,17 @@
-"""The bundled demo task (eval/demo_task.py) and its tokenizer (eval/demo_tokenizer.py)."""
+"""The bundled demo task (demo/task.py), its tokenizer (demo/tokenizer.py) and oracles (demo/oracles.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from eval import demo_task as dt
+from demo import atoms, oracles
+from demo import task as dt
+from demo.tokenizer import build_tokenizer, save_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from eval.demo_tokenizer import build_tokenizer
-
     return build_tokenizer()
 
 
@@ -21,7 +21,7 @@ def test_set():
 
 
 def _tokens(example):
-    return [dt.BOS] + dt.atomize(example["prompt"])
+    return [atoms.BOS] + atoms.atomize(example["prompt"])
 
 
 # ---------------------------------------------------------------------- determinism, splits
@@ -68,25 +68,25 @@ def test_fact_positions_marks_and_answer(test_set):
         for f in meta["facts"]:
             v, m = f["value_pos"], f["mark_pos"]
             assert tokens[v] == str(f["value"]) and tokens[v - 1] == f["name"]
-            assert tokens[m - 2 : m + 2] == [dt.KEEP, " ", f["name"], "\n"]
+            assert tokens[m - 2 : m + 2] == [atoms.KEEP, " ", f["name"], "\n"]
             assert v < cfg.marked_zone[1] * len(tokens) + cfg.max_line_tokens
             # Each marked name is bound once: a name followed by a digit only at value_pos - 1.
-            assert [i for i in range(len(tokens) - 1) if tokens[i] == f["name"] and tokens[i + 1] in dt.DIGITS] == [v - 1]
+            assert [i for i in range(len(tokens) - 1) if tokens[i] == f["name"] and tokens[i + 1] in atoms.DIGITS] == [v - 1]
             gaps.append(m - v)
             if f["queried"]:
                 queried.append(f["value"])
         assert len(queried) == cfg.n_query
         assert ex["answer"] == str(sum(queried) % 10)
-        assert all(tokens[p] in dt.DIGITS for p in meta["binding_value_positions"])
+        assert all(tokens[p] in atoms.DIGITS for p in meta["binding_value_positions"])
         assert ex["text"].startswith(ex["prompt"]) and dt.score(ex["text"][len(ex["prompt"]):], ex["answer"]) == 1.0
     # The mark arrives within max_mark_gap, so a delayed scorer with w >= 16 always sees it.
     assert max(gaps) <= cfg.max_mark_gap == 16
-    assert {ex["answer"] for ex in test_set} == set(dt.DIGITS)
+    assert {ex["answer"] for ex in test_set} == set(atoms.DIGITS)
 
 
 def test_scratch_lookups_are_determined(test_set):
     for ex in test_set[:20]:
-        tokens = [dt.BOS] + dt.atomize(ex["text"])
+        tokens = [atoms.BOS] + atoms.atomize(ex["text"])
         n_prompt = ex["meta"]["n_prompt_tokens"]
         determined = ex["meta"]["determined_positions"]
         assert determined[-(len(tokens) - n_prompt):] == list(range(n_prompt, len(tokens)))
@@ -146,14 +146,12 @@ def test_jsonl_round_trip(tmp_path, test_set):
 def test_tokenizer_round_trip_and_reload(tok, tmp_path, test_set):
     from transformers import AutoTokenizer
 
-    from eval.demo_tokenizer import save_tokenizer
-
     assert len(tok) <= 128
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     for ex in test_set[:10]:
         ids = tok(ex["text"])["input_ids"]
         assert ids[0] == tok.bos_token_id
-        assert tok.convert_ids_to_tokens(ids[1:]) == dt.atomize(ex["text"])
+        assert tok.convert_ids_to_tokens(ids[1:]) == atoms.atomize(ex["text"])
         assert tok.unk_token_id not in ids
         assert tok.decode(ids, skip_special_tokens=True) == ex["text"]
     odd = "keep  x\n\n\\boxed{42} #### 3 (a*b)/c"  # spaces and newlines are tokens: exact round trip
@@ -165,7 +163,7 @@ def test_tokenizer_round_trip_and_reload(tok, tmp_path, test_set):
     text = test_set[0]["text"]
     assert reloaded(text)["input_ids"] == tok(text)["input_ids"]
     assert reloaded.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
-    assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == (dt.BOS, dt.EOS, dt.PAD)
+    assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == (atoms.BOS, atoms.EOS, atoms.PAD)
     batch = reloaded([text, "a1\n"], padding=True)
     assert batch["input_ids"][1][-1] == reloaded.pad_token_id
 
@@ -179,16 +177,16 @@ def test_task_needs_long_range_memory(test_set):
     full, streaming, marked_only = [], [], []
     for ex in test_set:
         tokens, n = _tokens(ex), ex["meta"]["n_prompt_tokens"]
-        full.append(dt.solve_from_tokens(tokens) == ex["answer"])
+        full.append(oracles.solve_from_tokens(tokens) == ex["answer"])
         window = set(range(s)) | set(range(n - (budget - s), n))
-        streaming.append(dt.solve_from_tokens(tokens, window) == ex["answer"])
-        question = set(range(max(i for i, t in enumerate(tokens) if t == dt.ASK), n))
+        streaming.append(oracles.solve_from_tokens(tokens, window) == ex["answer"])
+        question = set(range(max(i for i, t in enumerate(tokens) if t == atoms.ASK), n))
         facts = {p for f in ex["meta"]["facts"] for p in (f["value_pos"] - 1, f["value_pos"])}
-        marked_only.append(dt.solve_from_tokens(tokens, question | facts) == ex["answer"])
+        marked_only.append(oracles.solve_from_tokens(tokens, question | facts) == ex["answer"])
     assert all(full) and all(marked_only)
     assert np.mean(streaming) <= 0.05
 
-    rec = [dt.oracle_recovery(ex, budget, s=s, w=w) for ex in test_set]
+    rec = [oracles.oracle_recovery(ex, budget, s=s, w=w) for ex in test_set]
     rate = {p: np.mean([r[p] for r in rec]) for p in rec[0]}
     # Blind to the marks, even a scorer that knows every binding value loses the facts;
     # seeing the marks within the window (w >= max_mark_gap) keeps all of them.

@@ -7,8 +7,9 @@ import os
 import jax
 import pytest
 
-from eval.accuracy import (budget_for, extract_answer, format_table, is_correct, normalize_answer,
-                           parse_checkpoints, retarget_kvpop, run_accuracy, summarize)
+from eval.accuracy import parse_checkpoints, run_accuracy
+from eval.answers import extract_answer, is_correct, normalize_answer
+from eval.report import format_table, summarize
 from kvpop_jax import KVpopConfig, Qwen3Config, save_pretrained
 from kvpop_jax.modeling import init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
@@ -30,12 +31,12 @@ def test_extraction_and_checking():
 
 
 def test_budget_table_and_specs():
-    assert budget_for(0.75, 16384) == 4096 and budget_for(0.88, 16384) == 1966
+    assert KVpopConfig.budget_at(0.75, 16384) == 4096 and KVpopConfig.budget_at(0.88, 16384) == 1966
     kv = KVpopConfig(sinks=4, window=8, topk=20)
-    assert retarget_kvpop(kv, 64).topk == 52
-    assert retarget_kvpop(dataclasses.replace(kv, topk=0), 64).window == 60  # StreamingLLM+
+    assert kv.retarget(64).topk == 52
+    assert dataclasses.replace(kv, topk=0).retarget(64).window == 60  # StreamingLLM+
     with pytest.raises(ValueError, match="< s \\+ w"):
-        retarget_kvpop(kv, 10)
+        kv.retarget(10)
     spec = parse_checkpoints("dense=/a, kvpop-mlp@0.75=/b,kvpop-mlp@0.88=/c")
     assert spec == {"dense": "/a", "kvpop-mlp": {0.75: "/b", 0.88: "/c"}}
     records = [
@@ -52,7 +53,8 @@ def test_budget_table_and_specs():
 
 
 def test_run_accuracy_on_tiny_checkpoints(tmp_path):
-    from eval.demo_tokenizer import VOCAB, save_tokenizer
+    from demo.atoms import VOCAB
+    from demo.tokenizer import save_tokenizer
 
     base = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,

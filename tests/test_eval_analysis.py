@@ -27,7 +27,7 @@ SEQ = 40  # > B = 12: every sampled query is saturated
 def checkpoint(tmp_path_factory):
     """A KVpop export with random scorers (zero-initialized ones would be pure recency) and
     the demo tokenizer (92 tokens <= vocab 96)."""
-    from eval.demo_tokenizer import save_tokenizer
+    from demo.tokenizer import save_tokenizer
 
     params = retrofit_params(CONFIG, init_params(BASE, jax.random.key(0)), jax.random.key(1))
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_HF_CONFIGS
+from helpers import TINY_HF_CONFIGS
 from kvpop_jax import Qwen3Config
 from kvpop_jax.generate import generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params

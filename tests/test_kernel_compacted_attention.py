@@ -7,14 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import SMALL_BLOCKS, TRITON_TARGETS, assert_close, random_qkv, random_ranks, running_cutoffs_np
 from kvpop_jax.attention import kvpop_attention_reference
 from pallas_kernels.compacted_attention import (
-    compacted_sparse_attention,
+    kvpop_attention_pallas_compacted as compacted_sparse_attention,
     forward_key_tiles,
     long_range_key_lists,
 )
-from test_attention import random_qkv, random_ranks, running_cutoffs_np
-from test_kernel_sparse_attention import SMALL_BLOCKS, TRITON_TARGETS, assert_close
 
 
 def test_key_lists_match_brute_force_and_bound(rng):
@@ -69,6 +68,28 @@ def test_forward_matches_reference(rng, seq, hq, hkv, d, dtype, mode, sinks, win
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert_close(out, want_out, tol)
     assert_close(lse, want_lse, tol)
+
+
+def test_dispatcher_selects_compacted_kernel_by_name_and_work_model(rng):
+    from kvpop_jax.attention import KVPOP_ATTENTION, kvpop_attention
+    from pallas_kernels.compacted_attention import compacted_is_cheaper
+
+    # The work-model table of BENCHMARKS.md: cheaper at long S / small B, not when nothing is evicted.
+    assert compacted_is_cheaper(16384, sinks=4, window=256, topk=1788)
+    assert not compacted_is_cheaper(4096, sinks=4, window=256, topk=3836)
+    seq, sinks, window, topk = 64, 2, 6, 5
+    q, k, v = random_qkv(rng, 1, seq, 4, 2, 16)
+    ranks = random_ranks(rng, 1, 2, seq)
+    cut = jnp.asarray(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))
+    ranks = jnp.asarray(ranks)
+    kw = dict(sinks=sinks, window=window)
+    out, lse = kvpop_attention(q, k, v, ranks, cut, topk=topk, implementation="pallas_compacted_interpret", **kw)
+    want_out, want_lse = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
+    assert_close(out, want_out, 1e-5)
+    assert_close(lse, want_lse, 1e-5)
+    with pytest.raises(ValueError, match="needs topk"):
+        kvpop_attention(q, k, v, ranks, cut, implementation="pallas_compacted_interpret", **kw)
+    assert KVPOP_ATTENTION.select(None, q, k, v, ranks, cut, topk=topk, **kw) == "xla"  # CPU: the reference
 
 
 def test_gradients_match_reference(rng):

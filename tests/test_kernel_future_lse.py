@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import TRITON_TARGETS
 from kvpop_jax import targets
-from pallas_kernels import future_lse as fl
-from pallas_kernels.future_lse import future_attention_log_mass_auto, future_lse
+from pallas_kernels.future_lse import future_attention_log_mass_pallas as future_lse
 
 # Pallas' Triton custom call target: "__gpu$xla.gpu.triton" up to jaxlib 0.10.2, then
 # "triton_kernel_call_ffi" (as in test_kernel_sparse_attention.py).
-TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "triton_kernel_call_ffi")
 
 
 def random_inputs(rng, seq, hq, hkv, d, dtype, lse_kind):
@@ -57,8 +56,21 @@ def test_kernel_matches_references(rng, seq, hq, hkv, d, dtype, window, lse_kind
     got = future_lse(q, k, lse, window=window, interpret=True, **blocks)
     assert got.shape == (2, hq, seq) and got.dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    assert_log_mass_close(got, targets.future_attention_log_mass_reference(q, k, lse, window=window), tol)
-    assert_log_mass_close(got, targets.future_attention_log_mass(q, k, lse, window=window, block_size=16), tol)
+    assert_log_mass_close(got, targets.future_attention_log_mass_dense(q, k, lse, window=window), tol)
+    assert_log_mass_close(got, targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=16), tol)
+
+
+@pytest.mark.parametrize("seq, window", [(75, 5), (40, 1), (33, 33)])
+def test_kernel_max_reduction_matches_references(rng, seq, window):
+    """reduce="max": the strongest single future read, by the kernel and both references."""
+    q, k, lse = random_inputs(rng, seq, 4, 2, 16, jnp.float32, "random")
+    got = future_lse(q, k, lse, window=window, reduce="max", interpret=True, block_k=16, block_q=16)
+    want = targets.future_attention_log_mass_dense(q, k, lse, window=window, reduce="max")
+    assert_log_mass_close(got, want, 1e-5)
+    assert_log_mass_close(got, targets.future_attention_log_mass_reference(q, k, lse, window=window, reduce="max",
+                                                                           block_size=16), 1e-5)
+    via = targets.future_attention_log_mass(q, k, lse, window=window, reduce="max", implementation="pallas_interpret")
+    assert_log_mass_close(via, want, 1e-5)
 
 
 def test_scale_and_log_mass_of_dense_lse(rng):
@@ -67,7 +79,7 @@ def test_scale_and_log_mass_of_dense_lse(rng):
     q, k, _ = random_inputs(rng, seq, hq, hkv, d, jnp.float32, "dense")
     lse = targets.dense_lse(q, k, scale=scale)
     got = future_lse(q, k, lse, window=0, scale=scale, interpret=True, block_k=16, block_q=16)
-    want = targets.future_attention_log_mass_reference(q, k, lse, window=0, scale=scale)
+    want = targets.future_attention_log_mass_dense(q, k, lse, window=0, scale=scale)
     assert_log_mass_close(got, want, 1e-5)
     # Σ_t m̄_t = Σ_d Σ_{t<=d} p(d, t) = S, a check independent of both implementations.
     np.testing.assert_allclose(np.exp(np.asarray(got, np.float64)).sum(-1), seq, rtol=1e-5)
@@ -77,7 +89,7 @@ def test_target_through_dispatcher(rng):
     """`future_attention_target` with the kernel as `log_mass_fn` equals the default path."""
     q, k, lse = random_inputs(rng, 45, 4, 2, 16, jnp.float32, "dense")
     kw = dict(window=6, eps=1e-6)
-    fn = functools.partial(future_attention_log_mass_auto, implementation="pallas_interpret")
+    fn = functools.partial(targets.future_attention_log_mass, implementation="pallas_interpret")
     for aggregate in ("max", "mean"):
         got = targets.future_attention_target(q, k, lse, aggregate=aggregate, log_mass_fn=fn, **kw)
         want = targets.future_attention_target(q, k, lse, aggregate=aggregate, **kw)
@@ -87,21 +99,23 @@ def test_target_through_dispatcher(rng):
 def test_dispatcher_choice(rng, monkeypatch):
     """xla on CPU by default; `$KVPOP_FUTURE_LSE_IMPL` and `implementation` pick the kernel."""
     calls = []
-    kernel = fl.future_lse
-    monkeypatch.setattr(fl, "future_lse", lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
+    kernel = targets.future_attention_log_mass_pallas
+    monkeypatch.setattr(targets, "future_attention_log_mass_pallas",
+                        lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
     q, k, lse = random_inputs(rng, 20, 2, 1, 16, jnp.float32, "random")
-    want = targets.future_attention_log_mass(q, k, lse, window=3)
-    monkeypatch.delenv(fl.FUTURE_LSE_IMPL_ENV, raising=False)
-    assert_log_mass_close(future_attention_log_mass_auto(q, k, lse, window=3), want, 1e-5)
+    want = targets.future_attention_log_mass_reference(q, k, lse, window=3)
+    env = targets.FUTURE_ATTENTION_LOG_MASS.env_var
+    monkeypatch.delenv(env, raising=False)
+    assert_log_mass_close(targets.future_attention_log_mass(q, k, lse, window=3), want, 1e-5)
     assert calls == []
-    monkeypatch.setenv(fl.FUTURE_LSE_IMPL_ENV, "pallas_interpret")
-    assert_log_mass_close(future_attention_log_mass_auto(q, k, lse, window=3), want, 1e-5)
+    monkeypatch.setenv(env, "pallas_interpret")
+    assert_log_mass_close(targets.future_attention_log_mass(q, k, lse, window=3), want, 1e-5)
     assert calls == [True]
-    assert_log_mass_close(future_attention_log_mass_auto(q, k, lse, window=3, implementation="xla"), want, 1e-5)
+    assert_log_mass_close(targets.future_attention_log_mass(q, k, lse, window=3, implementation="xla"), want, 1e-5)
     assert calls == [True]
-    monkeypatch.setenv(fl.FUTURE_LSE_IMPL_ENV, "cuda")
+    monkeypatch.setenv(env, "cuda")
     with pytest.raises(ValueError, match="KVPOP_FUTURE_LSE_IMPL"):
-        future_attention_log_mass_auto(q, k, lse, window=3)
+        targets.future_attention_log_mass(q, k, lse, window=3)
 
 
 def test_rejects_bad_inputs(rng):
@@ -125,7 +139,7 @@ def test_lowers_for_cuda(seq, hq, hkv, d, dtype):
         jax.ShapeDtypeStruct((2, seq, hkv, d), dtype),
         jax.ShapeDtypeStruct((2, hq, seq), jnp.float32),
     )
-    fn = functools.partial(future_attention_log_mass_auto, window=32, implementation="pallas")
+    fn = functools.partial(targets.future_attention_log_mass, window=32, implementation="pallas")
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
     text = exported.mlir_module()

@@ -9,11 +9,9 @@ import pytest
 
 from kvpop_jax.attention import kvpop_attention, kvpop_attention_reference
 from pallas_kernels import sparse_attention as sa
-from pallas_kernels.sparse_attention import sparse_attention
-from test_attention import kvpop_mask_np, random_qkv, random_ranks, running_cutoffs_np
-
-SMALL_BLOCKS = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-
+from helpers import (SMALL_BLOCKS, TRITON_TARGETS, assert_close, kvpop_mask_np, random_qkv, random_ranks,
+                     running_cutoffs_np)
+from pallas_kernels.sparse_attention import kvpop_attention_pallas as sparse_attention
 
 def make_cutoffs(rng, ranks, mode, *, sinks, window, topk):
     b, h, s = ranks.shape
@@ -31,13 +29,6 @@ def inputs(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk):
     ranks = random_ranks(rng, 1, hkv, seq)
     cut = make_cutoffs(rng, ranks, mode, sinks=sinks, window=window, topk=topk)
     return q, k, v, jnp.asarray(ranks), jnp.asarray(cut)
-
-
-def assert_close(got, want, tol):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.all(np.isfinite(got))
-    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
-    assert err <= tol, f"relative error {err:.3g} > {tol}"
 
 
 FORWARD_CASES = [
@@ -127,9 +118,6 @@ def test_dispatcher_runs_kernel(rng):
 
 # Pallas' Triton custom call target: "__gpu$xla.gpu.triton" up to jaxlib 0.10.2 (Triton IR
 # handed to XLA), "triton_kernel_call_ffi" (compiled kernels) in later versions.
-TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "triton_kernel_call_ffi")
-
-
 @pytest.mark.parametrize(
     "hq, hkv, d, dtype", [(4, 2, 64, jnp.bfloat16), (4, 4, 128, jnp.float32), (6, 2, 64, jnp.bfloat16)]
 )

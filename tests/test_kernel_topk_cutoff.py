@@ -1,4 +1,4 @@
-"""The Pallas running-cutoff kernel (interpret mode) against `policy.running_topk_cutoff`."""
+"""The Pallas running-cutoff kernel (interpret mode) against `policy.running_topk_cutoff_reference`."""
 
 import re
 
@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvpop_jax.policy import running_topk_cutoff
-from pallas_kernels import topk_cutoff as tc
-from pallas_kernels.topk_cutoff import running_topk_cutoff_auto, topk_cutoff
-from test_attention import random_ranks, running_cutoffs_np
+from helpers import TRITON_TARGETS, random_ranks, running_cutoffs_np
+from kvpop_jax import policy
+from kvpop_jax.policy import running_topk_cutoff_reference as running_topk_cutoff
+from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas as topk_cutoff
 
-TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "triton_kernel_call_ffi")
+running_topk_cutoff_auto = policy.running_topk_cutoff  # the dispatcher
 
 
 def check(ranks, *, sinks, window, topk, **kernel_kw):
@@ -63,20 +63,21 @@ def test_any_leading_dims(rng):
 def test_dispatcher_choice(rng, monkeypatch):
     """xla on CPU by default; `$KVPOP_CUTOFF_IMPL` and `implementation` pick the kernel."""
     calls = []
-    kernel = tc.topk_cutoff
-    monkeypatch.setattr(tc, "topk_cutoff", lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
+    kernel = policy.running_topk_cutoff_pallas
+    monkeypatch.setattr(policy, "running_topk_cutoff_pallas",
+                        lambda *a, **kw: calls.append(kw["interpret"]) or kernel(*a, **kw))
     ranks = jnp.asarray(random_ranks(rng, 1, 2, 40))
     kw = dict(sinks=2, window=4, topk=6)
     want = running_topk_cutoff(ranks, **kw)
-    monkeypatch.delenv(tc.CUTOFF_IMPL_ENV, raising=False)
+    monkeypatch.delenv(policy.RUNNING_TOPK_CUTOFF.env_var, raising=False)
     np.testing.assert_array_equal(running_topk_cutoff_auto(ranks, **kw), want)
     assert calls == []
-    monkeypatch.setenv(tc.CUTOFF_IMPL_ENV, "pallas_interpret")
+    monkeypatch.setenv(policy.RUNNING_TOPK_CUTOFF.env_var, "pallas_interpret")
     np.testing.assert_array_equal(running_topk_cutoff_auto(ranks, **kw), want)
     assert calls == [True]
     np.testing.assert_array_equal(running_topk_cutoff_auto(ranks, implementation="xla", **kw), want)
     assert calls == [True]
-    monkeypatch.setenv(tc.CUTOFF_IMPL_ENV, "triton")
+    monkeypatch.setenv(policy.RUNNING_TOPK_CUTOFF.env_var, "triton")
     with pytest.raises(ValueError, match="KVPOP_CUTOFF_IMPL"):
         running_topk_cutoff_auto(ranks, **kw)
 

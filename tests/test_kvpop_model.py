@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from conftest import TINY_HF_CONFIGS
+from helpers import TINY_HF_CONFIGS
 from kvpop_jax import KVpopConfig, Qwen3Config
 from kvpop_jax.losses import teacher_topk, topk_kl_loss
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params

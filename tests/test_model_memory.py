@@ -155,9 +155,9 @@ def test_dense_attention_goes_blockwise_above_the_threshold(monkeypatch):
 SHARDED_KERNELS_SCRIPT = textwrap.dedent(r"""
     import json
     import jax, jax.numpy as jnp, numpy as np
-    from kvpop_jax import attention, policy, sharding as shd
-    from pallas_kernels.future_lse import future_attention_log_mass_auto
-    from pallas_kernels.topk_cutoff import running_topk_cutoff_auto
+    from kvpop_jax import attention, policy, sharding as shd, targets
+    future_attention_log_mass_auto = targets.future_attention_log_mass
+    running_topk_cutoff_auto = policy.running_topk_cutoff
 
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(0)
@@ -181,7 +181,7 @@ SHARDED_KERNELS_SCRIPT = textwrap.dedent(r"""
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     want = jax.jit(run)(q, k, v, ranks) + jax.jit(grad)(q, k, v, ranks)
-    ref_cutoffs = policy.running_topk_cutoff(ranks, sinks=2, window=4, topk=6)
+    ref_cutoffs = policy.running_topk_cutoff_reference(ranks, sinks=2, window=4, topk=6)
     results = {"cutoffs_vs_xla": int(jnp.sum(want[0] != ref_cutoffs))}
     for mesh_shape in ((2, 2, 2), (1, 4, 2), (1, 1, 8)):
         mesh = shd.make_mesh(*mesh_shape)

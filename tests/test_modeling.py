@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_HF_CONFIGS
+from helpers import TINY_HF_CONFIGS
 from kvpop_jax import Qwen3Config, load_pretrained
-from kvpop_jax.modeling import DenseCache, Qwen3ForCausalLM, init_params
+from kvpop_jax.cache import init_dense_cache
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 
 
 def torch_logits(model, ids):
@@ -65,7 +66,7 @@ def test_cached_decode_equals_full_forward(hf_checkpoint, rng, name):
     model = Qwen3ForCausalLM(config)
     ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 19)))
     full = model.apply({"params": params}, ids).logits
-    cache = DenseCache.init(config, batch=2, max_len=32)
+    cache = init_dense_cache(config, batch=2, max_len=32)
     prompt = 7
     out = model.apply({"params": params}, ids[:, :prompt], cache=cache)
     steps = [out.logits]

@@ -1,4 +1,4 @@
-"""train/pretrain.py (+ pretrain_data, pretrain_eval): the demo teacher's trainer (batches, loss goes
+"""train/demo_teacher/ (`python -m train.pretrain`): the demo teacher's trainer (batches, loss goes
 down, checkpoint, resume, export) and the teacher shipped in checkpoints/demo-teacher/."""
 
 import dataclasses
@@ -11,19 +11,24 @@ import numpy as np
 import pytest
 from absl import flags
 
-from eval import demo_task
+from demo import atoms
+from demo import task as demo_task
 from kvpop_jax import load_pretrained
 from kvpop_jax.config import Qwen3Config
-from train import pretrain
-from train.pretrain_data import (BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, encode, lookup_row, make_batch,
-                                 parse_curriculum)
-from train.pretrain_init import DIGIT_IDS, init_offset_heads, plant_lookup_circuit
+from kvpop_jax.modeling import Qwen3ForCausalLM
+from train.demo_teacher.config import PretrainConfig
+from train.demo_teacher.data import (BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, encode, lookup_row,
+                                     make_batch, parse_curriculum)
+from train.demo_teacher.evaluate import evaluate, export
+from train.demo_teacher.init import DIGIT_IDS, init_offset_heads, plant_lookup_circuit
+from train.demo_teacher.loop import STATE_FILE, train
+from train.demo_teacher.main import config_from_flags, define_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEACHER = os.path.join(REPO, "checkpoints", "demo-teacher")
 
 
-def tiny_config(tmp_path, steps=(12, 4), **overrides) -> pretrain.PretrainConfig:
+def tiny_config(tmp_path, steps=(12, 4), **overrides) -> PretrainConfig:
     model = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                  rope_theta=10_000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
@@ -32,7 +37,7 @@ def tiny_config(tmp_path, steps=(12, 4), **overrides) -> pretrain.PretrainConfig
                   run_dir=str(tmp_path / "run"), out_dir=str(tmp_path / "out"), lr=1e-2, warmup_steps=4,
                   eval_every=0, checkpoint_every=4, log_every=2, final_eval_examples=2, eval_batch=2)
     values.update(overrides)
-    return pretrain.PretrainConfig(**values)
+    return PretrainConfig(**values)
 
 
 def test_curriculum_and_flagfile_parse():
@@ -40,9 +45,9 @@ def test_curriculum_and_flagfile_parse():
     with pytest.raises(ValueError, match="LEN:STEPS"):
         parse_curriculum("256", 8)
     fv = flags.FlagValues()
-    pretrain.define_flags(fv)
+    define_flags(fv)
     fv(["pretrain", f"--flagfile={os.path.join(REPO, 'configs', 'tiny_teacher.flags')}"])
-    cfg = pretrain.config_from_flags(fv)
+    cfg = config_from_flags(fv)
     assert cfg.model.num_key_value_heads < cfg.model.num_attention_heads  # GQA: KVpop works per KV head
     assert cfg.model.vocab_size == len(VOCAB) and cfg.model.tie_word_embeddings
 
@@ -103,7 +108,7 @@ def test_offset_heads_attend_back_at_init():
         assert np.all(np.argmax(probs[head, rows], -1) == rows - offset), head
         assert float(jnp.min(probs[head, rows, rows - offset])) > 0.8
     with pytest.raises(ValueError, match="attention_bias"):
-        pretrain.PretrainConfig(model=dataclasses.replace(config, attention_bias=False), phases=(Phase(128, 1, 1),),
+        PretrainConfig(model=dataclasses.replace(config, attention_bias=False), phases=(Phase(128, 1, 1),),
                                 run_dir="r", out_dir="o", offset_heads=(1, 2))
 
 
@@ -125,7 +130,7 @@ def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
         ex = demo_task.generate_example((seed, 99, i), config=task)
         rows.append((np.asarray(encode(ex["text"])), ex["meta"]["n_prompt_tokens"]))
     model = Qwen3ForCausalLM(config)
-    is_name = lambda x: np.isin(x, [VOCAB[n] for n in demo_task.NAMES])  # noqa: E731
+    is_name = lambda x: np.isin(x, [VOCAB[n] for n in atoms.NAMES])  # noqa: E731
     for params, expect_all in ((planted, True), (random, False)):
         right = []
         for row, start in rows:
@@ -139,23 +144,23 @@ def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
 
 def test_train_checkpoint_resume_export(tmp_path):
     cfg = tiny_config(tmp_path)
-    state, records = pretrain.train(cfg, progress=False)
+    state, records = train(cfg, progress=False)
     losses = [r["loss"] for r in records if "loss" in r]
     assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
     assert int(state.step) == cfg.total_steps
-    assert os.path.isfile(os.path.join(cfg.run_dir, pretrain.STATE_FILE))
+    assert os.path.isfile(os.path.join(cfg.run_dir, STATE_FILE))
 
     # Interrupted at step 10 (saved there), then resumed: the same final weights.
     cut = tiny_config(tmp_path, run_dir=str(tmp_path / "run2"))
-    partial, _ = pretrain.train(cut, progress=False, stop_at=10)
+    partial, _ = train(cut, progress=False, stop_at=10)
     assert int(partial.step) == 10
-    resumed, records2 = pretrain.train(cut, progress=False)
+    resumed, records2 = train(cut, progress=False)
     assert records2[0]["step"] == 12  # continued from the save at 10, not from 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), resumed.params, state.params)
     with pytest.raises(ValueError, match="different settings"):
-        pretrain.train(tiny_config(tmp_path, run_dir=cut.run_dir, lr=5e-3), progress=False)
+        train(tiny_config(tmp_path, run_dir=cut.run_dir, lr=5e-3), progress=False)
 
-    pretrain.export(cfg, state.params, [pretrain.evaluate(pretrain.Qwen3ForCausalLM(cfg.model), state.params, cfg,
+    export(cfg, state.params, [evaluate(Qwen3ForCausalLM(cfg.model), state.params, cfg,
                                                           128, 2, split="test", batch=2)], "cmd", 1.0)
     config, params = load_pretrained(cfg.out_dir)
     assert config == cfg.model

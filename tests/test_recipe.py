@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from kvpop_jax import load_pretrained
-from tests.test_train import REPO, _env, _train_cmd, arch, parse, tiny_flags  # noqa: F401  (arch: fixture)
-from train.flags import FlagError, variant_kvpop
+from helpers import REPO, parse, tiny_flags, train_cmd, train_env
+from train.config import FlagError, variant_kvpop
 from train.recipe import check_targets, scores_at
 
 
-def test_variant_flags(tmp_path, arch):  # noqa: F811
+def test_variant_flags(tmp_path, arch):
     cfg = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlstm,kvpop-mlp,streamingllm+",
                            eval_methods="dense,tova,streamingllm+,kvpop-mlp", eval_problems=40, quick=True))
     assert cfg.variants == ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
@@ -48,12 +48,12 @@ def test_targets_are_checked_against_the_rows():
     assert [ok for _, ok in check_targets(scores)] == [True, True, None, None]  # not measured
 
 
-def test_variants_then_comparison_end_to_end(tmp_path, arch):  # noqa: F811
+def test_variants_then_comparison_end_to_end(tmp_path, arch):
     run = str(tmp_path / "run")
     argv = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+",
                       eval_methods="dense,streaming,tova,streamingllm+,kvpop-mlp", eval_problems=3,
                       eval_batch=2, eval_prompt_len=160, eval_crs="0.5,0.75", eval_recall_sequences=1)
-    proc = subprocess.run(_train_cmd(argv), cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
+    proc = subprocess.run(train_cmd(argv), cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name, topk in (("kvpop-mlp", 16), ("streamingllm+", 0)):
@@ -79,7 +79,7 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):  # noqa: F811
     assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
 
 
-def test_target_reduce_flag_reaches_the_config(tmp_path, arch):  # noqa: F811
+def test_target_reduce_flag_reaches_the_config(tmp_path, arch):
     from kvpop_jax import KVpopConfig
 
     assert parse(tiny_flags(str(tmp_path), arch)).kvpop.target_reduce == "sum"  # the paper's default

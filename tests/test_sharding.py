@@ -101,8 +101,10 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
     jax.config.update("jax_default_matmul_precision", "highest")
     from absl import flags
     from kvpop_jax import attention, modeling, sharding as shd
-    from train import main, optim, step as st
-    from train.flags import config_from_flags, define_flags, load_model_config
+    from train import dry_run, optim, setup, step as st
+    from train.config import load_model_config
+    from train.configure import config_from_flags
+    from train.flags import define_flags
 
     assert len(jax.devices()) == 8, jax.devices()
     fv = flags.FlagValues()
@@ -110,7 +112,7 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
     fv(["train"] + sys.argv[1:])
     cfg = config_from_flags(fv, on_accelerator=False)
     config = load_model_config(cfg)
-    sc = main.step_config(cfg, config)
+    sc = setup.step_config(cfg, config)
     kv = sc.model
     tx = optim.make_optimizer(cfg.optim)
     A, b, S = cfg.grad_accum, cfg.micro_batch, cfg.seq_len
@@ -122,7 +124,7 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
              "loss_mask": (rng.random((A, b, S)) > 0.1).astype(np.float32)}
     results = {}
     for name, mesh in (("single", shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])),
-                       ("sharded", main.build_mesh(cfg))):
+                       ("sharded", setup.build_mesh(cfg))):
         abstract_state = jax.eval_shape(lambda p: st.init_state(p, tx, cfg.seed), params)
         fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(
             sc, tx, mesh, abstract_state, jax.eval_shape(lambda: base), batch)
@@ -158,7 +160,7 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
     kernel_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(ref, wrapped))
 
     # --dry_run on the same flags: compiles the same sharded step on abstract arrays
-    report = main.dry_run(cfg)
+    report = dry_run.dry_run(cfg)
     print(json.dumps({"param_diff": max(diffs), "metric_diff": metric_diff, "moved": moved, "specs": specs,
                       "kernel_diff": kernel_diff, "metrics": m2, "dry_run": report}))
 """)

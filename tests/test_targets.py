@@ -60,8 +60,8 @@ def _np_target(mass_bar, hkv, window, eps, aggregate, normalize):
 def test_blockwise_log_mass_matches_dense_reference(rng, s, block, window, hkv, g):
     q, k = _qk(rng, s, hkv, g)
     lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0  # any normalizer
-    got = targets.future_attention_log_mass(q, k, lse, window=window, block_size=block)
-    want = targets.future_attention_log_mass_reference(q, k, lse, window=window)
+    got = targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=block)
+    want = targets.future_attention_log_mass_dense(q, k, lse, window=window)
     assert got.shape == (B, hkv * g, s) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     t = np.arange(s)
@@ -154,8 +154,8 @@ def test_aggregation_and_normalization_of_given_log_mass(rng, aggregate, normali
     log_mass = rng.normal(size=(B, hkv * g, s)) * 3.0
     log_mass[..., s - window :] = -np.inf
 
-    def fake_log_mass(q_, k_, lse_, *, window, scale):
-        assert window == 4 and scale is None
+    def fake_log_mass(q_, k_, lse_, *, window, scale, reduce):
+        assert window == 4 and scale is None and reduce == "sum"
         return jnp.asarray(log_mass, jnp.float32)
 
     got = targets.future_attention_target(
@@ -176,7 +176,7 @@ def test_log_mass_fn_hook_and_jit(rng):
     fn = jax.jit(functools.partial(targets.future_attention_target, window=window, eps=1e-5))
     got = fn(q, k, lse)
     ref = targets.future_attention_target(
-        q, k, lse, window=window, eps=1e-5, log_mass_fn=targets.future_attention_log_mass_reference
+        q, k, lse, window=window, eps=1e-5, log_mass_fn=targets.future_attention_log_mass_dense
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -222,8 +222,8 @@ def test_max_reduction_matches_reference_and_numpy(rng, s, block, window):
     hkv, g = 2, 2
     q, k = _qk(rng, s, hkv, g)
     lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0
-    got = targets.future_attention_log_mass(q, k, lse, window=window, block_size=block, reduce="max")
-    want = targets.future_attention_log_mass_reference(q, k, lse, window=window, reduce="max")
+    got = targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=block, reduce="max")
+    want = targets.future_attention_log_mass_dense(q, k, lse, window=window, reduce="max")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     t = np.arange(s)
     ell = _np_logits(q, k) - lse[..., None].astype(np.float64)  # [B, Hq, d, t]

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -15,47 +14,13 @@ import optax
 import pytest
 from absl import flags
 
+from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
 from train import optim
-from train.flags import FlagError, OptimConfig, check_devices, config_from_flags, define_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                 tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
-
-
-def tiny_flags(run_dir, arch_path, **overrides) -> list[str]:
-    """A train.main command line for a 1-layer random model on generated demo data (seconds per run)."""
-    values = dict(
-        run_dir=run_dir, init_checkpoint=f"random:{arch_path}", tokenizer="demo", data="demo:24",
-        demo_seq_len=256, split_documents=True, max_length=512, seq_len=128, sinks=4, window=16, topk=16,
-        scorer="mlp", num_query_samples=16, kl_topk=16, global_batch=4, micro_batch=2, steps=40, warmup_steps=2,
-        checkpoint_every=2, keep_checkpoints=3, compute_dtype="float32", teacher_dtype="float32",
-        progress=False, loss_chunk=64,
-    )
-    values.update(overrides)
-    out = []
-    for k, v in values.items():
-        if isinstance(v, bool):
-            out.append(f"--{k}" if v else f"--no{k}")
-        else:
-            out.append(f"--{k}={v}")
-    return out
-
-
-@pytest.fixture
-def arch(tmp_path):
-    path = tmp_path / "tiny_arch.json"
-    path.write_text(json.dumps(TINY_ARCH))
-    return str(path)
-
-
-def parse(argv, on_accelerator=False):
-    fv = flags.FlagValues()
-    define_flags(fv)
-    fv(["train"] + argv)
-    return config_from_flags(fv, on_accelerator=on_accelerator)
-
+from train.config import FlagError, OptimConfig, check_devices
+from train.configure import config_from_flags
+from train.flags import define_flags
+from train.loop import NonFiniteLossError, check_finite, host_batch
+from train.teacher_cache import write_teacher_topk
 
 # ------------------------------------------------------------------------------ flags
 
@@ -79,7 +44,6 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(data="demo:0"), "demo:N"),
     (dict(init_checkpoint="/nonexistent/ckpt"), "--init_checkpoint"),
     (dict(init_checkpoint="random:no_such_model"), "not found"),
-    (dict(reset_attention=True), "--reset_attention"),
     (dict(loss_chunk=100), "--loss_chunk"),
     (dict(gamma_min=0.9999999), "gamma_min"),
     (dict(steps=0), "--steps"),
@@ -87,6 +51,12 @@ def test_flags_map_onto_configs(tmp_path, arch):
 def test_bad_flags_raise_clear_errors(tmp_path, arch, overrides, message):
     with pytest.raises(FlagError, match=message.replace("-", r"\-")):
         parse(tiny_flags(str(tmp_path / "run"), arch, **overrides))
+
+
+def test_removed_reset_attention_flag_is_rejected_by_name(tmp_path, arch):
+    """KVpop attention cannot reset at packing boundaries, so the flag is gone (it always raised)."""
+    with pytest.raises(flags.UnrecognizedFlagError, match="reset_attention"):
+        parse(tiny_flags(str(tmp_path / "run"), arch, reset_attention=True))
 
 
 def test_unknown_scorer_is_rejected_at_parse_time(tmp_path, arch):
@@ -179,24 +149,20 @@ def test_chunked_kl_equals_full_kl():
 
 
 def test_teacher_topk_files_round_trip(tmp_path, arch):
-    from train import main
-
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(tmp_path)))
     values = np.random.default_rng(0).normal(size=(4, 128, 16)).astype(np.float32)
     indices = np.random.default_rng(1).integers(0, 128, (4, 128, 16)).astype(np.int32)
-    main.write_teacher_topk(str(tmp_path), 3, values, indices)
+    write_teacher_topk(str(tmp_path), 3, values, indices)
     rows = {"input_ids": np.zeros((4, 128), np.int32), "positions": np.zeros((4, 128), np.int32),
             "loss_mask": np.ones((4, 128), np.float32)}
-    batch = main.host_batch(cfg, rows, 3)
+    batch = host_batch(cfg, rows, 3)
     assert batch["teacher_values"].shape == (2, 2, 128, 16)
     np.testing.assert_array_equal(batch["teacher_indices"].reshape(4, 128, 16), indices)
     with pytest.raises(FileNotFoundError, match="step_00000004.npz"):
-        main.host_batch(cfg, rows, 4)
+        host_batch(cfg, rows, 4)
 
 
 def test_non_finite_loss_names_step_and_term():
-    from train.main import NonFiniteLossError, check_finite
-
     check_finite(3, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": 2.0})
     with pytest.raises(NonFiniteLossError, match=r"step 7: retention_loss is nan"):
         check_finite(7, {"kl": 1.0, "retention_loss": float("nan"), "loss": float("nan"), "grad_norm": 2.0})
@@ -205,15 +171,6 @@ def test_non_finite_loss_names_step_and_term():
 
 
 # ------------------------------------------------------------------------------ end to end
-
-
-def _env(tmp_path):
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3",
-                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
-
-
-def _train_cmd(argv):
-    return [sys.executable, "-m", "train.main"] + argv
 
 
 def _metrics(run_dir):
@@ -226,18 +183,18 @@ LOSS_KEYS = ("loss", "kl", "retention_loss", "grad_norm", "boundary_accuracy", "
 
 
 def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_export(tmp_path, arch):
-    env = _env(tmp_path)
+    env = train_env(tmp_path)
     full_dir, killed_dir = str(tmp_path / "full"), str(tmp_path / "killed")
     # one flagfile, nested, as users run it
     flagfile = tmp_path / "tiny.flags"
     flagfile.write_text("\n".join(tiny_flags("UNUSED", arch)) + "\n")
 
-    full = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={full_dir}"]), cwd=REPO, env=env,
+    full = subprocess.run(train_cmd([f"--flagfile={flagfile}", f"--run_dir={full_dir}"]), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-4000:]
 
     # start the same run, kill -9 it once checkpoint 2 is on disk, restart with the same flags
-    proc = subprocess.Popen(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO, env=env,
+    proc = subprocess.Popen(train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not os.path.isdir(os.path.join(killed_dir, "checkpoints", "2")):
@@ -250,7 +207,7 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
     killed_at = max(int(s) for s in os.listdir(os.path.join(killed_dir, "checkpoints")) if s.isdigit())
     assert not os.path.isdir(os.path.join(killed_dir, "export")), "the run finished before it was killed"
 
-    resumed = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO,
+    resumed = subprocess.run(train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stderr
@@ -269,7 +226,7 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
     # precomputed teacher top-k: written by --write_teacher_logits, read instead of running the teacher
     logits_dir = str(tmp_path / "teacher")
     for name, extra in (("write", ["--write_teacher_logits"]), ("pre", ["--noexport"])):
-        proc = subprocess.run(_train_cmd([f"--flagfile={flagfile}", f"--run_dir={tmp_path / name}",
+        proc = subprocess.run(train_cmd([f"--flagfile={flagfile}", f"--run_dir={tmp_path / name}",
                                           f"--teacher_logits_dir={logits_dir}"] + extra),
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (name, proc.stderr[-4000:])
@@ -299,8 +256,8 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
 
 
 def test_missing_flag_exits_with_message(tmp_path):
-    proc = subprocess.run(_train_cmd([f"--run_dir={tmp_path}", "--init_checkpoint=random:tiny"]), cwd=REPO,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "--init_checkpoint=random:tiny"]), cwd=REPO,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--data is required" in proc.stderr
 

@@ -16,17 +16,15 @@ import shutil
 import sys
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
+from jax.experimental import multihost_utils
 
 from kvpop_jax import save_pretrained
+from kvpop_jax.checkpoint import TOKENIZER_FILES
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "chat_template.jinja")
+from train.config import DTYPES
 
 
 def copy_tokenizer(source_dir: str | None, out: str) -> None:
@@ -42,8 +40,6 @@ def copy_tokenizer(source_dir: str | None, out: str) -> None:
 def export_params(config: Qwen3Config, params, out: str, *, dtype=None, tokenizer_dir: str | None = None) -> None:
     """save_pretrained(config, params) (+ tokenizer), gathering sharded arrays to the host."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return

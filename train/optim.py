@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from train.flags import OptimConfig
+from kvpop_jax.modeling import KVPOP_SUBTREE
+from train.config import OptimConfig
 
 BASE, NEW = "base", "new"
-KVPOP_SUBTREE = "kvpop"
 
 
 def param_labels(params) -> dict:

@@ -4,7 +4,7 @@
 (kvpop-mlstm, kvpop-mlp, streamingllm+) from the same dense checkpoint with the same data,
 budget and schedule, one after another into RUN_DIR/NAME (each a normal, resumable
 `train.main.train` run with its own checkpoints, metrics and export), then, with
-`--eval_methods`, decodes held-out demo-task problems (`eval/demo_task.py`, test split) with
+`--eval_methods`, decodes held-out demo-task problems (`demo/task.py`, test split) with
 every method at every compression ratio and prints the paper's Table-1-style comparison:
 
     RUN_DIR/eval/accuracy.md|png|json   pass@1 table, bars, all numbers (`eval.accuracy`)
@@ -27,7 +27,17 @@ import os
 import time
 from typing import Any
 
-from train.flags import TRAINING_FREE, TrainConfig, variant_kvpop
+import jax.numpy as jnp
+
+from demo.task import generate_dataset, make_config, write_jsonl
+from eval.accuracy import benchmark_name, format_table, run_accuracy
+from eval.plots import plt, save_figure, write_text
+from eval.recall import run_recall
+from kvpop_jax.baselines import METHODS as TRAINING_FREE
+from kvpop_jax.sampling import SamplingConfig
+from train.config import TrainConfig, variant_kvpop
+from train.loop import train
+from train.setup import info, prepare_init_checkpoint, run_tokenizer
 
 # The demo's targets (issue 7) at the highest compression ratio: name, the methods they need, check.
 TARGETS = (
@@ -53,36 +63,33 @@ def variant_config(cfg: TrainConfig, name: str, init_dir: str, tokenizer_dir: st
                                tokenizer=tokenizer_dir, variants=(), evaluation=None, export=True)
 
 
-def run(cfg: TrainConfig, trainer) -> dict[str, Any]:
-    """Trains every variant (or the single run of the flags), then evaluates if asked.
-
-    trainer: the `train.main` module (passed in: it may be running as `__main__`).
-    """
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Trains every variant (or the single run of the flags), then evaluates if asked."""
     start = time.perf_counter()
     os.makedirs(cfg.run_dir, exist_ok=True)
-    init_dir = trainer.prepare_init_checkpoint(cfg)
-    _, tokenizer_dir = trainer.load_tokenizer(cfg, init_dir)
+    init_dir = prepare_init_checkpoint(cfg)
+    _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times = {}, {}
     for name in cfg.variants:
         vcfg = variant_config(cfg, name, init_dir, tokenizer_dir)
         exports[name] = vcfg.export_dir
         if finished(vcfg):
-            trainer.info(f"[{name}] already trained: {vcfg.export_dir}")
+            info(f"[{name}] already trained: {vcfg.export_dir}")
             continue
-        trainer.info(f"[{name}] training into {vcfg.run_dir} (B = {vcfg.kvpop.budget}: s {vcfg.kvpop.sinks}, "
+        info(f"[{name}] training into {vcfg.run_dir} (B = {vcfg.kvpop.budget}: s {vcfg.kvpop.sinks}, "
                      f"w {vcfg.kvpop.window}, k {vcfg.kvpop.topk})")
         t0 = time.perf_counter()
-        trainer.train(vcfg)
+        train(vcfg)
         times[name] = time.perf_counter() - t0
     if not cfg.variants:
-        trainer.train(cfg)
+        train(cfg)
         exports = {"kvpop": cfg.export_dir}
     summary: dict[str, Any] = {"exports": exports, "train_seconds": times}
     if cfg.evaluation is not None:
         t0 = time.perf_counter()
-        summary["evaluation"] = evaluate(cfg, init_dir, tokenizer_dir, exports, info=trainer.info)
+        summary["evaluation"] = evaluate(cfg, init_dir, tokenizer_dir, exports)
         times["evaluation"] = time.perf_counter() - t0
-    trainer.info("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
+    info("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
                  + f"; total {time.perf_counter() - start:.0f} s")
     return summary
 
@@ -95,8 +102,6 @@ def finished(cfg: TrainConfig) -> bool:
 
 def heldout_problems(cfg: TrainConfig, path: str) -> str:
     """Writes the held-out demo problems (test split, seed --seed) as JSONL once; returns the path."""
-    from eval.demo_task import generate_dataset, write_jsonl
-
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         ev = cfg.evaluation
@@ -105,15 +110,8 @@ def heldout_problems(cfg: TrainConfig, path: str) -> str:
     return path
 
 
-def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[str, str], *,
-             info=print) -> dict[str, Any]:
+def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[str, str]) -> dict[str, Any]:
     """Greedy pass@1 of every method x CR, recall of the KVpop variants, plots and the summary."""
-    import jax.numpy as jnp
-
-    from eval.accuracy import benchmark_name, run_accuracy
-    from eval.demo_task import make_config
-    from kvpop_jax.sampling import SamplingConfig
-
     ev = cfg.evaluation
     out = os.path.join(cfg.run_dir, "eval")
     data = heldout_problems(cfg, os.path.join(out, f"demo_test_s{cfg.seed}_{ev.problems}x{ev.prompt_len}.jsonl"))
@@ -126,8 +124,6 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
                         sinks=cfg.kvpop.sinks, problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress)
     recall = {}
     if ev.recall_sequences:
-        from eval.recall import run_recall
-
         for name in (m for m in ev.methods if m in exports and variant_kvpop(cfg.kvpop, m).topk > 0):
             result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
                                 out_dir=os.path.join(out, f"recall_{name}"), progress=cfg.progress)
@@ -146,9 +142,6 @@ def scores_at(rows: list[dict], cr: float) -> dict[str, float]:
 
 
 def write_summary(cfg: TrainConfig, rows: list[dict], recall: dict[str, float], benchmark: str, path: str) -> str:
-    from eval.accuracy import format_table
-    from eval.plots import write_text
-
     ev = cfg.evaluation
     lines = [f"# Demo comparison: {ev.problems} held-out problems, {ev.prompt_len}-token prompts, greedy pass@1",
              "", format_table(rows, [benchmark]).rstrip(), ""]
@@ -170,8 +163,6 @@ def write_summary(cfg: TrainConfig, rows: list[dict], recall: dict[str, float], 
 
 def plot_training(cfg: TrainConfig, names: list[str], path: str) -> None:
     """Loss, KL and retention loss of each variant against steps (from RUN_DIR/NAME/metrics.jsonl)."""
-    from eval.plots import plt, save_figure
-
     keys = ("loss", "kl", "retention_loss", "teacher_recall")
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
     for name in names:

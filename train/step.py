@@ -136,7 +136,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
         if sc.optim.freeze_base:
             flat = traverse_util.flatten_dict(params)
             params = traverse_util.unflatten_dict(
-                {k: v if optim.KVPOP_SUBTREE in k else jax.lax.stop_gradient(v) for k, v in flat.items()})
+                {k: v if modeling.KVPOP_SUBTREE in k else jax.lax.stop_gradient(v) for k, v in flat.items()})
         if sc.precomputed_teacher:
             t_values, t_indices = mb["teacher_values"].astype(jnp.float32), mb["teacher_indices"]
         else:

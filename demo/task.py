@@ -37,35 +37,24 @@ Why this shape:
 Difficulty knob (`DIFFICULTY`): easy = answer is one looked-up value (n_query=1), medium
 (default) = sum of two, hard = sum of three out of four marked, with a longer mark delay.
 Lengths: `seq_len` is the exact prompt length in tokens of the demo tokenizer
-(`eval/demo_tokenizer.py`), <bos> included; the completion adds `completion_tokens`.
+(`demo/tokenizer.py`), <bos> included; the completion adds `completion_tokens`.
 
 Answers are exact-match integers, boxed (`\\boxed{7}`, the native format) or `#### 7`;
 `extract_answer` and `score` accept both. Only stdlib and numpy: no kvpop_jax import.
+The oracles (`demo/oracles.py`) bound what any eviction policy can recover on it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
-import string
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-KEEP, ASK, BOXED, HASHES = "keep", "ask", "\\boxed{", "####"
-DIGITS = tuple(string.digits)
-NAMES = tuple(string.ascii_lowercase + string.ascii_uppercase)
-# Every atom is one token; the tokenizer's vocabulary is SPECIAL_TOKENS + ATOMS in this order.
-ATOMS = ("\n", " ") + DIGITS + NAMES + tuple("=+-*/%,;:?!.()[]{}<>") + (KEEP, ASK, BOXED, HASHES)
-# Longest atoms first, then any single character (unknown ones map to <unk>). Shared with the
-# HF tokenizer's Split pre-tokenizer, so `atomize` and the tokenizer always agree.
-TOKEN_PATTERN = "|".join(re.escape(a) for a in sorted(ATOMS, key=len, reverse=True)) + r"|[\s\S]"
-_TOKEN_RE = re.compile(TOKEN_PATTERN)
+from demo.atoms import ASK, BOXED, HASHES, KEEP, NAMES
 
 SPLITS = {"train": 0, "validation": 1, "test": 2}
 _SCRATCH_TOKENS = 8  # ">m0+3=3\n"
@@ -161,18 +150,6 @@ DIFFICULTY = {
 def make_config(difficulty: str | None = None, **overrides) -> DemoTaskConfig:
     """DemoTaskConfig from a DIFFICULTY preset (default "medium") plus field overrides."""
     return DemoTaskConfig(**{**DIFFICULTY[difficulty or "medium"], **overrides})
-
-
-# ---------------------------------------------------------------------------------- tokens
-
-
-def atomize(text: str) -> list[str]:
-    """Splits text into tokens exactly as the demo tokenizer does (no <bos>)."""
-    return _TOKEN_RE.findall(text)
-
-
-def count_tokens(text: str, add_bos: bool = True) -> int:
-    return len(atomize(text)) + int(add_bos)
 
 
 # ------------------------------------------------------------------------------ generation
@@ -373,117 +350,3 @@ def score(pred_text: str, answer) -> float:
     """1.0 if the extracted answer equals `answer` (integers compared by value), else 0.0."""
     pred = extract_answer(pred_text)
     return float(pred is not None and _normalize(pred) == _normalize(str(answer)))
-
-
-# --------------------------------------------------------------------------------- oracles
-
-
-def solve_from_tokens(tokens: Sequence[str], visible: Iterable[int] | None = None) -> str | None:
-    """Answers from the visible tokens alone, or None if a queried binding is not visible.
-
-    tokens: the tokenized prompt (<bos> at 0). A binding counts as visible when both its name
-    and its value token are; the question (last line) must be visible.
-    """
-    seen = set(range(len(tokens))) if visible is None else set(visible)
-    ask = max((i for i, t in enumerate(tokens) if t == ASK), default=-1)
-    if ask < 0 or not all(i in seen for i in range(ask, len(tokens))):
-        return None
-    wanted = [t for t in tokens[ask + 1 :] if t in NAMES]
-    found = {}
-    for i in range(len(tokens) - 1):
-        if tokens[i] in wanted and tokens[i + 1] in DIGITS and i in seen and i + 1 in seen:
-            found[tokens[i]] = int(tokens[i + 1])
-    if not all(n in found for n in wanted):
-        return None
-    return str(sum(found[n] for n in wanted) % 10)
-
-
-def kept_positions(n_tokens: int, s: int, w: int, k: int, priority: Sequence[float]) -> set[int]:
-    """Cache contents after prefilling n_tokens with static priorities (higher kept; ties:
-    earlier position), per DESIGN.md: sinks, the last w positions, and the top-k eligible."""
-    eligible = range(s, max(s, n_tokens - w))  # E(q) at q = n_tokens - 1
-    top = sorted(eligible, key=lambda t: (-priority[t], t))[:k]
-    return set(range(min(s, n_tokens))) | set(range(max(0, n_tokens - w), n_tokens)) | set(top)
-
-
-def oracle_recovery(example: dict, budget: int, s: int = 4, w: int = 32) -> dict[str, bool]:
-    """Whether each idealized policy keeps every queried fact's value token at the end of the
-    prompt, with a per-head budget B = s + w + k:
-
-    streaming: sinks + recent window only (StreamingLLM).
-    insertion_fifo / insertion_lifo: knows which tokens are binding values (the best a scorer
-      that decides at insertion can know) but not which are marked; ties go to the earliest /
-      the latest (no decay / recency decay).
-    delayed: also sees the `keep` mark within its window, so ranks marked values first.
-    """
-    meta = example["meta"]
-    n, k = meta["n_prompt_tokens"], budget - s - w
-    if k < 0:
-        raise ValueError(f"budget {budget} < s + w = {s + w}")
-    needed = [f["value_pos"] for f in meta["facts"] if f["queried"]]
-    is_value = np.zeros(n)
-    is_value[meta["binding_value_positions"]] = 1.0
-    recency = np.arange(n) * 1e-6
-    is_marked = is_value.copy()
-    is_marked[[f["value_pos"] for f in meta["facts"]]] = 2.0
-    kept = dict(
-        streaming=kept_positions(n, s, budget - s, 0, is_value),
-        insertion_fifo=kept_positions(n, s, w, k, is_value),
-        insertion_lifo=kept_positions(n, s, w, k, is_value + recency),
-        delayed=kept_positions(n, s, w, k, is_marked),
-    )
-    return {name: all(p in positions for p in needed) for name, positions in kept.items()}
-
-
-# ------------------------------------------------------------------------------------ main
-
-
-def _main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", default="test", choices=sorted(SPLITS))
-    parser.add_argument("--difficulty", default="medium", choices=sorted(DIFFICULTY))
-    parser.add_argument("--seq-len", type=int, default=1536)
-    parser.add_argument("--n", type=int, default=200, help="examples for the stats (and --out)")
-    parser.add_argument("--out", help="write the n examples to this jsonl file")
-    parser.add_argument("--w", type=int, default=32, help="protected window for the oracle stats")
-    args = parser.parse_args(argv)
-    kw = dict(difficulty=args.difficulty, seq_len=args.seq_len)
-    examples = generate_dataset(args.n, args.seed, args.split, **kw)
-
-    ex = examples[0]
-    lines = ex["text"].split("\n")
-    print(f"--- {ex['id']} (answer {ex['answer']}): first and last lines of {len(lines)} ---")
-    print("\n".join(lines[:14] + ["..."] + lines[-14:]))
-    print("--- facts:", [{k: f[k] for k in ("name", "value", "value_pos", "mark_pos", "queried")}
-                         for f in ex["meta"]["facts"]])
-
-    prompt_len = np.array([e["meta"]["n_prompt_tokens"] for e in examples])
-    text_len = np.array([e["meta"]["n_text_tokens"] for e in examples])
-    n_values = np.array([len(e["meta"]["binding_value_positions"]) for e in examples])
-    gaps = [f["mark_pos"] - f["value_pos"] for e in examples for f in e["meta"]["facts"]]
-    print(f"--- {args.n} {args.split} examples, difficulty {args.difficulty}")
-    print(f"prompt tokens {prompt_len.min()}..{prompt_len.max()}, text tokens {text_len.min()}..{text_len.max()}")
-    print(f"binding values per prompt {n_values.mean():.0f} ({(n_values / prompt_len).mean():.0%} of tokens); "
-          f"mark gap {min(gaps)}..{max(gaps)} (bound {ex['meta']['max_mark_gap']})")
-    try:
-        from eval.demo_tokenizer import build_tokenizer
-
-        tok = build_tokenizer()
-        hf_len = [len(tok(e["prompt"])["input_ids"]) for e in examples[:20]]
-        print(f"HF tokenizer (vocab {len(tok)}): prompt tokens of 20 examples {min(hf_len)}..{max(hf_len)}")
-    except ImportError as err:
-        print(f"(HF tokenizer unavailable: {err})")
-    for cr in (0.75, 0.88):
-        budget = int(round((1 - cr) * args.seq_len))
-        rec = [oracle_recovery(e, budget, s=4, w=args.w) for e in examples]
-        rates = {p: np.mean([r[p] for r in rec]) for p in rec[0]}
-        print(f"CR {cr:.0%} (B={budget}, s=4, w={args.w}): oracle recovery "
-              + ", ".join(f"{p} {v:.0%}" for p, v in rates.items()))
-    if args.out:
-        write_jsonl(args.out, examples)
-        print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    _main()

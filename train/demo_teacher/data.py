@@ -4,7 +4,7 @@ The batch of global step g holds train-split demo-task examples g * MAX_BATCH + 
 so every batch is a pure function of (seed, step): a resumed run sees exactly the batches an
 uninterrupted one would, and phases never share an example. Each row is one whole trace,
 `<bos> prompt completion <eos>`; every trace of a phase has the same length, so nothing is padded.
-Ids are the demo tokenizer's (`eval/demo_tokenizer.py`: one token per atom), computed directly.
+Ids are the demo tokenizer's (`demo/tokenizer.py`: one token per atom), computed directly.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from eval import demo_task
-from eval.demo_tokenizer import VOCAB
+from demo import atoms
+from demo import task as demo_task
+from demo.atoms import VOCAB
 
 MAX_BATCH = 1024  # example index = step * MAX_BATCH + row: phases never share an example
-EOS_ID, BOS_ID = VOCAB[demo_task.EOS], VOCAB[demo_task.BOS]
+EOS_ID, BOS_ID = VOCAB[atoms.EOS], VOCAB[atoms.BOS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ def parse_curriculum(spec: str, default_batch: int) -> tuple[Phase, ...]:
 
 def encode(text: str) -> list[int]:
     """<bos> + one id per demo-task atom (the demo tokenizer's encoding, without its overhead)."""
-    return [BOS_ID] + [VOCAB.get(a, VOCAB[demo_task.UNK]) for a in demo_task.atomize(text)]
+    return [BOS_ID] + [VOCAB.get(a, VOCAB[atoms.UNK]) for a in atoms.atomize(text)]
 
 
 def drill_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndarray]:
@@ -90,7 +91,7 @@ def lookup_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.nda
     value and result. Every second line is a lookup (the task has a few per hundred tokens), so
     the selection-by-name circuit gets a strong, steady gradient.
     """
-    names = [demo_task.NAMES[i] for i in rng.permutation(len(demo_task.NAMES))[: int(rng.integers(2, 9))]]
+    names = [atoms.NAMES[i] for i in rng.permutation(len(atoms.NAMES))[: int(rng.integers(2, 9))]]
     values = {n: int(v) for n, v in zip(names, rng.integers(10, size=len(names)))}
     text, i = "", 0
     while i < len(names):
@@ -144,4 +145,4 @@ _ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}
 
 
 def decode(ids) -> str:
-    return "".join(_ID_TO_TOKEN.get(int(i), "") for i in ids if int(i) not in (EOS_ID, BOS_ID, VOCAB[demo_task.PAD]))
+    return "".join(_ID_TO_TOKEN.get(int(i), "") for i in ids if int(i) not in (EOS_ID, BOS_ID, VOCAB[atoms.PAD]))

@@ -1,7 +1,7 @@
-"""The demo task's tokenizer: one token per atom of `eval.demo_task.ATOMS`, in HF format.
+"""The demo tasks' tokenizer: one token per atom of `demo.atoms.ATOMS`, in HF format.
 
 A WordLevel model over SPECIAL_TOKENS + ATOMS (92 entries), a Split pre-tokenizer on
-`demo_task.TOKEN_PATTERN` (longest atom first; any other character becomes <unk>), and a Fuse
+`demo.atoms.TOKEN_PATTERN` (longest atom first; any other character becomes <unk>), and a Fuse
 decoder that concatenates tokens, so whitespace is ordinary tokens (" " and "\\n") and
 `decode(encode(text), skip_special_tokens=True) == text` for every text made of atoms, with no
 whitespace normalization at all. Encoding prepends <bos> (the attention sink, like a template
@@ -18,9 +18,7 @@ import os
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from eval.demo_task import ATOMS, BOS, EOS, PAD, SPECIAL_TOKENS, TOKEN_PATTERN, UNK
-
-VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS + ATOMS)}
+from demo.atoms import BOS, EOS, PAD, TOKEN_PATTERN, UNK, VOCAB
 
 
 def build_tokenizer(model_max_length: int = 8192) -> PreTrainedTokenizerFast:

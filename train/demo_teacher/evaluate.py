@@ -8,25 +8,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import demo_task
-from eval.demo_tokenizer import VOCAB, save_tokenizer
+from demo import task as demo_task
+from demo.atoms import VOCAB
+from demo.tokenizer import save_tokenizer
 from kvpop_jax import save_pretrained
 from kvpop_jax.generate import generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from kvpop_jax.sampling import SamplingConfig
-from train.pretrain_data import EOS_ID, decode, encode
-
-if TYPE_CHECKING:
-    from train.pretrain import PretrainConfig
+from train.demo_teacher.config import PretrainConfig
+from train.demo_teacher.data import EOS_ID, decode, encode
 
 
-def evaluate(model: Qwen3ForCausalLM, params, cfg: "PretrainConfig", task: demo_task.DemoTaskConfig | int, n: int,
+def evaluate(model: Qwen3ForCausalLM, params, cfg: PretrainConfig, task: demo_task.DemoTaskConfig | int, n: int,
              *, split: str = "validation", batch: int = 16, sampling: SamplingConfig | None = None) -> dict:
     """Exact-match accuracy of generated completions on n `split` prompts of `task` (or of the
     plain task at that prompt length).
@@ -55,7 +53,7 @@ def evaluate(model: Qwen3ForCausalLM, params, cfg: "PretrainConfig", task: demo_
                 samples=[(ex["id"], ex["answer"], t) for ex, t in zip(examples, texts)])
 
 
-def final_eval(cfg: "PretrainConfig", params, sampling: SamplingConfig | None = None) -> list[dict]:
+def final_eval(cfg: PretrainConfig, params, sampling: SamplingConfig | None = None) -> list[dict]:
     """Test-split accuracy at each of cfg.final_eval_lens (greedy unless `sampling`)."""
     model = Qwen3ForCausalLM(cfg.model)
     results = []
@@ -68,7 +66,7 @@ def final_eval(cfg: "PretrainConfig", params, sampling: SamplingConfig | None = 
     return results
 
 
-def export(cfg: "PretrainConfig", params, results: list[dict], command: str, train_seconds: float | None) -> None:
+def export(cfg: PretrainConfig, params, results: list[dict], command: str, train_seconds: float | None) -> None:
     """OUT_DIR: save_pretrained + demo tokenizer + eval.json + README.md (model card)."""
     dtype = jnp.bfloat16 if cfg.export_dtype == "bfloat16" else jnp.float32
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), jax.device_get(params))
@@ -83,7 +81,7 @@ def export(cfg: "PretrainConfig", params, results: list[dict], command: str, tra
         f.write(model_card(cfg, summary, command, train_seconds))
 
 
-def model_card(cfg: "PretrainConfig", results: list[dict], command: str, train_seconds: float | None) -> str:
+def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_seconds: float | None) -> str:
     m = cfg.model
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(m, jax.random.key(0)))))
     phases = "\n".join(f"| {i + 1} | {p.prompt_len} | {p.prompt_len + cfg.task(p).completion_tokens + 1} "
@@ -96,7 +94,7 @@ def model_card(cfg: "PretrainConfig", results: list[dict], command: str, train_s
         init += (f", with layer 0's KV heads starting as fixed-offset heads {cfg.offset_heads} (q/k biases; "
                  "`init_offset_heads`)")
     if cfg.lookup_circuit:
-        init = ("mechanistic; the lookup circuit is planted, not learned (`train/pretrain_init.py`, "
+        init = ("mechanistic; the lookup circuit is planted, not learned (`train/demo_teacher/init.py`, "
                 "`plant_lookup_circuit`). Embeddings give each name a low-coherence code and each other token "
                 "a random identity vector; layer 0 starts with a previous-token head that copies the previous "
                 "name's code, layer 1 with a head that matches the current name against it on the slowest "
@@ -106,8 +104,8 @@ def model_card(cfg: "PretrainConfig", results: list[dict], command: str, train_s
     return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
 
 A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo task
-(`eval/demo_task.py`, difficulty `{cfg.difficulty}`) by `train/pretrain.py`. It is the dense
-teacher that `train.main` retrofits with KVpop. Tokenizer: `eval/demo_tokenizer.py` (one token
+(`demo/task.py`, difficulty `{cfg.difficulty}`) by `python -m train.pretrain`. It is the dense
+teacher that `train.main` retrofits with KVpop. Tokenizer: `demo/tokenizer.py` (one token
 per atom, vocab {len(VOCAB)}).
 
 ## Architecture

@@ -29,12 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import demo_task
-from eval.demo_tokenizer import VOCAB
+from demo.atoms import DIGITS, NAMES, VOCAB
 from kvpop_jax.config import Qwen3Config
 
-NAME_IDS = np.asarray([VOCAB[n] for n in demo_task.NAMES])
-DIGIT_IDS = np.asarray([VOCAB[d] for d in demo_task.DIGITS])
+NAME_IDS = np.asarray([VOCAB[n] for n in NAMES])
+DIGIT_IDS = np.asarray([VOCAB[d] for d in DIGITS])
 
 
 def init_offset_heads(params: dict, config: Qwen3Config, offsets, *, layer: int = 0, n_freq: int = 5,
@@ -102,7 +101,7 @@ def plant_lookup_circuit(params: dict, config: Qwen3Config, seed: int, *, code_d
     if t < 2 or c + 1 > d or config.num_hidden_layers < 2 or not config.attention_bias:
         raise ValueError(f"plant_lookup_circuit needs hidden >= 2 + 2 * {c}, head_dim >= {c + 1}, 2 layers and "
                          f"attention_bias; got {config}")
-    T, N, P, FLAG = slice(0, t), slice(t, t + c), slice(t + c, e), t - 1
+    N, P, FLAG = slice(t, t + c), slice(t + c, e), t - 1  # token identity dims are [0, t)
     rng = np.random.default_rng((seed, 23))
     p = jax.tree.map(np.array, params)
 

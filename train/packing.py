@@ -8,16 +8,7 @@
     saved = batches.state()         # JSON-serializable; store it with the checkpoint
     batches.restore(saved)          # continue exactly where `saved` was taken
 
-Sources (`data`): a hub name (streamed by default), or local .jsonl/.json/.parquet/.arrow files
-given as one file, a directory (searched recursively; a `save_to_disk` directory is loaded as
-such) or a glob. `split`/`subset` apply to hub names and saved datasets; local files are one
-split.
-
-Text (`text_field`): "auto" takes the first of `text`, `messages`, `prompt+completion`,
-`prompt+answer` the columns have. A field holding a list of {role, content} is a chat, rendered
-with the tokenizer's chat template (`role: content` lines when it has none) and tokenized without
-added special tokens (the template has them); plain text is tokenized with them (e.g. a <bos>).
-"a+b" concatenates fields as-is. EOS is appended unless the ids already end with it.
+Sources and text fields: `kvpop_jax/documents.py` (hub names, local files, chat rendering).
 
 Length filter: a document's length counts its EOS; documents outside [min_length, max_length]
 are dropped before packing (max_length defaults to S: the paper trains on sequences <= S).
@@ -58,18 +49,18 @@ for up to ~10^8 tokens. Streams (hub default, or streaming=True) hold only the s
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import os
-import re
 from collections import Counter
 from typing import Any, Iterator
 
 import numpy as np
+from tqdm.auto import tqdm
 
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-_AUTO_FIELDS = ("text", "messages", "prompt+completion", "prompt+answer")
-_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.documents import (DocumentSpec, TextSpec, chunks, columns_and_first, open_dataset, render, text_spec,
+                                 tokenize)
+
 _TOKENIZE_CHUNK = 256
 _STATE_VERSION = 1
 
@@ -101,8 +92,7 @@ class DataConfig:
     cache_dir: str | None = None
 
     def __post_init__(self):
-        if not self.data:
-            raise ValueError("data must name a hub dataset or a local path, got ''")
+        DocumentSpec(self.data, self.text_field, self.split, self.subset)  # validates the source fields
         if self.seq_len < 2 or self.batch_size < 1:
             raise ValueError(f"need seq_len >= 2 and batch_size >= 1, got {self.seq_len}, {self.batch_size}")
         if not 0 <= self.process_index < self.process_count:
@@ -116,8 +106,6 @@ class DataConfig:
                              "a longer document cannot be packed whole")
         if self.seed < 0 or self.shuffle_buffer < 1:
             raise ValueError(f"need seed >= 0 and shuffle_buffer >= 1, got {self.seed}, {self.shuffle_buffer}")
-        if not all(self.text_field.split("+")):
-            raise ValueError(f"text_field must be 'auto', a field name or 'a+b', got {self.text_field!r}")
 
     @property
     def length_limit(self) -> int:
@@ -127,156 +115,9 @@ class DataConfig:
     def host_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
-
-# --------------------------------------------------------------------------------- sources
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    kind: str  # "hub", "files" or "saved" (a save_to_disk directory)
-    location: str
-    builder: str | None = None
-    files: tuple[str, ...] = ()
-
-
-def _extension(path: str) -> str:
-    return os.path.splitext(path)[1].lower()
-
-
-def resolve_source(data: str) -> _Source:
-    """Decides what `data` names; raises FileNotFoundError naming it when a path matches nothing."""
-    path = os.path.expanduser(data)
-    if os.path.isdir(path):
-        if all(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json")):
-            return _Source("saved", path)
-        files = [f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                 if os.path.isfile(f) and _extension(f) in _FORMATS]
-        if not files:
-            raise FileNotFoundError(f"data={data}: the directory holds no {'/'.join(_FORMATS)} files")
-    elif os.path.isfile(path):
-        files = [path]
-    elif any(c in path for c in "*?["):
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
-        if not files:
-            raise FileNotFoundError(f"data={data}: no file matches this pattern")
-    elif not _HUB_NAME.fullmatch(data) or _extension(data) in _FORMATS or data.startswith("."):
-        raise FileNotFoundError(f"data={data}: no such file or directory")
-    else:
-        return _Source("hub", data)
-    files = sorted(files)
-    unknown = [f for f in files if _extension(f) not in _FORMATS]
-    formats = {_FORMATS.get(_extension(f)) for f in files}
-    if unknown:
-        raise ValueError(f"data={data}: unsupported file {unknown[0]} (use {'/'.join(_FORMATS)})")
-    if len(formats) > 1:
-        raise ValueError(f"data={data}: mixes file formats {sorted(formats)}; point it at one format")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise PermissionError(f"data={data}: cannot read {f}")
-    return _Source("files", data, formats.pop(), tuple(files))
-
-
-def _open_dataset(config: DataConfig, source: _Source):
-    """A `datasets.Dataset` (read up front) or `IterableDataset` (streamed)."""
-    import datasets
-
-    streaming = source.kind == "hub" if config.streaming is None else config.streaming
-    try:
-        if source.kind == "saved":
-            ds = datasets.load_from_disk(source.location)
-            if isinstance(ds, datasets.DatasetDict):
-                if config.split not in ds:
-                    raise ValueError(f"split {config.split!r} not in {sorted(ds)}")
-                ds = ds[config.split]
-            return ds.to_iterable_dataset() if streaming else ds
-        if source.kind == "files":
-            return datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
-                                         streaming=streaming, cache_dir=config.cache_dir)
-        return datasets.load_dataset(source.location, config.subset, split=config.split,
-                                     streaming=streaming, cache_dir=config.cache_dir)
-    except Exception as e:  # datasets raises many types; the user needs the path and the cause
-        where = ", ".join(source.files) if source.files else source.location
-        raise ValueError(f"data={config.data}: could not read {where}: {type(e).__name__}: {e}") from e
-
-
-# --------------------------------------------------------------------------------- text
-
-@dataclasses.dataclass(frozen=True)
-class _TextSpec:
-    fields: tuple[str, ...]
-    chat: bool
-
-
-def _text_spec(config: DataConfig, columns: list[str], first: dict) -> _TextSpec:
-    if config.text_field == "auto":
-        found = [f for f in _AUTO_FIELDS if all(p in columns for p in f.split("+"))]
-        if not found:
-            raise ValueError(f"data={config.data}: none of the text fields {list(_AUTO_FIELDS)} is present; "
-                             f"available columns: {columns}; set text_field")
-        field = found[0]
-    else:
-        field = config.text_field
-        missing = [p for p in field.split("+") if p not in columns]
-        if missing:
-            raise ValueError(f"data={config.data}: text field {missing[0]!r} not found; "
-                             f"available columns: {columns}")
-    fields = tuple(field.split("+"))
-    return _TextSpec(fields, chat=len(fields) == 1 and isinstance(first[fields[0]], list))
-
-
-def _render(example: dict, spec: _TextSpec, tokenizer) -> str:
-    if not spec.chat:
-        return "".join("" if example[f] is None else str(example[f]) for f in spec.fields)
-    # Arrow gives every message every key seen in the column; drop the absent (None) ones.
-    messages = [{k: v for k, v in m.items() if v is not None} for m in example[spec.fields[0]]]
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-
-
-def _tokenize(texts: list[str], tokenizer, chat: bool) -> list[np.ndarray]:
-    """Token ids of each text, EOS-terminated, int32 [L]."""
-    eos = tokenizer.eos_token_id
-    out = []
-    for ids in tokenizer(texts, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]:
-        if not ids or ids[-1] != eos:
-            ids = list(ids) + [eos]
-        out.append(np.asarray(ids, np.int32))
-    return out
-
-
-def _chunks(iterable, size: int) -> Iterator[list]:
-    chunk = []
-    for item in iterable:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _columns_and_first(config: DataConfig, ds) -> tuple[list[str], dict]:
-    first = next(iter(ds), None)
-    if first is None:
-        raise ValueError(f"data={config.data}: the dataset is empty")
-    return list(ds.column_names or first.keys()), first
-
-
-def load_documents(config: DataConfig, tokenizer=None) -> Iterator[str]:
-    """The source's document texts in stored order (no shuffle, no filter), as they are tokenized."""
-    ds = _open_dataset(config, resolve_source(config.data))
-    spec = _text_spec(config, *_columns_and_first(config, ds))
-    return (_render(example, spec, tokenizer) for example in ds)
-
-
-def load_tokenizer(checkpoint_dir: str):
-    """The checkpoint's own tokenizer (`AutoTokenizer.from_pretrained`, offline)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(checkpoint_dir))
-    except Exception as e:
-        raise ValueError(f"no tokenizer could be loaded from {checkpoint_dir}: {e}") from e
+    @property
+    def documents(self) -> DocumentSpec:
+        return DocumentSpec(self.data, self.text_field, self.split, self.subset, self.streaming, self.cache_dir)
 
 
 # --------------------------------------------------------------------------------- documents
@@ -288,15 +129,13 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 class _InMemoryDocuments:
     """Every kept document tokenized up front; the epoch order indexes the kept ones."""
 
-    def __init__(self, config: DataConfig, tokenizer, ds, spec: _TextSpec):
-        from tqdm.auto import tqdm
-
+    def __init__(self, config: DataConfig, tokenizer, ds, spec: TextSpec):
         self.config = config
         self.tokens: list[np.ndarray] = []
         self.stats = Counter()
         bar = tqdm(total=len(ds), desc="tokenizing", unit="doc", disable=config.process_index != 0)
-        for chunk in _chunks(ds, _TOKENIZE_CHUNK):
-            for ids in _tokenize([_render(e, spec, tokenizer) for e in chunk], tokenizer, spec.chat):
+        for chunk in chunks(ds, _TOKENIZE_CHUNK):
+            for ids in tokenize([render(e, spec, tokenizer) for e in chunk], tokenizer, spec.chat):
                 verdict = _length_verdict(config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
@@ -321,7 +160,7 @@ class _StreamedDocuments:
     """Documents tokenized a chunk at a time as the (buffer-shuffled) stream is read; the index
     counts raw examples, so a resumed stream skips exactly the examples already read."""
 
-    def __init__(self, config: DataConfig, tokenizer, ds, spec: _TextSpec):
+    def __init__(self, config: DataConfig, tokenizer, ds, spec: TextSpec):
         self.config, self.tokenizer, self.ds, self.spec = config, tokenizer, ds, spec
         self.stats = Counter()
 
@@ -331,9 +170,9 @@ class _StreamedDocuments:
             ds = ds.shuffle(seed=_epoch_seed(self.config.seed, epoch), buffer_size=self.config.shuffle_buffer)
         if start:
             ds = ds.skip(start)
-        for chunk in _chunks(enumerate(ds, start), _TOKENIZE_CHUNK):
-            texts = [_render(e, self.spec, self.tokenizer) for _, e in chunk]
-            for (i, _), ids in zip(chunk, _tokenize(texts, self.tokenizer, self.spec.chat)):
+        for chunk in chunks(enumerate(ds, start), _TOKENIZE_CHUNK):
+            texts = [render(e, self.spec, self.tokenizer) for _, e in chunk]
+            for (i, _), ids in zip(chunk, tokenize(texts, self.tokenizer, self.spec.chat)):
                 verdict = _length_verdict(self.config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
@@ -431,9 +270,9 @@ class PackedBatchIterator:
             raise ValueError("the tokenizer has no eos_token; documents need one as separator")
         self.config, self.tokenizer = config, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ds = _open_dataset(config, resolve_source(config.data))
-        spec = _text_spec(config, *_columns_and_first(config, ds))
-        import datasets
+        ds = open_dataset(config.documents)
+        spec = text_spec(config.documents, *columns_and_first(config.documents, ds))
+        import datasets  # heavy, and only needed once a source is opened
 
         streamed = isinstance(ds, datasets.IterableDataset)
         self._documents = (_StreamedDocuments if streamed else _InMemoryDocuments)(config, tokenizer, ds, spec)

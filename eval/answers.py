@@ -1,0 +1,62 @@
+"""Answers: the last `\\boxed{...}` (nested braces) or `#### ...` in a completion, checked
+against the reference with HF's Math-Verify when installed (as the paper), else by normalized
+string compare (`normalize_answer`): whitespace, `$`, `\\left`/`\\right`,
+`\\dfrac`/`\\tfrac`, `\\text{}` and a trailing period are dropped, and numbers compare by value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from demo.task import extract_answer
+
+__all__ = ["extract_answer", "is_correct", "math_verify_available", "normalize_answer"]
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical string form for the fallback compare (see the module docstring)."""
+    a = answer.strip()
+    a = re.sub(r"\\text\{([^{}]*)\}", r"\1", a)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                     ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""), (" ", "")):
+        a = a.replace(old, new)
+    a = a.rstrip(".")
+    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?", a):  # thousands separators
+        a = a.replace(",", "")
+    if re.fullmatch(r"[+-]?\d+", a):
+        return str(int(a))
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)", a):
+        x = float(a)
+        return str(int(x)) if x == int(x) else repr(x)
+    return a
+
+
+def _math_verify():  # optional: `pip install math-verify`
+    try:
+        from math_verify import parse, verify
+
+        return parse, verify
+    except ImportError:
+        return None
+
+
+def is_correct(completion: str, gold: Any) -> tuple[bool, str | None]:
+    """(correct, extracted answer) for one completion against the reference answer."""
+    pred = extract_answer(completion)
+    if pred is None:
+        return False, None
+    gold = str(gold)
+    mv = _math_verify()
+    if mv is not None:
+        parse, verify = mv
+        try:
+            if verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")):
+                return True, pred
+        except Exception:  # noqa: BLE001 - math_verify raises on unparsable input; fall back
+            pass
+    return normalize_answer(pred) == normalize_answer(gold), pred
+
+
+def math_verify_available() -> bool:
+    return _math_verify() is not None

@@ -1,0 +1,63 @@
+"""What the benchmarks share: the command line, the device and versions, process memory, and
+appending a section to BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from typing import Any
+
+import jax
+import jaxlib
+
+MIB = 2**20
+
+
+def default_command() -> str:
+    """The command line of this process, as `python -m eval.<module> ...` when run that way."""
+    argv = list(sys.argv)
+    head, name = os.path.split(argv[0]) if argv else ("", "")
+    if os.path.basename(head) == "eval" and name.endswith(".py"):
+        return f"python -m eval.{name[:-3]} " + shlex.join(argv[1:])
+    return "python " + shlex.join(argv)
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process (VmRSS), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def device_description() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    desc = {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count()}
+    if dev.platform == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        except OSError:
+            model = None
+        desc["device_kind"] = model or platform.processor() or "cpu"
+        desc["cpu_count"] = os.cpu_count()
+    desc.update(jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version())
+    return desc
+
+
+def append_benchmarks(path: str | os.PathLike, section: str) -> str:
+    """Appends `section` to the markdown file (created with a title if missing); never truncates."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a") as f:
+        if new:
+            f.write("# Benchmarks\n\nResults appended by the eval commands, newest last.\n\n")
+        f.write(section.rstrip("\n") + "\n\n")
+    return path

@@ -1,0 +1,168 @@
+"""`python -m eval.main diagnose <what>`: why a retrofit does or does not keep the demo's facts.
+
+Each diagnostic reads held-out demo problems (`demo/task.py`, test split) and prints one
+small table; each takes under a minute on CPU.
+
+  keep    per layer / KV head: share of problems whose queried facts the trained policy keeps
+          at the last prompt token, and the share its future-attention target's top-k holds
+  target  the same for the target alone, under every target setting (aggregation, normalizer,
+          count normalization), on one export
+  read    the dense teacher's attention on each queried fact at the completion step that reads it
+  maxtgt  mean vs max over future queries: does the target's top-k hold both facts (dense
+          teacher, one head)?
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from demo.task import generate_dataset
+from eval.recall import policy_arrays
+from kvpop_jax import load_pretrained
+from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.kvpop import kept_long_range
+from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
+
+
+def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
+    """Causal attention weights of one layer of a dense model: float32 [B, Hq, S, S]."""
+    pos = jnp.arange(ids_BxS.shape[1])[None]
+    x = params["embed_tokens"]["embedding"][ids_BxS]
+    for i in range(layer):
+        x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
+    h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
+    q, k, _ = Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
+                                      method=Attention.project_qkv)
+    k = jnp.repeat(k, config.num_attention_heads // config.num_key_value_heads, 2)
+    logits = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(config.head_dim)
+    s = ids_BxS.shape[1]
+    return jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e9), -1)
+
+
+def _problems(args):
+    return generate_dataset(args.problems, args.seed, "test", seq_len=args.prompt_len)
+
+
+def _needed(example) -> list[int]:
+    return [f["value_pos"] for f in example["meta"]["facts"] if f["queried"]]
+
+
+def _kept_shares(config, params, tokenizer, problems):
+    """Per [layer, KV head]: shares of problems whose queried facts are all kept by the policy / the
+    target's top-k, and the target's per-fact share, at the last prompt token."""
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    shape = (config.num_hidden_layers, config.num_key_value_heads)
+    policy_all, target_all, target_fact = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    for ex in problems:
+        ids = tokenizer(ex["text"])["input_ids"]
+        q = jnp.asarray([[ex["meta"]["n_prompt_tokens"] - 1]])
+        arr = policy_arrays(model, params, jnp.asarray([ids]), q)
+        need = _needed(ex)
+        for layer in range(config.num_hidden_layers):
+            kept = lambda r, c: np.asarray(kept_long_range(r, c, q, sinks=kv.sinks, window=kv.window))[0, :, 0]  # noqa: E731
+            mine = kept(arr["ranks"][layer], arr["cutoffs"][layer])
+            target = kept(arr["teacher_ranks"][layer], arr["teacher_cutoffs"][layer])
+            policy_all[layer] += mine[:, need].all(-1)
+            target_all[layer] += target[:, need].all(-1)
+            target_fact[layer] += target[:, need].mean(-1)
+    n = len(problems)
+    return policy_all / n, target_all / n, target_fact / n
+
+
+def keep(args) -> None:
+    for path in args.exports:
+        config, params = load_pretrained(path)
+        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget))
+        policy_all, target_all, _ = _kept_shares(config, params, checkpoint_tokenizer(path), _problems(args))
+        print(f"{path}: share of {args.problems} problems whose queried facts are all kept at the last prompt "
+              "token, per [layer, kv head]:")
+        print("  policy              :", policy_all.round(2).tolist())
+        print("  target's top-k      :", target_all.round(2).tolist())
+
+
+def target(args) -> None:
+    config0, params = load_pretrained(args.exports[0])
+    tokenizer, problems = checkpoint_tokenizer(args.exports[0]), _problems(args)
+    for aggregate in ("max", "mean"):
+        for normalizer in ("sparse", "dense"):
+            for count_normalize in (True, False):
+                kv = dataclasses.replace(config0.kvpop.retarget(args.budget), aggregate=aggregate,
+                                         normalizer=normalizer, count_normalize=count_normalize)
+                _, target_all, target_fact = _kept_shares(dataclasses.replace(config0, kvpop=kv), params, tokenizer,
+                                                          problems)
+                print(aggregate, normalizer, "count_norm" if count_normalize else "sum", "all facts:",
+                      target_all.round(2).tolist(), "per fact:", target_fact.round(2).tolist(), flush=True)
+
+
+def read(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    for ex in _problems(args):
+        ids = tokenizer(ex["text"])["input_ids"]
+        n = ex["meta"]["n_prompt_tokens"]
+        toks = [tokenizer.decode([t]) for t in ids]
+        facts = [f for f in ex["meta"]["facts"] if f["queried"]]
+        print("completion:", repr("".join(toks[n:])), "facts at",
+              [(f["value_pos"], toks[f["value_pos"] - 1] + toks[f["value_pos"]]) for f in facts])
+        probs = [np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), layer))[0]
+                 for layer in range(config.num_hidden_layers)]
+        for f in facts:
+            name = toks[f["value_pos"] - 1]
+            reads = [i for i in range(n, len(ids) - 1) if toks[i] == name]  # the step that emits the digit next
+            for qpos in reads[:1]:
+                for layer, p in enumerate(probs):
+                    row = p[:, qpos]
+                    top = [(int(j), toks[j - 1] + toks[j], round(float(row[0, j]), 2)) for j in np.argsort(-row[0])[:3]]
+                    print(f"  fact {name}{toks[f['value_pos']]} query {qpos} L{layer}: mass on the fact per head",
+                          np.round(row[:, f["value_pos"]], 2).tolist(), "top of head 0:", top)
+
+
+def maxtgt(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    k = args.budget - args.sinks - args.window
+    g = config.num_attention_heads // config.num_key_value_heads
+    heads = slice(args.kv_head * g, (args.kv_head + 1) * g)
+    hits = {"mean": [], "max": []}
+    for ex in _problems(args):
+        ids = tokenizer(ex["text"])["input_ids"]
+        s, q = len(ids), ex["meta"]["n_prompt_tokens"] - 1
+        probs = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), args.layer))[0][heads]
+        future = np.arange(s)[:, None] >= np.arange(s)[None] + args.window  # [d, t]
+        mean = np.where(future, probs, 0).sum(1) / np.maximum(1, s - (np.arange(s) + args.window))
+        strongest = np.where(future, probs, 0).max(1)
+        eligible = np.arange(args.sinks, q - args.window + 1)
+        for name, value in (("mean", mean.max(0)), ("max", strongest.max(0))):
+            top = set(eligible[np.argsort(-value[eligible])[:k]])
+            hits[name].append(all(x in top for x in _needed(ex)))
+    print({name: float(np.mean(v)) for name, v in hits.items()},
+          f"share of {args.problems} problems with every queried fact in the target's top-{k} "
+          f"(layer {args.layer}, KV head {args.kv_head})")
+
+
+DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt}
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.main diagnose", description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=sorted(DIAGNOSTICS))
+    parser.add_argument("--exports", default="runs/tiny_cpu/kvpop-mlstm/export,runs/tiny_cpu/kvpop-mlp/export",
+                        help="comma-separated KVpop exports (keep; target uses the first)")
+    parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt)")
+    parser.add_argument("--problems", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt_len", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=123, help="B at which keep sets are measured")
+    parser.add_argument("--sinks", type=int, default=4, help="maxtgt: s")
+    parser.add_argument("--window", type=int, default=32, help="maxtgt: w")
+    parser.add_argument("--layer", type=int, default=1, help="maxtgt: the layer")
+    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt: the KV head")
+    args = parser.parse_args(argv)
+    args.exports = [e for e in args.exports.split(",") if e]
+    DIAGNOSTICS[args.what](args)

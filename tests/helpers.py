@@ -1,0 +1,166 @@
+"""Helpers shared by the tests (fixtures live in conftest.py): tiny configs and checkpoints,
+numpy brute forces of the KVpop mask, kernel-test constants, and train.main command lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from train.configure import config_from_flags
+from train.flags import define_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Tiny Qwen3 configs covering GQA group sizes 1/2/4, tied and untied heads, two rope
+# thetas, head_dim != hidden/heads and attention biases.
+TINY_HF_CONFIGS = {
+    "g1_tied": dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, rope_theta=10_000.0,
+                    tie_word_embeddings=True),
+    "g2_untied": dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+                      tie_word_embeddings=False),
+    "g4_bias": dict(vocab_size=89, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=500_000.0,
+                    tie_word_embeddings=False, attention_bias=True),
+}
+
+
+def make_hf_checkpoint(path, seed: int = 0, **overrides):
+    """Saves a random HF Qwen3ForCausalLM to `path` and returns the torch model.
+
+    Weights are re-drawn with a larger scale than HF's init (std 0.02 gives near-constant
+    logits, which would let a wrong implementation pass), norms away from 1.
+    """
+    import torch
+    import transformers
+
+    kwargs = dict(TINY_HF_CONFIGS["g2_untied"], max_position_embeddings=512)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+# --- numpy brute force (independent of kvpop_jax.policy) ---------------------------------
+
+
+def random_ranks(rng, b, hkv, s):
+    """A random permutation of 0..S-1 per (batch, KV head)."""
+    return np.stack([np.stack([rng.permutation(s) for _ in range(hkv)]) for _ in range(b)]).astype(np.int32)
+
+
+def running_cutoffs_np(ranks, *, sinks, window, topk):
+    """τ_q by a per-query sort: k-th smallest rank in E(q) = [s, q − w], or S if |E(q)| <= k."""
+    b, h, s = ranks.shape
+    cut = np.full((b, h, s), s, np.int32)
+    for q in range(s):
+        lo, hi = sinks, q - window
+        if hi - lo + 1 > topk:
+            cut[:, :, q] = np.sort(ranks[:, :, lo : hi + 1], axis=-1)[:, :, topk - 1] if topk > 0 else -1
+    return cut
+
+
+def kvpop_mask_np(ranks, cutoffs, *, sinks, window):
+    """bool [B, Hkv, S, S], one (q, t) at a time, straight from DESIGN.md."""
+    b, h, s = ranks.shape
+    m = np.zeros((b, h, s, s), bool)
+    for q in range(s):
+        for t in range(q + 1):
+            sink = t < sinks
+            win = q - t < window
+            long_range = (sinks <= t <= q - window) & (ranks[:, :, t] <= cutoffs[:, :, q])
+            m[:, :, q, t] = sink | win | long_range
+    return m
+
+
+def masked_attention_np(q, k, v, mask, scale=None):
+    """float64 masked softmax attention; returns out [B, S, Hq, D], lse [B, Hq, S]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    k = np.repeat(k, g, axis=2)
+    v = np.repeat(v, g, axis=2)
+    mask = np.repeat(mask, g, axis=1)  # [B, Hq, S, S]
+    logits = np.einsum("bqhd,bthd->bhqt", q, k) * scale
+    logits = np.where(mask, logits, -np.inf)
+    mx = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - mx).sum(-1)) + mx[..., 0]
+    p = np.exp(logits - lse[..., None])
+    return np.einsum("bhqt,bthd->bqhd", p, v), lse
+
+
+def random_qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
+    q = rng.standard_normal((b, s, hq, d))
+    k = rng.standard_normal((b, s, hkv, d))
+    v = rng.standard_normal((b, s, hkv, d))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+# --- Pallas kernels ------------------------------------------------------------------------
+
+SMALL_BLOCKS = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "triton_kernel_call_ffi")
+
+
+def assert_close(got, want, tol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got))
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6)
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+# --- train.main ----------------------------------------------------------------------------
+
+TINY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                 tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_flags(run_dir, arch_path, **overrides) -> list[str]:
+    """A train.main command line for a 1-layer random model on generated demo data (seconds per run)."""
+    values = dict(
+        run_dir=run_dir, init_checkpoint=f"random:{arch_path}", tokenizer="demo", data="demo:24",
+        demo_seq_len=256, split_documents=True, max_length=512, seq_len=128, sinks=4, window=16, topk=16,
+        scorer="mlp", num_query_samples=16, kl_topk=16, global_batch=4, micro_batch=2, steps=40, warmup_steps=2,
+        checkpoint_every=2, keep_checkpoints=3, compute_dtype="float32", teacher_dtype="float32",
+        progress=False, loss_chunk=64,
+    )
+    values.update(overrides)
+    out = []
+    for k, v in values.items():
+        if isinstance(v, bool):
+            out.append(f"--{k}" if v else f"--no{k}")
+        else:
+            out.append(f"--{k}={v}")
+    return out
+
+
+def parse(argv, on_accelerator=False):
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["train"] + argv)
+    return config_from_flags(fv, on_accelerator=on_accelerator)
+
+
+def train_env(tmp_path):
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3",
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+
+
+def train_cmd(argv):
+    return [sys.executable, "-m", "train.main"] + argv

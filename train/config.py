@@ -1,0 +1,195 @@
+"""The run configuration of `python -m train.main`: frozen, validated dataclasses.
+
+Built only by `train/configure.py` from the flags; every error is a `FlagError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from kvpop_jax.config import KVpopConfig, Qwen3Config
+from train.packing import DataConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_CONFIG_DIR = os.path.join(REPO_ROOT, "configs", "models")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class FlagError(ValueError):
+    """A flag value (or combination) that cannot work; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Two parameter groups (Table 3): base weights and new KVpop params (scorers, decay)."""
+
+    steps: int
+    base_lr: float = 8e-5
+    new_lr: float = 1e-3
+    new_lr_final: float = 8e-5
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 1e-4
+    clip_norm: float = 1.0
+    freeze_base: bool = False
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise FlagError(f"--steps must be >= 1, got {self.steps}")
+        for name in ("base_lr", "new_lr", "new_lr_final", "weight_decay", "clip_norm"):
+            if getattr(self, name) < 0:
+                raise FlagError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps:
+            raise FlagError(f"--warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise FlagError(f"--adam_{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+# Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k.
+VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
+
+
+def variant_kvpop(kvpop: KVpopConfig, name: str) -> KVpopConfig:
+    """The KVpopConfig of retrofit variant `name` built from the flags' `kvpop`."""
+    if name == "kvpop-mlstm":
+        return dataclasses.replace(kvpop, scorer="mlstm")
+    if name == "kvpop-mlp":
+        return dataclasses.replace(kvpop, scorer="mlp")
+    if name == "streamingllm+":
+        return dataclasses.replace(kvpop, window=kvpop.window + kvpop.topk, topk=0)
+    raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The demo comparison after training (`--eval_*`): greedy pass@1 on held-out demo problems."""
+
+    methods: tuple[str, ...]
+    problems: int = 100
+    compression_ratios: tuple[float, ...] = (0.75, 0.88)
+    prompt_len: int = 1024
+    batch: int = 50
+    recall_sequences: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    distributed: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs, validated; built only by `config_from_flags`."""
+
+    run_dir: str
+    init_checkpoint: str | None
+    model_config: str | None
+    tokenizer: str | None
+    seed: int
+    kvpop: KVpopConfig
+    data: DataConfig
+    demo_examples: int  # > 0: `data.data` is generated (demo:N) into run_dir/data
+    demo_seq_len: int
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    optim: OptimConfig
+    mesh: MeshConfig
+    teacher_dtype: str
+    teacher_logits_dir: str | None
+    write_teacher_logits: bool
+    param_dtype: str
+    compute_dtype: str
+    remat: str
+    loss_chunk: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    async_checkpointing: bool
+    resume: bool
+    export: bool
+    export_dir: str
+    log_every: int
+    tensorboard: bool
+    progress: bool
+    dry_run: bool
+    variants: tuple[str, ...] = ()
+    evaluation: EvalConfig | None = None
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    @property
+    def steps(self) -> int:
+        return self.optim.steps
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def random_init(self) -> str | None:
+        """The architecture file of a `random:` init, else None."""
+        src = self.init_checkpoint or ""
+        if not src.startswith("random:"):
+            return None
+        return resolve_model_config(src.removeprefix("random:"))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_model_config(name_or_path: str) -> str:
+    """`tiny` -> configs/models/tiny.json; a path is returned as is (must exist)."""
+    path = name_or_path
+    if not path.endswith(".json") and os.sep not in path:
+        path = os.path.join(MODEL_CONFIG_DIR, f"{name_or_path}.json")
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(MODEL_CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(
+            MODEL_CONFIG_DIR) else []
+        raise FlagError(f"model config {name_or_path!r} not found (looked at {path}); known names: {known}")
+    return path
+
+
+def load_model_config(cfg: TrainConfig) -> Qwen3Config:
+    """The dense architecture: from --model_config, a random: init, or the init checkpoint."""
+    sources = []
+    if cfg.model_config:
+        sources.append(resolve_model_config(cfg.model_config))
+    if cfg.random_init:
+        sources.append(cfg.random_init)
+    elif cfg.init_checkpoint and os.path.isdir(cfg.init_checkpoint):
+        sources.append(os.path.join(cfg.init_checkpoint, "config.json"))
+    if not sources:
+        raise FlagError("no architecture: pass --init_checkpoint (a HF directory or random:NAME) or --model_config")
+    configs = [Qwen3Config.from_hf(s) for s in sources]
+    base = [dataclasses.replace(c, kvpop=None) for c in configs]
+    for src, c in zip(sources[1:], base[1:]):
+        arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731
+                                             max_position_embeddings=0)
+        if arch(c) != arch(base[0]):
+            raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures")
+    return base[-1]
+
+
+def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:
+    """The batch must split evenly over the data-parallel devices (data x fsdp)."""
+    dp = mesh_shape["data"] * mesh_shape["fsdp"]
+    if cfg.micro_batch % dp:
+        raise FlagError(
+            f"--micro_batch={cfg.micro_batch} (global_batch {cfg.global_batch} / accumulation {cfg.grad_accum}) "
+            f"is not divisible by the {dp} data-parallel devices (mesh data={mesh_shape['data']} x "
+            f"fsdp={mesh_shape['fsdp']} of {num_devices} devices)"
+        )

@@ -1,0 +1,168 @@
+"""Parsed flags -> a validated `TrainConfig` (`train/config.py`); every error names its flag."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import flags
+
+from demo.task import make_config
+from kvpop_jax.baselines import METHODS as TRAINING_FREE
+from kvpop_jax.config import KVpopConfig
+from kvpop_jax.documents import resolve_source
+from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
+                          resolve_model_config, variant_kvpop)
+
+
+def _resolve_dtype(name: str, on_accelerator: bool) -> str:
+    if name == "auto":
+        return "bfloat16" if on_accelerator else "float32"
+    return name
+
+
+def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: bool | None = None) -> TrainConfig:
+    """Maps parsed flags onto a validated TrainConfig; raises FlagError naming the flag."""
+    if on_accelerator is None:
+        on_accelerator = jax.default_backend() != "cpu"
+    f = fv
+    if not f.run_dir:
+        raise FlagError("--run_dir is required")
+    if not f.init_checkpoint and not (f.dry_run and f.model_config):
+        raise FlagError("--init_checkpoint is required (a HF Qwen3 directory or random:NAME); "
+                        "--dry_run needs only --model_config")
+    if f.init_checkpoint and f.init_checkpoint.startswith("random:"):
+        resolve_model_config(f.init_checkpoint.removeprefix("random:"))
+    elif f.init_checkpoint and not f.dry_run:
+        if not os.path.isdir(f.init_checkpoint):
+            raise FlagError(f"--init_checkpoint={f.init_checkpoint}: no such directory (download the HF "
+                            "checkpoint there, or use random:tiny)")
+        if not os.path.isfile(os.path.join(f.init_checkpoint, "config.json")):
+            raise FlagError(f"--init_checkpoint={f.init_checkpoint} has no config.json")
+    if f.model_config:
+        resolve_model_config(f.model_config)
+    try:
+        kvpop = KVpopConfig(
+            sinks=f.sinks, window=f.window, topk=f.topk, scorer=f.scorer, scorer_hidden=f.scorer_hidden,
+            mlstm_dim=f.mlstm_dim, gamma_min=f.gamma_min, gamma_max=f.gamma_max,
+            loss_temperature=f.loss_temperature, margin_weighting=f.margin_weighting,
+            balance_weighting=f.balance_weighting, normalizer=f.normalizer, aggregate=f.aggregate,
+            target_reduce=f.target_reduce,
+            num_query_samples=f.num_query_samples, late_bias_fraction=f.late_bias_fraction,
+            kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
+        )
+    except ValueError as e:
+        raise FlagError(f"bad KVpop flags: {e}") from e
+    try:
+        kvpop.check_sequence_length(f.seq_len)
+    except ValueError as e:
+        raise FlagError(f"--seq_len={f.seq_len}: {e} (B = --sinks + --window + --topk)") from e
+    micro = f.micro_batch or f.global_batch
+    if f.global_batch < 1 or micro < 1:
+        raise FlagError(f"--global_batch and --micro_batch must be >= 1, got {f.global_batch}, {micro}")
+    if f.global_batch % micro:
+        raise FlagError(f"--global_batch={f.global_batch} is not divisible by --micro_batch={micro}")
+    if f.loss_chunk < 0 or (f.loss_chunk and f.seq_len % f.loss_chunk):
+        raise FlagError(f"--loss_chunk={f.loss_chunk} must be 0 or divide --seq_len={f.seq_len}")
+    if f.write_teacher_logits and not f.teacher_logits_dir:
+        raise FlagError("--write_teacher_logits needs --teacher_logits_dir (where to write)")
+    if f.teacher_logits_dir and not os.path.isdir(f.teacher_logits_dir) and not (f.dry_run or f.write_teacher_logits):
+        raise FlagError(f"--teacher_logits_dir={f.teacher_logits_dir}: no such directory")
+    if f.checkpoint_every < 1 or f.keep_checkpoints < 1 or f.log_every < 1:
+        raise FlagError("--checkpoint_every, --keep_checkpoints and --log_every must be >= 1")
+    if f.mesh_data == 0 or f.mesh_fsdp == 0 or f.mesh_tensor == 0:
+        raise FlagError("mesh axes (--mesh_data/--mesh_fsdp/--mesh_tensor) must be >= 1 or -1")
+
+    variants = tuple(dict.fromkeys(v.strip() for v in f.variants if v.strip()))
+    for name in variants:
+        try:
+            variant_kvpop(kvpop, name)
+        except ValueError as e:
+            raise FlagError(f"--variants={name}: {e}") from e
+    evaluation = evaluation_from_flags(f, kvpop, variants)
+    steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
+    if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
+        steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
+        run_dir = run_dir.rstrip("/") + "-quick"
+
+    demo_examples = 0
+    data_path = f.data
+    if not data_path and not f.dry_run:
+        raise FlagError("--data is required (hub name, local jsonl/parquet/arrow path, or demo:N)")
+    data_path = data_path or "unused-in-dry-run"
+    if data_path.startswith("demo:"):
+        try:
+            demo_examples = int(data_path.removeprefix("demo:"))
+        except ValueError:
+            demo_examples = -1
+        if demo_examples < 1:
+            raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
+        data_path = os.path.join(run_dir, "data", "demo_train.jsonl")
+    elif not f.dry_run:
+        try:
+            resolve_source(data_path)
+        except (FileNotFoundError, PermissionError, ValueError) as e:
+            raise FlagError(f"--data: {e}") from e
+    try:
+        data = DataConfig(
+            data=data_path, seq_len=f.seq_len, batch_size=f.global_batch, text_field=f.text_field,
+            split=f.data_split, subset=f.data_subset, seed=f.seed, shuffle=f.shuffle,
+            split_documents=f.split_documents, min_length=f.min_length,
+            max_length=f.max_length, streaming=f.streaming,
+        )
+        optim = OptimConfig(
+            steps=steps, base_lr=f.base_lr, new_lr=f.new_lr, new_lr_final=f.new_lr_final,
+            warmup_steps=warmup, b1=f.adam_b1, b2=f.adam_b2, eps=f.adam_eps,
+            weight_decay=f.weight_decay, clip_norm=f.clip_norm, freeze_base=f.freeze_base,
+        )
+    except FlagError:
+        raise
+    except ValueError as e:
+        raise FlagError(f"bad data flags: {e}") from e
+    return TrainConfig(
+        run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config,
+        tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,
+        demo_seq_len=f.demo_seq_len, seq_len=f.seq_len, global_batch=f.global_batch, micro_batch=micro,
+        optim=optim, mesh=MeshConfig(f.mesh_data, f.mesh_fsdp, f.mesh_tensor, f.distributed),
+        teacher_dtype=_resolve_dtype(f.teacher_dtype, on_accelerator), teacher_logits_dir=f.teacher_logits_dir,
+        write_teacher_logits=f.write_teacher_logits,
+        param_dtype=f.param_dtype, compute_dtype=_resolve_dtype(f.compute_dtype, on_accelerator),
+        remat=f.remat, loss_chunk=f.loss_chunk, checkpoint_every=checkpoint_every,
+        keep_checkpoints=f.keep_checkpoints, async_checkpointing=f.async_checkpointing, resume=f.resume,
+        export=f.export, export_dir=f.export_dir or os.path.join(run_dir, "export"), log_every=f.log_every,
+        tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
+    )
+
+
+def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...]) -> EvalConfig | None:
+    """The `--eval_*` flags as an EvalConfig (None without --eval_methods), checked before any training."""
+    methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
+    if not methods:
+        return None
+    trained = variants or ("kvpop",)  # without --variants, the run itself is `kvpop`
+    unknown = [m for m in methods if m not in TRAINING_FREE and m not in trained]
+    if unknown:
+        raise FlagError(f"--eval_methods: {unknown} are neither {'/'.join(TRAINING_FREE)} nor trained here "
+                        f"({', '.join(trained)}; see --variants)")
+    try:
+        crs = tuple(float(c) for c in f.eval_crs)
+    except ValueError as e:
+        raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
+    if not crs or any(not 0.0 < c < 1.0 for c in crs):
+        raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
+    try:
+        make_config(seq_len=f.eval_prompt_len)
+    except ValueError as e:
+        raise FlagError(f"--eval_prompt_len={f.eval_prompt_len}: {e}") from e
+    for cr in crs:
+        budget = KVpopConfig.budget_at(cr, f.eval_prompt_len)
+        for m in (m for m in methods if m in trained):
+            try:
+                (variant_kvpop(kvpop, m) if variants else kvpop).retarget(budget)
+            except ValueError as e:
+                raise FlagError(f"--eval_crs={cr} at --eval_prompt_len={f.eval_prompt_len} (B = {budget}) does "
+                                f"not fit {m}: {e}") from e
+    if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
+        raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
+    problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
+    return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences)

@@ -1,0 +1,92 @@
+"""The demo teacher's run settings: model, curriculum phases, optimizer, evaluation and export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from demo import task as demo_task
+from demo.atoms import VOCAB
+from kvpop_jax.config import Qwen3Config
+from train.demo_teacher.data import MAX_BATCH, Phase
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Everything a run needs; `resume_key` names the settings a resumed run may not change."""
+
+    model: Qwen3Config
+    phases: tuple[Phase, ...]
+    run_dir: str
+    out_dir: str
+    difficulty: str = "medium"
+    seed: int = 0
+    lr: float = 3e-3
+    final_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.05
+    b1: float = 0.9
+    b2: float = 0.98
+    clip_norm: float = 1.0
+    prompt_weight: float = 1.0
+    completion_weight: float = 5.0
+    eval_every: int = 250
+    eval_examples: int = 32
+    eval_batch: int = 16
+    final_eval_examples: int = 200
+    final_eval_lens: tuple[int, ...] = ()
+    checkpoint_every: int = 100
+    log_every: int = 20
+    export_dtype: str = "float32"
+    offset_heads: tuple[int, ...] = ()  # KV head i of layer 0 starts attending offset_heads[i] back
+    lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/demo_teacher/init.py)
+
+    def __post_init__(self):
+        if not self.phases:
+            raise ValueError("the curriculum needs at least one phase")
+        for p in self.phases:
+            if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
+                raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
+            self.task(p)  # validates the length and the overrides
+        if self.difficulty not in demo_task.DIFFICULTY:
+            raise ValueError(f"difficulty must be one of {sorted(demo_task.DIFFICULTY)}, got {self.difficulty!r}")
+        if self.model.vocab_size < len(VOCAB):
+            raise ValueError(f"vocab_size={self.model.vocab_size} < the demo tokenizer's {len(VOCAB)}")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
+        if self.offset_heads and not self.model.attention_bias:
+            raise ValueError("offset_heads needs a model with attention_bias=True (the heads are q/k biases)")
+        if self.lookup_circuit and self.offset_heads[:1] != (1,):
+            raise ValueError("lookup_circuit needs offset_heads to start with 1 (its previous-token head)")
+        if len(self.offset_heads) > self.model.num_key_value_heads or any(o < 1 for o in self.offset_heads):
+            raise ValueError(f"offset_heads={self.offset_heads}: at most one offset >= 1 per KV head "
+                             f"({self.model.num_key_value_heads})")
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase that global step `step` (0-based) belongs to."""
+        for p in self.phases:
+            if step < p.steps:
+                return p
+            step -= p.steps
+        return self.phases[-1]
+
+    def task(self, phase: Phase | int) -> demo_task.DemoTaskConfig:
+        """The demo task of a phase (or the plain task at a prompt length)."""
+        if isinstance(phase, int):
+            return demo_task.make_config(self.difficulty, seq_len=phase)
+        overrides = dict(phase.task)
+        for drill in ("drill", "lookup"):  # not task fields: the shares of drill rows
+            overrides.pop(drill, None)
+        difficulty = overrides.pop("difficulty", self.difficulty)
+        return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)
+
+    def resume_key(self) -> dict:
+        """The settings a resumed run must share with the saved one."""
+        keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
+                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit")
+        return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
+                                          **{k: dataclasses.asdict(self)[k] for k in keys})))

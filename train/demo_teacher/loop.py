@@ -1,0 +1,185 @@
+"""The demo teacher's training: optimizer, train step, resumable state, the loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import flax.serialization
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from tqdm.auto import tqdm
+
+from kvpop_jax.checkpoint import atomic_write_bytes
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from train.demo_teacher.config import PretrainConfig
+from train.demo_teacher.data import make_batch
+from train.demo_teacher.evaluate import evaluate
+from train.demo_teacher.init import init_offset_heads, plant_lookup_circuit
+
+STATE_FILE = "state.msgpack"
+METRICS_FILE = "metrics.jsonl"
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
+    total = cfg.total_steps
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, min(cfg.warmup_steps, total - 1), max(total, 2),
+                                                  end_value=cfg.final_lr)
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731  no decay on norms
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+def init_state(cfg: PretrainConfig, optimizer) -> TrainState:
+    params = init_params(cfg.model, jax.random.key(cfg.seed))
+    params = init_offset_heads(params, cfg.model, cfg.offset_heads)
+    if cfg.lookup_circuit:
+        params = plant_lookup_circuit(params, cfg.model, cfg.seed)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def make_train_step(model: Qwen3ForCausalLM, optimizer):
+    """jitted (state, batch) -> (state, metrics); batch as `data.make_batch` ([B, S] arrays).
+
+    Metrics: the weighted loss, the plain mean CE, and over completion tokens their CE, token
+    accuracy and the share of rows whose whole completion is argmax-right (teacher forced).
+    """
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"]).logits  # [B, S, V]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, S]
+        w = batch["weights"]
+        loss = jnp.sum(ce * w) / jnp.sum(w)
+        comp = batch["completion"].astype(jnp.float32)
+        correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+        has_completion = jnp.any(batch["completion"], axis=-1).astype(jnp.float32)  # drill rows have none
+        metrics = dict(loss=loss, ce=jnp.mean(ce),
+                       completion_ce=jnp.sum(ce * comp) / jnp.sum(comp),
+                       completion_token_acc=jnp.sum(correct * comp) / jnp.sum(comp),
+                       # a completion is right iff all its tokens are (teacher-forced exact match)
+                       completion_exact=jnp.sum(jnp.all((correct > 0) | ~batch["completion"], axis=-1) * has_completion)
+                       / jnp.maximum(jnp.sum(has_completion), 1.0))
+        return loss, metrics
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def train_step(state: TrainState, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+# ------------------------------------------------------------------------------- checkpoint
+
+
+def save_state(cfg: PretrainConfig, state: TrainState, elapsed_s: float = 0.0) -> None:
+    """params + optimizer state + step + the settings + training seconds so far, as one
+    atomically replaced file."""
+    payload = dict(state=flax.serialization.to_state_dict(jax.device_get(state)),
+                   config=json.dumps(cfg.resume_key()), elapsed_s=float(elapsed_s))
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    atomic_write_bytes(os.path.join(cfg.run_dir, STATE_FILE), flax.serialization.msgpack_serialize(payload))
+
+
+def restore_state(cfg: PretrainConfig, target: TrainState) -> tuple[TrainState, float] | None:
+    """(state, training seconds so far) of this run, or None if nothing is saved; refuses a state
+    saved with other settings."""
+    path = os.path.join(cfg.run_dir, STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        payload = flax.serialization.msgpack_restore(f.read())
+    saved = json.loads(payload["config"])
+    if saved != cfg.resume_key():
+        diff = sorted(k for k in saved.keys() | cfg.resume_key().keys() if saved.get(k) != cfg.resume_key().get(k))
+        raise ValueError(f"{path} was saved with different settings ({', '.join(diff)}); "
+                         "use another --run_dir or delete it")
+    return flax.serialization.from_state_dict(target, payload["state"]), float(payload.get("elapsed_s", 0.0))
+
+
+
+
+def _log(cfg: PretrainConfig, record: dict) -> None:
+    with open(os.path.join(cfg.run_dir, METRICS_FILE), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(cfg: PretrainConfig):
+    """Model, optimizer and jitted step of a config (cached: a resumed run in the same process
+    reuses the compiled step)."""
+    model, optimizer = Qwen3ForCausalLM(cfg.model), make_optimizer(cfg)
+    return model, optimizer, make_train_step(model, optimizer)
+
+
+def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, list[dict]]:
+    """Runs (or resumes) the curriculum to cfg.total_steps (or only to `stop_at`, as if interrupted
+    there); returns the state and the log records of this call (train records carry `elapsed_s`,
+    training seconds since step 0 across resumes). Saves RUN_DIR/state.msgpack every
+    `checkpoint_every` steps and at the end."""
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    model, optimizer, train_step = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    state, elapsed = init_state(cfg, optimizer), 0.0
+    restored = restore_state(cfg, state)
+    if restored is not None:
+        state, elapsed = restored
+    start = int(state.step)
+    clock = time.perf_counter() - elapsed  # elapsed = time.perf_counter() - clock, across resumes
+    records: list[dict] = []
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(make_batch, cfg, start) if start < cfg.total_steps else None
+    bar = tqdm(total=cfg.total_steps, initial=start, desc="pretrain", disable=not progress, mininterval=5,
+               dynamic_ncols=True, file=sys.stderr)
+    window = dict(tokens=0, time=time.perf_counter())
+    end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+    for step in range(start, end):
+        batch = future.result()
+        future = pool.submit(make_batch, cfg, step + 1) if step + 1 < end else None
+        state, metrics = train_step(state, batch)
+        window["tokens"] += batch["input_ids"].size
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.total_steps:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            tok_s = window["tokens"] / max(now - window["time"], 1e-9)
+            window.update(tokens=0, time=now)
+            record = dict(step=done, prompt_len=cfg.phase_at(step).prompt_len, tokens_per_s=round(tok_s),
+                          elapsed_s=round(now - clock),
+                          **{k: round(v, 5) for k, v in metrics.items()})
+            records.append(record)
+            _log(cfg, record)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", comp=f"{metrics['completion_ce']:.3f}",
+                            exact=f"{metrics['completion_exact']:.2f}", tok_s=f"{tok_s:.0f}")
+            bar.write(json.dumps(record))
+        if done % cfg.checkpoint_every == 0 or done == end:
+            save_state(cfg, state, time.perf_counter() - clock)
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.total_steps):
+            tasks = dict.fromkeys([cfg.task(cfg.phase_at(step)), cfg.task(cfg.phases[-1])])
+            for task in tasks:  # the task of this phase and of the last one
+                result = evaluate(model, state.params, cfg, task, cfg.eval_examples, batch=cfg.eval_batch)
+                record = dict(step=done, eval_prompt_len=task.seq_len, eval_accuracy=result["accuracy"],
+                              eval_n=result["n"], sample=result["samples"][0][2])
+                records.append(record)
+                _log(cfg, record)
+                bar.write(json.dumps(record))
+        bar.update(1)
+    bar.close()
+    pool.shutdown()
+    return state, records

@@ -1,0 +1,99 @@
+"""Flags of `python -m train.pretrain` and its main (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+from absl import flags
+
+from demo.atoms import VOCAB
+from kvpop_jax import load_pretrained
+from kvpop_jax.config import Qwen3Config
+from kvpop_jax.modeling import init_params
+from kvpop_jax.sampling import SamplingConfig
+from train.demo_teacher.config import PretrainConfig
+from train.demo_teacher.data import BOS_ID, EOS_ID, parse_curriculum
+from train.demo_teacher.evaluate import export, final_eval
+from train.demo_teacher.loop import train
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    d = dict(flag_values=fv)
+    flags.DEFINE_string("run_dir", "runs/demo_teacher", "Training state, metrics log (resumes from here).", **d)
+    flags.DEFINE_string("out_dir", "checkpoints/demo-teacher", "Exported HF-format teacher + tokenizer.", **d)
+    flags.DEFINE_integer("hidden_size", 192, "Model width.", **d)
+    flags.DEFINE_integer("intermediate_size", 512, "SwiGLU width.", **d)
+    flags.DEFINE_integer("num_layers", 3, "Decoder layers.", **d)
+    flags.DEFINE_integer("num_heads", 4, "Query heads.", **d)
+    flags.DEFINE_integer("num_kv_heads", 2, "KV heads (GQA).", **d)
+    flags.DEFINE_integer("head_dim", 48, "Head dimension.", **d)
+    flags.DEFINE_float("rope_theta", 10_000.0, "RoPE base.", **d)
+    flags.DEFINE_integer("max_position_embeddings", 4096, "Recorded in config.json.", **d)
+    flags.DEFINE_string("offset_heads", "", "Comma-separated offsets: KV head i of layer 0 starts as an "
+                        "offset-i-back head (sets attention_bias); e.g. 1,2. Empty: plain random init.", **d)
+    flags.DEFINE_bool("lookup_circuit", False, "Plant the lookup circuit at init (train/demo_teacher/init.py); "
+                      "needs offset_heads=1,...", **d)
+    flags.DEFINE_string("difficulty", "medium", "Demo task difficulty (easy|medium|hard).", **d)
+    flags.DEFINE_integer("seed", 0, "Data and init seed.", **d)
+    flags.DEFINE_string("curriculum", "256:1000,1024:500", "Phases LEN:STEPS[:BATCH] (prompt length, steps, rows).", **d)
+    flags.DEFINE_integer("batch", 16, "Rows per step where a phase does not say.", **d)
+    flags.DEFINE_float("lr", 3e-3, "Peak learning rate.", **d)
+    flags.DEFINE_float("final_lr", 1e-4, "Learning rate at the last step (cosine).", **d)
+    flags.DEFINE_integer("warmup_steps", 100, "Linear warmup steps.", **d)
+    flags.DEFINE_float("weight_decay", 0.05, "AdamW decoupled weight decay (matrices only).", **d)
+    flags.DEFINE_float("b1", 0.9, "Adam beta1.", **d)
+    flags.DEFINE_float("b2", 0.98, "Adam beta2.", **d)
+    flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clip.", **d)
+    flags.DEFINE_float("prompt_weight", 1.0, "Loss weight of prompt tokens.", **d)
+    flags.DEFINE_float("completion_weight", 5.0, "Loss weight of completion tokens (and <eos>).", **d)
+    flags.DEFINE_integer("eval_every", 250, "Held-out greedy accuracy every N steps (0: never).", **d)
+    flags.DEFINE_integer("eval_examples", 32, "Validation prompts per periodic eval.", **d)
+    flags.DEFINE_integer("eval_batch", 16, "Prompts per generate call.", **d)
+    flags.DEFINE_integer("final_eval_examples", 200, "Test prompts per length in the final eval.", **d)
+    flags.DEFINE_string("final_eval_lens", "", "Prompt lengths of the final eval (default: the last phase's).", **d)
+    flags.DEFINE_integer("checkpoint_every", 100, "Save the resumable state every N steps.", **d)
+    flags.DEFINE_integer("log_every", 20, "Log metrics every N steps.", **d)
+    flags.DEFINE_bool("eval_only", False, "Only evaluate the exported OUT_DIR model (test split, final_eval_lens).", **d)
+    flags.DEFINE_float("eval_temperature", 0.0, "eval_only: 0 = greedy; else top-p 0.95 / top-k 20 sampling.", **d)
+    flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"], "Dtype of the exported weights.", **d)
+
+
+def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
+    offsets = tuple(int(x) for x in f.offset_heads.split(",") if x.strip())
+    model = Qwen3Config(
+        vocab_size=len(VOCAB), hidden_size=f.hidden_size, intermediate_size=f.intermediate_size,
+        num_hidden_layers=f.num_layers, num_attention_heads=f.num_heads, num_key_value_heads=f.num_kv_heads,
+        head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True, attention_bias=bool(offsets),
+        max_position_embeddings=f.max_position_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    phases = parse_curriculum(f.curriculum, f.batch)
+    lens = tuple(int(x) for x in f.final_eval_lens.split(",") if x.strip()) or (phases[-1].prompt_len,)
+    return PretrainConfig(
+        model=model, phases=phases, run_dir=f.run_dir, out_dir=f.out_dir, difficulty=f.difficulty, seed=f.seed,
+        lr=f.lr, final_lr=f.final_lr, warmup_steps=f.warmup_steps, weight_decay=f.weight_decay, b1=f.b1, b2=f.b2,
+        clip_norm=f.clip_norm, prompt_weight=f.prompt_weight, completion_weight=f.completion_weight,
+        eval_every=f.eval_every, eval_examples=f.eval_examples, eval_batch=f.eval_batch,
+        final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
+        log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
+        lookup_circuit=f.lookup_circuit)
+
+
+def main(argv):
+    del argv
+    cfg = config_from_flags()
+    if FLAGS.eval_only:
+        model_config, params = load_pretrained(cfg.out_dir)
+        sampling = None if FLAGS.eval_temperature == 0 else SamplingConfig(FLAGS.eval_temperature, 0.95, 20, 0.0)
+        final_eval(dataclasses.replace(cfg, model=model_config), params, sampling)
+        return
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))))
+    print(f"demo teacher: {n_params:,} params, {cfg.total_steps} steps in {len(cfg.phases)} phases")
+    state, records = train(cfg)
+    train_seconds = next((r["elapsed_s"] for r in reversed(records) if "elapsed_s" in r), None)
+    results = final_eval(cfg, state.params)
+    command = "python -m train.pretrain " + " ".join(sys.argv[1:])
+    export(cfg, state.params, results, command, train_seconds)
+    print(f"exported to {cfg.out_dir}")

@@ -1,0 +1,69 @@
+"""`--dry_run`: compile the train step for the real shapes on abstract arrays and print the
+per-device memory, without weights or data."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+
+from kvpop_jax import modeling
+from kvpop_jax import sharding as shd
+from train import optim
+from train import step as st
+from train.config import TrainConfig, load_model_config
+from train.setup import abstract_batch, abstract_train_state, build_mesh, step_config, with_shardings
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def dry_run(cfg: TrainConfig) -> dict[str, int]:
+    """Lowers + compiles the step for the real shapes on abstract arrays; prints per-device bytes."""
+    mesh = build_mesh(cfg)
+    model_config = load_model_config(cfg)
+    sc = step_config(cfg, model_config)
+    tx = optim.make_optimizer(cfg.optim)
+    abstract_state = abstract_train_state(cfg, model_config, tx)
+    abstract_teacher = None if cfg.teacher_logits_dir else modeling.abstract_params(model_config, sc.teacher_dtype)
+    batch_like = abstract_batch(cfg, model_config)
+    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(
+        sc, tx, mesh, abstract_state, abstract_teacher, batch_like)
+    args = (with_shardings(abstract_state, state_sh),
+            None if abstract_teacher is None else with_shardings(abstract_teacher, teacher_sh),
+            with_shardings(batch_like, batch_sh))
+    t0 = time.perf_counter()
+    lowered = step_fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    analysis = compiled.memory_analysis()
+    report = {
+        "devices": mesh.size,
+        "params": shd.per_device_bytes(abstract_state.params, state_sh.params),
+        "opt_state": shd.per_device_bytes(abstract_state.opt_state, state_sh.opt_state),
+        "teacher": 0 if abstract_teacher is None else shd.per_device_bytes(abstract_teacher, teacher_sh),
+        "batch": shd.per_device_bytes(batch_like, batch_sh),
+    }
+    for name in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes"):
+        report[name] = int(getattr(analysis, name, 0) or 0) if analysis is not None else -1
+    peak = report["argument_size_in_bytes"] + report["output_size_in_bytes"] - report["alias_size_in_bytes"] \
+        + report["temp_size_in_bytes"]
+    report["peak_estimate"] = peak
+    mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    print(f"dry run: {model_config.num_hidden_layers} layers, hidden {model_config.hidden_size}, "
+          f"S={cfg.seq_len}, global batch {cfg.global_batch} = {cfg.grad_accum} x micro {cfg.micro_batch}, "
+          f"B={cfg.kvpop.budget} (s={cfg.kvpop.sinks}, w={cfg.kvpop.window}, k={cfg.kvpop.topk}), "
+          f"scorer {cfg.kvpop.scorer}, remat {cfg.remat}, loss_chunk {cfg.loss_chunk or cfg.seq_len}, "
+          f"{cfg.compute_dtype} compute, {cfg.param_dtype} params, {cfg.teacher_dtype} teacher")
+    print(f"mesh {mesh_desc} on {mesh.size} {jax.devices()[0].platform} devices; "
+          f"lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s")
+    print("per-device bytes:")
+    for name in ("params", "opt_state", "teacher", "batch", "argument_size_in_bytes", "output_size_in_bytes",
+                 "alias_size_in_bytes", "temp_size_in_bytes", "peak_estimate"):
+        print(f"  {name:24s} {_gb(report[name]):>12s}  ({report[name]} bytes)")
+    sys.stdout.flush()
+    return report

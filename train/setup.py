@@ -1,0 +1,117 @@
+"""What a training run sets up before its loop: step config, mesh, abstract state, init
+checkpoint, tokenizer and data (shared by the loop, the teacher-logit cache and the dry run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from demo.task import generate_dataset, write_jsonl
+from demo.tokenizer import save_tokenizer
+from kvpop_jax import modeling, save_pretrained
+from kvpop_jax import sharding as shd
+from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.config import Qwen3Config
+from train import step as st
+from train.config import DTYPES, FlagError, TrainConfig, check_devices
+from train.packing import PackedBatchIterator
+
+
+def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
+    return st.StepConfig(
+        model=dataclasses.replace(model_config, kvpop=cfg.kvpop),
+        compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
+        teacher_dtype=DTYPES[cfg.teacher_dtype], remat=cfg.remat, loss_chunk=cfg.loss_chunk,
+        micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, seq_len=cfg.seq_len,
+        precomputed_teacher=bool(cfg.teacher_logits_dir), optim=cfg.optim,
+    )
+
+
+def build_mesh(cfg: TrainConfig):
+    try:
+        mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    except ValueError as e:
+        raise FlagError(f"--mesh_data/--mesh_fsdp/--mesh_tensor: {e}") from e
+    check_devices(cfg, mesh.size, dict(mesh.shape))
+    return mesh
+
+
+def abstract_batch(cfg: TrainConfig, model_config: Qwen3Config) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
+    out = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32), "positions": jax.ShapeDtypeStruct(shape, jnp.int32),
+           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    if cfg.teacher_logits_dir:
+        k = cfg.kvpop.kl_topk
+        out["teacher_values"] = jax.ShapeDtypeStruct(shape + (k,), jnp.float32)
+        out["teacher_indices"] = jax.ShapeDtypeStruct(shape + (k,), jnp.int32)
+    return out
+
+
+def abstract_train_state(cfg: TrainConfig, model_config: Qwen3Config, tx):
+    kv_config = dataclasses.replace(model_config, kvpop=cfg.kvpop)
+    params = modeling.abstract_params(kv_config, DTYPES[cfg.param_dtype])
+    return jax.eval_shape(lambda p: st.init_state(p, tx, cfg.seed), params)
+
+
+def with_shardings(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def info(message: str) -> None:
+    """A progress message on process 0 (absl/orbax INFO logs are silenced)."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def prepare_init_checkpoint(cfg: TrainConfig) -> str:
+    """The HF directory the run starts from; builds RUN_DIR/init for `random:` models."""
+    if not cfg.random_init:
+        return cfg.init_checkpoint
+    path = os.path.join(cfg.run_dir, "init")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config = Qwen3Config.from_hf(cfg.random_init)
+    if jax.process_index() == 0:
+        info(f"building a random {config.num_hidden_layers}-layer Qwen3 from {cfg.random_init} in {path}")
+        params = modeling.init_params(config, jax.random.PRNGKey(cfg.seed))
+        save_pretrained(config, params, path)
+    return path
+
+
+def run_tokenizer(cfg: TrainConfig, init_dir: str):
+    """(tokenizer, its directory): --tokenizer (a directory, or `demo` for the demo task's
+    tokenizer) or the init checkpoint's own."""
+    if cfg.tokenizer == "demo":
+        path = os.path.join(cfg.run_dir, "tokenizer")
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            save_tokenizer(path)
+        return load_tokenizer(path), path
+    path = cfg.tokenizer or init_dir
+    try:
+        return load_tokenizer(path), path
+    except ValueError as e:
+        raise FlagError(f"--tokenizer: {e} (pass --tokenizer=DIR, or --tokenizer=demo for the demo task)") from e
+
+
+def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
+    """The packed-batch iterator of the run (writes the generated demo data first for demo:N)."""
+    data_config = dataclasses.replace(cfg.data, process_index=jax.process_index(), process_count=jax.process_count())
+    if cfg.demo_examples:
+        if not os.path.isfile(data_config.data) and jax.process_index() == 0:
+            os.makedirs(os.path.dirname(data_config.data), exist_ok=True)
+            tmp = data_config.data + ".tmp"
+            write_jsonl(tmp, generate_dataset(cfg.demo_examples, cfg.seed, "train", seq_len=cfg.demo_seq_len))
+            os.replace(tmp, data_config.data)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("demo data written")
+    return PackedBatchIterator(data_config, tokenizer)
+
+
+def to_global(batch: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}

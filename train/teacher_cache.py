@@ -1,0 +1,86 @@
+"""Precomputed teacher top-k logits (`--write_teacher_logits`, `--teacher_logits_dir`).
+
+One file per optimizer step, `step_{N:08d}.npz` with `values` float32 and `indices` int32 of
+shape [global batch, S, kl_topk]: the global batch's teacher top-k, so a run can distill
+without holding the teacher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from kvpop_jax import load_pretrained, modeling
+from kvpop_jax import sharding as shd
+from train import step as st
+from train.config import FlagError, TrainConfig, load_model_config
+from train.setup import build_mesh, prepare_data, prepare_init_checkpoint, run_tokenizer, step_config
+
+
+def teacher_file(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}.npz")
+
+
+def write_teacher_topk(directory: str, step: int, values: np.ndarray, indices: np.ndarray) -> None:
+    """Stores the global batch's teacher top-k of optimizer step `step` (0-based): [B, S, K] each
+    (float32 values + int32 indices: 8 bytes per entry, ~4.3 GB per step of the paper's recipe)."""
+    os.makedirs(directory, exist_ok=True)
+    path = teacher_file(directory, step)
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32))
+    os.replace(path + ".tmp", path)
+
+
+def read_teacher_topk(cfg: TrainConfig, step: int, host_rows: int) -> dict[str, np.ndarray]:
+    path = teacher_file(cfg.teacher_logits_dir, step)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--teacher_logits_dir: {path} is missing (one file per optimizer step)")
+    with np.load(path) as f:
+        values, indices = f["values"], f["indices"]
+    want = (cfg.global_batch, cfg.seq_len, cfg.kvpop.kl_topk)
+    if values.shape != want or indices.shape != want:
+        raise ValueError(f"{path}: values/indices must be {want}, got {values.shape}, {indices.shape}")
+    lo = jax.process_index() * host_rows
+    return {"teacher_values": values[lo:lo + host_rows].astype(np.float32),
+            "teacher_indices": indices[lo:lo + host_rows]}
+
+
+def write_teacher_logits(cfg: TrainConfig) -> int:
+    """Runs the frozen teacher over the batches of steps [0, steps) and writes their top-k."""
+    mesh = build_mesh(cfg)
+    init_dir = prepare_init_checkpoint(cfg)
+    model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
+    sc = step_config(cfg, model_config)
+    _, teacher = st.build_models(sc)
+    teacher_sh = shd.param_shardings(modeling.abstract_params(model_config, sc.teacher_dtype), mesh)
+    _, params = load_pretrained(init_dir, sc.teacher_dtype, config=model_config, shardings=teacher_sh)
+    if jax.process_count() > 1:
+        raise FlagError("--write_teacher_logits runs on one host (it writes the global batch from process 0)")
+    rows_sh = shd.batch_sharding(mesh, 2)
+    out_sh = shd.batch_sharding(mesh, 3)
+    chunk = cfg.loss_chunk or cfg.seq_len
+
+    @functools.partial(jax.jit, out_shardings=(out_sh, out_sh))
+    def topk(p, ids, pos):
+        with shd.activate(mesh):
+            return st.teacher_topk_logits(teacher, p, ids, pos, cfg.kvpop.kl_topk, chunk)
+
+    tokenizer, _ = run_tokenizer(cfg, init_dir)
+    batches = prepare_data(cfg, tokenizer)
+    b = cfg.micro_batch
+    for step in tqdm(range(cfg.steps), desc="teacher top-k", disable=not cfg.progress):
+        rows = next(batches)
+        if os.path.isfile(teacher_file(cfg.teacher_logits_dir, step)):
+            continue
+        parts = []  # one micro-batch at a time, as the train step runs the teacher
+        for lo in range(0, cfg.global_batch, b):
+            ids, pos = (jax.device_put(rows[k][lo:lo + b], rows_sh) for k in ("input_ids", "positions"))
+            parts.append(jax.device_get(topk(params, ids, pos)))
+        write_teacher_topk(cfg.teacher_logits_dir, step, np.concatenate([p[0] for p in parts]),
+                           np.concatenate([p[1] for p in parts]))
+    return cfg.steps
