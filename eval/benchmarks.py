@@ -1,17 +1,93 @@
-"""Benchmarks: problems (id, prompt, answer) from local files or the HF hub."""
+"""Benchmarks: problems (id, prompt, answer) from local files, the HF hub, or generated demo tasks.
+
+A source is a JSONL/JSON file, a local file `datasets` reads (parquet, csv), a hub dataset name,
+or a demo-task spec that generates fresh problems nobody has seen:
+
+    demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D]
+
+e.g. `demo:reuse:test:seed=123:n=100:len=2048` (TASK in `demo.task.TASKS`: reuse, read_once;
+SPLIT train | validation | test, default test; seed 0, n 100, len 1024, difficulty medium).
+Different seeds and splits never share a problem.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
+from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset
+
 PROMPT_FIELDS = ("prompt", "problem", "question")
+DEMO_PREFIX = "demo:"
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSpec:
+    """Generated demo-task problems (see the module docstring)."""
+
+    task: str
+    split: str = "test"
+    seed: int = 0
+    n: int = 100
+    len: int = 1024
+    difficulty: str = "medium"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"demo task must be one of {sorted(TASKS)}, got {self.task!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"demo split must be one of {sorted(SPLITS)}, got {self.split!r}")
+        if self.difficulty not in DIFFICULTY:
+            raise ValueError(f"demo difficulty must be one of {sorted(DIFFICULTY)}, got {self.difficulty!r}")
+        if self.n < 1 or self.seed < 0:
+            raise ValueError(f"demo spec needs n >= 1 and seed >= 0, got n={self.n}, seed={self.seed}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.split}-s{self.seed}-{self.n}x{self.len}"
+
+    def __str__(self) -> str:
+        return f"{DEMO_PREFIX}{self.task}:{self.split}:seed={self.seed}:n={self.n}:len={self.len}" + (
+            f":difficulty={self.difficulty}" if self.difficulty != "medium" else "")
+
+    def problems(self) -> list[dict]:
+        examples = generate_dataset(self.n, self.seed, self.split, task=self.task, difficulty=self.difficulty,
+                                    seq_len=self.len)
+        return [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
+
+
+def parse_demo_spec(source: str) -> DemoSpec:
+    """`demo:reuse:test:seed=123:n=100:len=2048` -> DemoSpec; errors name the bad part."""
+    if not source.startswith(DEMO_PREFIX):
+        raise ValueError(f"a demo benchmark starts with {DEMO_PREFIX!r}, got {source!r}")
+    parts = [p for p in source[len(DEMO_PREFIX):].split(":") if p]
+    if not parts:
+        raise ValueError(f"{source!r}: name a task, e.g. demo:reuse (tasks: {sorted(TASKS)})")
+    fields: dict = {"task": parts[0]}
+    for part in parts[1:]:
+        if "=" not in part:
+            fields["split"] = part
+            continue
+        key, value = part.split("=", 1)
+        if key not in ("seed", "n", "len", "difficulty"):
+            raise ValueError(f"{source!r}: unknown key {key!r} (seed, n, len, difficulty)")
+        try:
+            fields[key] = value if key == "difficulty" else int(value)
+        except ValueError:
+            raise ValueError(f"{source!r}: {key}={value!r} is not an integer") from None
+    try:
+        return DemoSpec(**fields)
+    except ValueError as e:
+        raise ValueError(f"{source!r}: {e}") from None
 
 
 def load_benchmark(source: str, *, split: str = "test", limit: int | None = None) -> list[dict]:
-    """Problems as dicts (id, prompt, answer) from a JSONL/JSON file, a local data file
-    `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
-    if source.endswith((".jsonl", ".json")) and os.path.isfile(source):
+    """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON file, a local data
+    file `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
+    if source.startswith(DEMO_PREFIX):
+        rows = parse_demo_spec(source).problems()
+    elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
         with open(source) as f:
             text = f.read()
         rows = json.loads(text) if source.endswith(".json") and text.lstrip().startswith("[") else [
@@ -37,4 +113,6 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
 
 
 def benchmark_name(source: str) -> str:
+    if source.startswith(DEMO_PREFIX):
+        return parse_demo_spec(source).name
     return os.path.splitext(os.path.basename(source.rstrip("/")))[0] or source

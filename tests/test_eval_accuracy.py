@@ -101,3 +101,24 @@ def test_problem_groups():
     assert _problem_groups([[1, 2], [3, 4], [5], [6], [7], [8, 9]], 2) == [[0, 1], [2, 3], [4], [5]]
     with pytest.raises(ValueError, match="problem_batch"):
         _problem_groups([[1]], 0)
+
+
+def test_demo_benchmark_spec_generates_fresh_problems():
+    from demo.task import make_config
+    from demo.tokenizer import build_tokenizer
+    from eval.benchmarks import benchmark_name, load_benchmark, parse_demo_spec
+
+    spec = "demo:reuse:test:seed=123:n=3:len=1024"
+    problems = load_benchmark(spec)
+    assert len(problems) == 3 and problems == load_benchmark(spec)  # deterministic
+    tok = build_tokenizer()
+    assert {len(tok(p["prompt"])["input_ids"]) for p in problems} == {1024}
+    assert {p["id"] for p in problems}.isdisjoint(p["id"] for p in load_benchmark("demo:reuse:test:seed=124:n=3:len=1024"))
+    assert problems[0]["prompt"] != load_benchmark("demo:reuse:validation:seed=123:n=3:len=1024")[0]["prompt"]
+    assert parse_demo_spec("demo:read_once").len == 1024 and benchmark_name(spec) == "reuse-test-s123-3x1024"
+    assert make_config(task="reuse").n_reuse == 3
+    for bad, message in (("demo:", "name a task"), ("demo:chess", "task must be one of"),
+                         ("demo:reuse:dev", "split must be one of"), ("demo:reuse:n=x", "n='x' is not an integer"),
+                         ("demo:reuse:k=3", "unknown key 'k'")):
+        with pytest.raises(ValueError, match=message):
+            load_benchmark(bad)

@@ -53,7 +53,7 @@ class OptimConfig:
 
 
 # Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k.
-VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
+VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+", "kvpop-mlstm-max")
 
 
 def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
@@ -63,6 +63,8 @@ def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
     StreamingLLM+ (k = 0) gets it as window."""
     if name in ("kvpop-mlstm", "kvpop-mlp"):
         return kvpop.memory_matched(name.removeprefix("kvpop-"), head_dim)
+    if name == "kvpop-mlstm-max":  # the max-over-future-queries target (not the paper's)
+        return dataclasses.replace(kvpop.memory_matched("mlstm", head_dim), target_reduce="max")
     if name == "streamingllm+":
         return dataclasses.replace(kvpop, scorer="mlp", window=kvpop.memory(head_dim) - kvpop.sinks, topk=0)
     raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
@@ -78,6 +80,9 @@ class EvalConfig:
     prompt_len: int = 1024
     batch: int = 50
     recall_sequences: int = 8
+    tasks: tuple[str, ...] = ("read_once",)  # the first is the main task
+    long_len: int = 0  # length generalization: the main task at this prompt length too (0: off)
+    long_methods: tuple[str, ...] = ()  # the trained variants evaluated at long_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,7 @@ class TrainConfig:
     data: DataConfig
     demo_examples: int  # > 0: `data.data` is generated (demo:N) into run_dir/data
     demo_seq_len: int
+    demo_tasks: tuple[str, ...]
     seq_len: int
     global_batch: int
     micro_batch: int

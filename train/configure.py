@@ -7,7 +7,7 @@ import os
 import jax
 from absl import flags
 
-from demo.task import make_config
+from demo.task import TASKS, make_config
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
@@ -94,6 +94,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         run_dir = run_dir.rstrip("/") + "-quick"
 
     demo_examples = 0
+    demo_tasks = tuple(t.strip() for t in f.demo_tasks if t.strip())
+    unknown = [t for t in demo_tasks if t not in TASKS] or ([] if demo_tasks else ["(none)"])
+    if unknown:
+        raise FlagError(f"--demo_tasks: {unknown} are not demo tasks ({', '.join(TASKS)})")
     data_path = f.data
     if not data_path and not f.dry_run:
         raise FlagError("--data is required (hub name, local jsonl/parquet/arrow path, or demo:N)")
@@ -105,7 +109,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             demo_examples = -1
         if demo_examples < 1:
             raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
-        data_path = os.path.join(run_dir, "data", "demo_train.jsonl")
+        data_path = os.path.join(run_dir, "data", f"demo_train_{'+'.join(demo_tasks)}_{demo_examples}x{f.demo_seq_len}"
+                                                  ".jsonl")
     elif not f.dry_run:
         try:
             resolve_source(data_path)
@@ -130,7 +135,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,
-        demo_seq_len=f.demo_seq_len, seq_len=f.seq_len, global_batch=f.global_batch, micro_batch=micro,
+        demo_seq_len=f.demo_seq_len, demo_tasks=demo_tasks, seq_len=f.seq_len, global_batch=f.global_batch,
+        micro_batch=micro,
         optim=optim, mesh=MeshConfig(f.mesh_data, f.mesh_fsdp, f.mesh_tensor, f.distributed),
         teacher_dtype=_resolve_dtype(f.teacher_dtype, on_accelerator), teacher_logits_dir=f.teacher_logits_dir,
         write_teacher_logits=f.write_teacher_logits,
@@ -172,10 +178,20 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
         raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
     if not crs or any(not 0.0 < c < 1.0 for c in crs):
         raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
-    try:
-        make_config(seq_len=f.eval_prompt_len)
-    except ValueError as e:
-        raise FlagError(f"--eval_prompt_len={f.eval_prompt_len}: {e}") from e
+    tasks = tuple(t.strip() for t in f.eval_tasks if t.strip())
+    unknown = [t for t in tasks if t not in TASKS] or ([] if tasks else ["(none)"])
+    if unknown:
+        raise FlagError(f"--eval_tasks: {unknown} are not demo tasks ({', '.join(TASKS)})")
+    for task in tasks:
+        try:
+            make_config(task=task, seq_len=f.eval_prompt_len)
+        except ValueError as e:
+            raise FlagError(f"--eval_prompt_len={f.eval_prompt_len} does not fit task {task}: {e}") from e
+    if f.eval_long_len:
+        try:
+            make_config(task=tasks[0], seq_len=f.eval_long_len)
+        except ValueError as e:
+            raise FlagError(f"--eval_long_len={f.eval_long_len}: {e}") from e
     for cr in crs:
         budget = KVpopConfig.budget_at(cr, f.eval_prompt_len)
         for m in (m for m in methods if m in trained):
@@ -187,4 +203,6 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
     if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
         raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
-    return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences)
+    long_methods = tuple(m for m in (x.strip() for x in f.eval_long_methods) if m in methods and m in trained)
+    return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences,
+                      tasks, f.eval_long_len, long_methods)

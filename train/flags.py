@@ -82,6 +82,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("max_length", None, "Drop documents longer than this (default: seq_len).", **d)
     flags.DEFINE_bool("streaming", None, "Stream the dataset (default: hub yes, local no).", **d)
     flags.DEFINE_integer("demo_seq_len", 1536, "Prompt length of generated demo traces (demo:N).", **d)
+    flags.DEFINE_list("demo_tasks", ["read_once"],
+                      "Demo tasks of the generated traces (demo:N), in turn: reuse, read_once (demo/task.py).", **d)
     # --- batch and schedule
     flags.DEFINE_integer("seq_len", 16384, "S: tokens per packed row.", **d)
     flags.DEFINE_integer("global_batch", 128, "Rows per optimizer step (all devices, all micro-batches).", **d)
@@ -147,6 +149,14 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("eval_batch", 50, "Problems decoded per batch (greedy, one rollout each).", **d)
     flags.DEFINE_integer("eval_recall_sequences", 8,
                          "Held-out traces for the teacher-retention recall of each KVpop variant (0: skip).", **d)
+    flags.DEFINE_list("eval_tasks", ["read_once"],
+                      "Demo tasks to evaluate on, each with its own table; the first is the main task the "
+                      "targets are checked on.", **d)
+    flags.DEFINE_integer("eval_long_len", 0,
+                         "Also evaluate dense and --eval_long_methods at this prompt length on the main task, "
+                         "at the same budgets B (length generalization; 0: skip).", **d)
+    flags.DEFINE_list("eval_long_methods", ["kvpop-mlstm", "kvpop-mlp"],
+                      "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
     flags.DEFINE_bool("quick", False,
                       "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
                       "--checkpoint_every and --eval_problems).", **d)

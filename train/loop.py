@@ -154,6 +154,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 log.write(step + 1, metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", kl=f"{metrics['kl']:.4f}",
                             ret=f"{metrics['retention_loss']:.4f}", acc=f"{metrics['boundary_accuracy']:.3f}",
+                            auc=f"{metrics['boundary_auc']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
             ckpt.save(state, batches.state(), meta, force=step + 1 == cfg.steps)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from demo.task import generate_dataset, write_jsonl
+from demo.task import generate_mixture, write_jsonl
 from demo.tokenizer import save_tokenizer
 from kvpop_jax import modeling, save_pretrained
 from kvpop_jax import sharding as shd
@@ -106,7 +106,8 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
         if not os.path.isfile(data_config.data) and jax.process_index() == 0:
             os.makedirs(os.path.dirname(data_config.data), exist_ok=True)
             tmp = data_config.data + ".tmp"
-            write_jsonl(tmp, generate_dataset(cfg.demo_examples, cfg.seed, "train", seq_len=cfg.demo_seq_len))
+            write_jsonl(tmp, generate_mixture(cfg.demo_examples, cfg.seed, "train", cfg.demo_tasks,
+                                              seq_len=cfg.demo_seq_len))
             os.replace(tmp, data_config.data)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")

@@ -36,8 +36,8 @@ from kvpop_jax.config import Qwen3Config
 from train import optim
 
 Model = modeling.Qwen3ForCausalLM
-METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "keep_rate", "num_valid", "teacher_recall",
-               "tokens")
+METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_auc", "keep_rate", "num_valid",
+               "teacher_recall", "tokens")
 
 
 @flax.struct.dataclass
@@ -156,8 +156,8 @@ def make_loss_fn(sc: StepConfig) -> Callable:
             metrics.update(retention_loss=retention, **aux["metrics"])
         else:
             retention = jnp.zeros((), jnp.float32)
-            metrics.update(retention_loss=retention, boundary_accuracy=retention, keep_rate=retention,
-                           num_valid=retention, teacher_recall=retention)
+            metrics.update(retention_loss=retention, boundary_accuracy=retention, boundary_auc=retention + 0.5,
+                           keep_rate=retention, num_valid=retention, teacher_recall=retention)
         loss = kl + kv.retention_loss_weight * retention
         metrics["loss"] = loss
         return loss, {k: jnp.asarray(metrics[k], jnp.float32) for k in METRIC_KEYS}
