@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def _require_positive(cls_name: str, **values: Any) -> None:
@@ -76,6 +77,7 @@ class Qwen3Config:
         A "kvpop" entry (written by `save_pretrained` for a retrofitted model) becomes
         `config.kvpop`; transformers ignores it, so the file still loads there.
         """
+        where = "the config"
         if not isinstance(source, Mapping):
             path = os.fspath(source)
             if os.path.isdir(path):
@@ -87,7 +89,13 @@ class Qwen3Config:
                     source = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from e
+            where = f"config.json at {path!r}"
+            if not isinstance(source, Mapping):
+                raise ValueError(f"{where} is not a JSON object (got {type(source).__name__})")
         hf = dict(source)
+        for field in REQUIRED_HF_FIELDS:
+            if field not in hf:
+                raise ValueError(f"{where} lacks the required field {field!r}")
         model_type = hf.get("model_type", "qwen3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
