@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -208,6 +209,12 @@ class KVpopConfig:
     retention_loss_weight: float = 1.0
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
+        if self.retention_loss_weight < 0:
+            raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
         for name in ("sinks", "window", "topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -24,6 +24,9 @@ from train.packing import PackedBatchIterator
 
 
 def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
+    """The step's static config; checks what needs the model (before anything compiles)."""
+    if cfg.kvpop.kl_topk > model_config.vocab_size:
+        raise FlagError(f"--kl_topk={cfg.kvpop.kl_topk} exceeds the model's vocab_size {model_config.vocab_size}")
     return st.StepConfig(
         model=dataclasses.replace(model_config, kvpop=cfg.kvpop),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
