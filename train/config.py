@@ -179,7 +179,10 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         sources.append(os.path.join(cfg.init_checkpoint, "config.json"))
     if not sources:
         raise FlagError("no architecture: pass --init_checkpoint (a HF directory or random:NAME) or --model_config")
-    configs = [Qwen3Config.from_hf(s) for s in sources]
+    try:
+        configs = [Qwen3Config.from_hf(s) for s in sources]
+    except (ValueError, FileNotFoundError) as e:  # not an object, a missing field, ...: named, one line
+        raise FlagError(f"--init_checkpoint/--model_config: {e}") from e
     base = [dataclasses.replace(c, kvpop=None) for c in configs]
     for src, c in zip(sources[1:], base[1:]):
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731

@@ -31,7 +31,7 @@ from train import step as st
 from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
-from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, prepare_data,
+from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, next_rows, prepare_data,
                          prepare_init_checkpoint, run_tokenizer, step_config, to_global, with_shardings)
 from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_run_dir, prepare_run_dir,
                            read_metrics)
@@ -176,7 +176,10 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
     if latest is None or abstract_teacher is not None:
         # Base weights, placed shard by shard: the student's start and (cast) the frozen teacher.
         base_sh = shd.param_shardings(modeling.abstract_params(model_config, sc.param_dtype), mesh)
-        _, base = load_pretrained(init_dir, sc.param_dtype, config=model_config, shardings=base_sh)
+        try:
+            _, base = load_pretrained(init_dir, sc.param_dtype, config=model_config, shardings=base_sh)
+        except (ValueError, FileNotFoundError) as e:
+            raise FlagError(f"--init_checkpoint={cfg.init_checkpoint}: {e}") from e
     if abstract_teacher is not None:
         teacher = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(sc.teacher_dtype), p),
                           out_shardings=teacher_sh)(base)
@@ -210,7 +213,7 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            batch = to_global(host_batch(cfg, next(batches), step), batch_sh)
+            batch = to_global(host_batch(cfg, next_rows(batches), step), batch_sh)
             state, metrics = step_fn(state, teacher, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             check_finite(step + 1, metrics)  # both before the state can be saved

@@ -113,7 +113,18 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
             os.replace(tmp, data_config.data)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")
-    return PackedBatchIterator(data_config, tokenizer)
+    try:
+        return PackedBatchIterator(data_config, tokenizer)
+    except ValueError as e:  # no usable text, a bad line, an empty file: named, one line at the CLI
+        raise FlagError(f"--data: {e}") from e
+
+
+def next_rows(batches: PackedBatchIterator) -> dict[str, np.ndarray]:
+    """The next packed batch; a data error met on the way (a stream's bad line) is a FlagError."""
+    try:
+        return next(batches)
+    except ValueError as e:
+        raise FlagError(f"--data: {e}") from e
 
 
 def to_global(batch: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:
