@@ -30,6 +30,8 @@ def test_flags_map_onto_configs(tmp_path, arch):
     assert cfg.kvpop.budget == 36 and cfg.kvpop.scorer == "mlp"
     assert cfg.grad_accum == 2 and cfg.data.batch_size == 4 and cfg.data.seq_len == 128
     assert cfg.data.data.endswith("data/demo_train_24x256_seed0.jsonl") and cfg.demo_examples == 24
+    # generated data cached in the run folder is keyed on what it depends on: a change regenerates it
+    assert parse(tiny_flags(str(tmp_path / "run"), arch, demo_seq_len=384)).data.data.endswith("_24x384_seed0.jsonl")
     assert cfg.optim.base_lr == 8e-5 and cfg.optim.new_lr == 1e-3 and cfg.optim.b2 == 0.95
     assert parse(tiny_flags(str(tmp_path / "run"), arch, compute_dtype="auto"), on_accelerator=True).compute_dtype \
         == "bfloat16"
