@@ -65,7 +65,7 @@ def method_setup(method: str, checkpoint_config, params, budget: int | None, *, 
         return Qwen3ForCausalLM(config, dtype=dtype), params, cfg
     if config.kvpop is None:
         raise ValueError(f"method {method!r} needs a KVpop checkpoint (config.json with 'kvpop'), got a dense one")
-    config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget))
+    config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))
     return Qwen3ForCausalLM(config, dtype=dtype), params, "kvpop"
 
 

@@ -78,7 +78,7 @@ def _kept_shares(config, params, tokenizer, problems):
 def keep(args) -> None:
     for path in args.exports:
         config, params = load_pretrained(path)
-        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget))
+        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget, config.head_dim))
         policy_all, target_all, _ = _kept_shares(config, params, checkpoint_tokenizer(path), _problems(args))
         print(f"{path}: share of {args.problems} problems whose queried facts are all kept at the last prompt "
               "token, per [layer, kv head]:")
@@ -92,7 +92,7 @@ def target(args) -> None:
     for aggregate in ("max", "mean"):
         for normalizer in ("sparse", "dense"):
             for count_normalize in (True, False):
-                kv = dataclasses.replace(config0.kvpop.retarget(args.budget), aggregate=aggregate,
+                kv = dataclasses.replace(config0.kvpop.retarget(args.budget, config0.head_dim), aggregate=aggregate,
                                          normalizer=normalizer, count_normalize=count_normalize)
                 _, target_all, target_fact = _kept_shares(dataclasses.replace(config0, kvpop=kv), params, tokenizer,
                                                           problems)

@@ -44,7 +44,7 @@ import numpy as np
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import policy as policy_lib
 from kvpop_jax.config import KVpopConfig, Qwen3Config
-from kvpop_jax.scorers import mlstm_init_state, mlstm_value_dim
+from kvpop_jax.scorers import mlstm_init_state
 from pallas_kernels.common import NEG_INF
 
 
@@ -164,8 +164,8 @@ def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> Cache:
     kv = config.kvpop
     state = None
     if kv.scorer == "mlstm":  # the shapes of MLSTMScorer.init_state
-        state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_dim,
-                                 mlstm_value_dim(kv, config.head_dim))
+        state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_features(config.head_dim),
+                                 kv.mlstm_value_dim(config.head_dim))
     layers = tuple(init_layer_cache(config, batch, dtype, state) for _ in range(config.num_hidden_layers))
     return Cache(layers=layers, length=jnp.zeros((), jnp.int32))
 

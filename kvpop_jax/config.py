@@ -165,6 +165,9 @@ class Qwen3Config:
 
 
 SCORERS = ("linear", "mlp", "mlstm")
+FEATURE_MAPS = ("hedgehog", "softmax")
+MLSTM_VALUES = ("projection", "cached")
+MLSTM_INITS = ("identity", "random")
 AGGREGATIONS = ("max", "mean")
 NORMALIZERS = ("sparse", "dense")
 TARGET_REDUCTIONS = ("sum", "max")
@@ -176,6 +179,11 @@ class KVpopConfig:
 
     Defaults follow the paper (Table 3 and Appendix B). Knobs the paper leaves unset
     (ε, ω_min, τ_ω, c_min, c_max, sampler sizes) get the values documented inline.
+
+    The mLSTM scorer defaults are the paper's main configuration (Sec. 3.3 Eq. 10-11, App. A,
+    E.3-E.5): Hedgehog features of width d = head_dim from a projection 2D -> d/2, a value
+    projection 2D -> d/2, soft-capped gates, score `a^T SiLU(h) + b` (no norm, no skip),
+    identity-style initialization. The App. E.5 variants are the other settings.
     """
 
     sinks: int = 4  # s
@@ -183,9 +191,14 @@ class KVpopConfig:
     topk: int = 2016  # k, long-range budget
     scorer: str = "mlp"  # linear | mlp | mlstm
     scorer_hidden: int = 64  # MLP hidden width per KV head
-    mlstm_dim: int = 32  # mLSTM feature dim per head (Hedgehog: projected to d/2, features d)
+    mlstm_dim: int | None = None  # d, feature dim of q~/k~ per head; None: head_dim (App. A)
+    mlstm_feature_map: str = "hedgehog"  # hedgehog ([softmax(x); softmax(-x)] of a d/2 projection) | softmax
+    mlstm_value: str = "projection"  # v~: projection (2D -> d/2, Eq. 37) | cached (v itself, E.5)
+    mlstm_skip: bool = False  # E.5: the delayed token's own projection is added before the score projection
+    mlstm_norm: bool = False  # Eq. 42: headwise RMS norm of the readout before SiLU
+    mlstm_init: str = "identity"  # E.5: identity-style from the key/value pathways | random (LeCun)
     mlstm_chunk: int = 64  # chunk length of the chunkwise-parallel mLSTM
-    mlstm_gate_softcap: float = 15.0  # soft-cap of gate pre-activations
+    mlstm_gate_softcap: float = 15.0  # soft-cap of gate pre-activations (E.3); 0 = off
     delayed_readout: bool = True  # mLSTM scores u = q - w from the state after q
     gamma_min: float = 0.999
     gamma_max: float = 0.999999
@@ -202,6 +215,7 @@ class KVpopConfig:
     count_normalize: bool = True  # divide by N_t (Eq. 16-17)
     normalizer: str = "sparse"  # LSE for the target: sparse (Eq. 9) or dense (Eq. 28)
     target_reduce: str = "sum"  # over future queries: sum (the paper, Eq. 2) or max (not in the paper)
+    target_lookahead: int | None = None  # L: only queries t + w <= d <= t + w + L count, N_t <= L + 1 (B.2)
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
     kl_topk: int = 256  # teacher top-k logits for distillation
@@ -241,16 +255,28 @@ class KVpopConfig:
         _require_positive(
             "KVpopConfig",
             scorer_hidden=self.scorer_hidden,
-            mlstm_dim=self.mlstm_dim,
             mlstm_chunk=self.mlstm_chunk,
             num_query_samples=self.num_query_samples,
             kl_topk=self.kl_topk,
         )
-        if self.mlstm_dim % 2:
-            raise ValueError(f"KVpopConfig.mlstm_dim must be even (Hedgehog halves it), got {self.mlstm_dim}")
-        for name in ("loss_temperature", "tau_omega", "eps", "kl_temperature", "mlstm_gate_softcap"):
+        if self.mlstm_dim is not None:
+            _require_positive("KVpopConfig", mlstm_dim=self.mlstm_dim)
+            if self.mlstm_feature_map == "hedgehog" and self.mlstm_dim % 2:
+                raise ValueError(f"KVpopConfig.mlstm_dim must be even (Hedgehog halves it), got {self.mlstm_dim}")
+        for name, allowed in (("mlstm_feature_map", FEATURE_MAPS), ("mlstm_value", MLSTM_VALUES),
+                              ("mlstm_init", MLSTM_INITS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KVpopConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.target_lookahead is not None:
+            if not isinstance(self.target_lookahead, int) or isinstance(self.target_lookahead, bool) \
+                    or self.target_lookahead < 0:
+                raise ValueError(f"KVpopConfig.target_lookahead must be None or an int >= 0, "
+                                 f"got {self.target_lookahead!r}")
+        for name in ("loss_temperature", "tau_omega", "eps", "kl_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"KVpopConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.mlstm_gate_softcap >= 0:
+            raise ValueError(f"KVpopConfig.mlstm_gate_softcap must be >= 0 (0: off), got {self.mlstm_gate_softcap!r}")
         if not 0.0 <= self.omega_min <= 1.0:
             raise ValueError(f"KVpopConfig.omega_min must be in [0, 1], got {self.omega_min!r}")
         if not 0.0 < self.balance_min <= self.balance_max:
@@ -264,6 +290,38 @@ class KVpopConfig:
     def budget(self) -> int:
         """B = s + w + k: KV entries kept per head."""
         return self.sinks + self.window + self.topk
+
+    def mlstm_features(self, head_dim: int) -> int:
+        """d: the mLSTM feature dim (q~, k~) for a model of this head_dim."""
+        d = self.mlstm_dim or head_dim
+        if self.mlstm_feature_map == "hedgehog" and d % 2:
+            raise ValueError(f"the Hedgehog feature map needs an even mLSTM feature dim, got {d} "
+                             "(set KVpopConfig.mlstm_dim)")
+        return d
+
+    def mlstm_value_dim(self, head_dim: int) -> int:
+        """dv: the width of v~ (and of the readout h): d/2 with a projection, head_dim with cached values."""
+        return head_dim if self.mlstm_value == "cached" else self.mlstm_features(head_dim) // 2
+
+    def scorer_state_slots(self, head_dim: int) -> int:
+        """The recurrent scorer state per KV head (C [d, dv], n [d], m), in KV-cache entries of
+        2 * head_dim numbers, rounded up; 0 for stateless scorers.
+
+        The paper compares scorers at equal memory: a stateless scorer gets these entries as
+        extra long-range slots (`memory_matched`)."""
+        if self.scorer != "mlstm":
+            return 0
+        d, dv = self.mlstm_features(head_dim), self.mlstm_value_dim(head_dim)
+        return -(-(d * dv + d + 1) // (2 * head_dim))
+
+    def memory_matched(self, scorer: str, head_dim: int) -> "KVpopConfig":
+        """This config with `scorer`, its k changed so the memory per KV head stays the same:
+        k' = k + state slots of this config's scorer - state slots of `scorer`."""
+        other = dataclasses.replace(self, scorer=scorer)
+        topk = self.topk + self.scorer_state_slots(head_dim) - other.scorer_state_slots(head_dim)
+        if topk < 0:
+            raise ValueError(f"no long-range slots left for {scorer} at k = {self.topk}")
+        return dataclasses.replace(other, topk=topk)
 
     def check_sequence_length(self, seq_len: int) -> None:
         """Training needs sequences longer than the budget, or nothing is ever evicted."""
@@ -280,15 +338,28 @@ class KVpopConfig:
             raise ValueError(f"compression ratio must be in [0, 1), got {compression_ratio}")
         return max(1, int(round((1.0 - compression_ratio) * context_len)))
 
-    def retarget(self, budget: int) -> "KVpopConfig":
-        """This config at budget B: k = B - s - w, or w = B - s when k = 0 (StreamingLLM+)."""
+    def memory(self, head_dim: int) -> int:
+        """Memory per KV head in KV-cache entries: B = s + w + k plus the scorer's state slots."""
+        return self.budget + self.scorer_state_slots(head_dim)
+
+    def retarget(self, budget: int, head_dim: int | None = None) -> "KVpopConfig":
+        """This config at a memory budget of `budget` KV entries per head (CR = 1 - budget / context):
+        k = budget - s - w - the scorer's state slots, or w = budget - s when k = 0 (StreamingLLM+).
+
+        Every method of a comparison gets the same memory: a stateful (mLSTM) scorer pays for its
+        state with long-range slots, as in the paper. `head_dim` is needed for the mLSTM's state.
+        """
         if self.topk == 0:
             if budget - self.sinks < 1:
                 raise ValueError(f"budget {budget} leaves no window after {self.sinks} sinks")
             return dataclasses.replace(self, window=budget - self.sinks)
-        topk = budget - self.sinks - self.window
+        if self.scorer == "mlstm" and head_dim is None:
+            raise ValueError("retarget needs head_dim for an mLSTM scorer (its state counts against the budget)")
+        state = self.scorer_state_slots(head_dim) if head_dim is not None else 0
+        topk = budget - self.sinks - self.window - state
         if topk < 0:
-            raise ValueError(f"budget {budget} < s + w = {self.sinks} + {self.window} of the checkpoint")
+            raise ValueError(f"budget {budget} < s + w + scorer state = {self.sinks} + {self.window} + {state} "
+                             "of the checkpoint")
         return dataclasses.replace(self, topk=topk)
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@
 Sources (`data`): a hub name (streamed by default), or local .jsonl/.json/.parquet/.arrow files
 given as one file, a directory (searched recursively; a `save_to_disk` directory is loaded as
 such) or a glob. `split`/`subset` apply to hub names and saved datasets; local files are one
-split.
+split. Several splits, comma-separated (`high_part00,high_part01,high_part02`, the paper's
+Nemotron-Math-v2 high-effort parts), are interleaved example by example (round robin, until
+every split is exhausted), a fixed order that resumes exactly.
 
 Text (`text_field`): "auto" takes the first of `text`, `messages`, `prompt+completion`,
 `prompt+answer` the columns have. A field holding a list of {role, content} is a chat, rendered
@@ -69,7 +71,8 @@ def resolve_source(data: str) -> _Source:
     """Decides what `data` names; raises FileNotFoundError naming it when a path matches nothing."""
     path = os.path.expanduser(data)
     if os.path.isdir(path):
-        if all(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json")):
+        if all(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json")) or \
+                os.path.isfile(os.path.join(path, "dataset_dict.json")):  # save_to_disk: a Dataset or DatasetDict
             return _Source("saved", path)
         files = [f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                  if os.path.isfile(f) and _extension(f) in _FORMATS]
@@ -149,19 +152,27 @@ def open_dataset(config: DocumentSpec, source: _Source | None = None):
         if empty:
             raise ValueError(f"data={config.data}: {empty[0]} is empty (no JSON records)")
     streaming = source.kind == "hub" if config.streaming is None else config.streaming
+    splits = [s.strip() for s in config.split.split(",") if s.strip()]
     try:
-        if source.kind == "saved":
-            ds = datasets.load_from_disk(source.location)
-            if isinstance(ds, datasets.DatasetDict):
-                if config.split not in ds:
-                    raise ValueError(f"split {config.split!r} not in {sorted(ds)}")
-                ds = ds[config.split]
-            return ds.to_iterable_dataset() if streaming else ds
         if source.kind == "files":
             return datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
                                          streaming=streaming, cache_dir=config.cache_dir)
-        return datasets.load_dataset(source.location, config.subset, split=config.split,
-                                     streaming=streaming, cache_dir=config.cache_dir)
+        if source.kind == "saved":
+            saved = datasets.load_from_disk(source.location)
+            if isinstance(saved, datasets.DatasetDict):
+                missing = [s for s in splits if s not in saved]
+                if missing:
+                    raise ValueError(f"split {missing[0]!r} not in {sorted(saved)}")
+                parts = [saved[s] for s in splits]
+            else:
+                parts = [saved]
+            parts = [p.to_iterable_dataset() if streaming else p for p in parts]
+        else:
+            parts = [datasets.load_dataset(source.location, config.subset, split=s, streaming=streaming,
+                                           cache_dir=config.cache_dir) for s in splits]
+        if len(parts) == 1:
+            return parts[0]
+        return datasets.interleave_datasets(parts, stopping_strategy="all_exhausted_without_replacement")
     except Exception as e:  # datasets raises many types; the user needs the path (and line) and the cause
         raise read_error(config, e, source) from e
 

@@ -186,7 +186,7 @@ def retention_objective(
         lse = targets.dense_lse(q, k)
     target = targets.future_attention_target(
         q, k, lse, window=c.window, eps=c.eps, aggregate=c.aggregate, normalize=c.count_normalize,
-        reduce=c.target_reduce,
+        reduce=c.target_reduce, lookahead=c.target_lookahead,
     )
     t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
     t_ranks = policy.ranks_from_priority(t_priority)

@@ -48,16 +48,19 @@ def hedgehog(z: jax.Array) -> jax.Array:
     return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1)
 
 
+FEATURE_MAPS = {"hedgehog": hedgehog, "softmax": lambda z: jax.nn.softmax(z, axis=-1)}
+
+
+def feature_projection_width(config: KVpopConfig, head_dim: int) -> int:
+    """Width of the q/k projections: d/2 for Hedgehog (its features double it), d for softmax (Eq. 37)."""
+    d = config.mlstm_features(head_dim)
+    return d // 2 if config.mlstm_feature_map == "hedgehog" else d
+
+
 def scorer_input(k: jax.Array, v: jax.Array) -> jax.Array:
     """`x = [k; v]` per KV head (Eq. 35), float32 and detached: [..., Hkv, D] x2 -> [..., Hkv, 2D]."""
     x = jnp.concatenate([k.astype(jnp.float32), v.astype(jnp.float32)], axis=-1)
     return jax.lax.stop_gradient(x)
-
-
-def mlstm_value_dim(config: KVpopConfig, head_dim: int) -> int:
-    """dv of the mLSTM memory C [d, dv]: the value projection's width (App. A: d/2)."""
-    del head_dim
-    return config.mlstm_dim // 2
 
 
 def delay_for(seq_len: int, window: int, delayed: bool) -> int:
@@ -192,13 +195,20 @@ def _headwise_init(scale: float = 1.0):
                                             batch_axis=(0,))
 
 
-def _pathway_init(pathway: int):
+def _pathway_init(pathway: int, identity: bool):
     """[H, 2D, e] weight that reads only the key (0) or value (1) half of x = [k; v] at init
-    (App. E.5: q/k features start from the key pathway, values from the value pathway)."""
+    (App. E.5: q/k features start from the key pathway, values from the value pathway).
+
+    identity: the identity-style mapping of E.5, output i = input coordinate i of the pathway
+    (zeros beyond min(D, e)); otherwise LeCun-normal on that half.
+    """
 
     def init(key, shape, dtype=jnp.float32):
         heads, two_d, e = shape
-        w = _headwise_init()(key, (heads, two_d // 2, e), dtype)
+        if identity:
+            w = jnp.broadcast_to(jnp.eye(two_d // 2, e, dtype=dtype), (heads, two_d // 2, e))
+        else:
+            w = _headwise_init()(key, (heads, two_d // 2, e), dtype)
         zeros = jnp.zeros_like(w)
         return jnp.concatenate([w, zeros] if pathway == 0 else [zeros, w], axis=1)
 
@@ -246,31 +256,38 @@ class MLPScorer(nn.Module):
 
 
 class MLSTMScorer(nn.Module):
-    """Headwise mLSTM scorer with Hedgehog features and delayed readout (Eq. 37-42).
+    """Headwise mLSTM scorer with delayed readout (Eq. 37-42); the options are `KVpopConfig.mlstm_*`.
 
-    Per KV head: q~, k~ = hedgehog(W x) with W: 2D -> d/2 (features d = mlstm_dim);
-    v~ = W_v x with W_v: 2D -> dv, dv = `value_dim` or d/2 (App. A: all three
-    projections are 2D -> d/2); scalar gates i = exp(i~), f = sigmoid(f~) with
-    pre-activations soft-capped to +-mlstm_gate_softcap; no output gate;
-    score = a^T SiLU(h) + b (Eq. 42 without the optional norm), `a` zero-initialized.
-    Forget-gate biases start at linspace(3, 6) over heads (long memory early, E.5),
-    input-gate biases at 0, gate weights small.
+    Per KV head, from x = [k; v] (2D): q~, k~ = phi(W x) with phi the Hedgehog map of a d/2
+    projection (features d; or softmax of a d projection), d = `mlstm_dim` or head_dim (App. A);
+    v~ = W_v x (2D -> d/2), or the cached value v itself (dv = D, E.5); scalar gates
+    i = exp(i~), f = sigmoid(f~) (Eq. 40), pre-activations soft-capped to +-mlstm_gate_softcap
+    (0: off); no output gate. Score (Eq. 42): `a^T SiLU(z) + b` with z = Norm(h) (headwise RMS
+    norm, optional) + W_s x_u (skip from the scored token itself, optional). `a` starts at zero
+    (neutral ranking, E.5); the projections start identity-style from the key pathway (q, k) and
+    the value pathway (v, skip) unless mlstm_init="random"; forget-gate biases at linspace(3, 6)
+    over heads (long memory early), input-gate biases at 0, gate weights small.
 
-    Decoding: `init_state`, `step` (write token q) and `readout` (score token u = q - w
-    from its cached k, v) are methods for `apply(..., method=...)`.
+    Decoding: `init_state`, `step` (write token q) and `readout` (score token u = q - w from its
+    cached k, v) are methods for `apply(..., method=...)`.
     """
 
     num_kv_heads: int
     head_dim: int
     config: KVpopConfig
-    value_dim: int | None = None
 
     def setup(self):
-        h, two_d, d = self.num_kv_heads, 2 * self.head_dim, self.config.mlstm_dim
-        f32 = jnp.float32
-        self.w_q = self.param("w_q", _pathway_init(0), (h, two_d, d // 2), f32)
-        self.w_k = self.param("w_k", _pathway_init(0), (h, two_d, d // 2), f32)
-        self.w_v = self.param("w_v", _pathway_init(1), (h, two_d, self.dv), f32)
+        c, h, two_d = self.config, self.num_kv_heads, 2 * self.head_dim
+        f32, identity = jnp.float32, c.mlstm_init == "identity"
+        width = feature_projection_width(c, self.head_dim)
+        self.w_q = self.param("w_q", _pathway_init(0, identity), (h, two_d, width), f32)
+        self.w_k = self.param("w_k", _pathway_init(0, identity), (h, two_d, width), f32)
+        if c.mlstm_value == "projection":
+            self.w_v = self.param("w_v", _pathway_init(1, identity), (h, two_d, self.dv), f32)
+        if c.mlstm_skip:
+            self.w_skip = self.param("w_skip", _pathway_init(1, identity), (h, two_d, self.dv), f32)
+        if c.mlstm_norm:
+            self.norm_scale = self.param("norm_scale", nn.initializers.ones, (h, self.dv), f32)
         self.w_gates = self.param("w_gates", _headwise_init(0.01), (h, two_d, 2), f32)  # [input, forget]
         self.b_igate = self.param("b_igate", nn.initializers.zeros, (h,), f32)
         self.b_fgate = self.param("b_fgate", _linspace_init(3.0, 6.0), (h,), f32)
@@ -278,29 +295,47 @@ class MLSTMScorer(nn.Module):
         self.b = self.param("b", nn.initializers.zeros, (h,), f32)
 
     @property
+    def d(self) -> int:
+        return self.config.mlstm_features(self.head_dim)
+
+    @property
     def dv(self) -> int:
-        return self.value_dim or mlstm_value_dim(self.config, self.head_dim)
+        return self.config.mlstm_value_dim(self.head_dim)
+
+    def _softcap(self, x: jax.Array) -> jax.Array:
+        cap = self.config.mlstm_gate_softcap
+        return cap * jnp.tanh(x / cap) if cap > 0 else x
 
     def features(self, k: jax.Array, v: jax.Array):
         """k, v [..., Hkv, D] -> q~, k~ [..., Hkv, d], v~ [..., Hkv, dv], log i, log f [..., Hkv].
 
-        Eq. 37 (Hedgehog features) and Eq. 40 (gates, pre-activations soft-capped).
+        Eq. 37 (feature map) and Eq. 40 (gates, pre-activations soft-capped).
         """
         x = scorer_input(k, v)
-        cap = self.config.mlstm_gate_softcap
-        q = hedgehog(jnp.einsum("...hi,hie->...he", x, self.w_q))
-        kk = hedgehog(jnp.einsum("...hi,hie->...he", x, self.w_k))
-        vv = jnp.einsum("...hi,hie->...he", x, self.w_v)
+        phi = FEATURE_MAPS[self.config.mlstm_feature_map]
+        q = phi(jnp.einsum("...hi,hie->...he", x, self.w_q))
+        kk = phi(jnp.einsum("...hi,hie->...he", x, self.w_k))
+        if self.config.mlstm_value == "projection":
+            vv = jnp.einsum("...hi,hie->...he", x, self.w_v)
+        else:
+            vv = x[..., self.head_dim:]  # the cached value itself (stop-gradient, float32)
         gates = jnp.einsum("...hi,hig->...hg", x, self.w_gates)
-        i_pre = cap * jnp.tanh((gates[..., 0] + self.b_igate) / cap)
-        f_pre = cap * jnp.tanh((gates[..., 1] + self.b_fgate) / cap)
+        i_pre = self._softcap(gates[..., 0] + self.b_igate)
+        f_pre = self._softcap(gates[..., 1] + self.b_fgate)
         return q, kk, vv, i_pre, jax.nn.log_sigmoid(f_pre)
 
-    def project(self, h: jax.Array) -> jax.Array:
-        """h [B, Hkv, ..., dv] -> scores [B, Hkv, ...] (Eq. 42)."""
-        a = self.a.reshape(self.a.shape[0], *([1] * (h.ndim - 3)), self.a.shape[1])
-        b = self.b.reshape(self.b.shape[0], *([1] * (h.ndim - 3)))
-        return jnp.sum(jax.nn.silu(h) * a, axis=-1) + b
+    def project(self, h: jax.Array, k_u: jax.Array, v_u: jax.Array) -> jax.Array:
+        """Readout h [B, Hkv, ..., dv] of tokens u with their cached k_u, v_u [B, ..., Hkv, D]
+        -> scores [B, Hkv, ...] (Eq. 42)."""
+        lead = (self.num_kv_heads,) + (1,) * (h.ndim - 3)
+        z = h
+        if self.config.mlstm_norm:
+            z = z * jax.lax.rsqrt(jnp.mean(z * z, axis=-1, keepdims=True) + 1e-6)
+            z = z * self.norm_scale.reshape(*lead, self.dv)
+        if self.config.mlstm_skip:
+            skip = jnp.einsum("b...hi,hie->bh...e", scorer_input(k_u, v_u), self.w_skip)
+            z = z + skip
+        return jnp.sum(jax.nn.silu(z) * self.a.reshape(*lead, self.dv), axis=-1) + self.b.reshape(lead)
 
     def __call__(self, k: jax.Array, v: jax.Array, mode: str = "chunkwise") -> jax.Array:
         """k, v [B, S, Hkv, D] -> scores [B, Hkv, S] float32; mode in MLSTM_MODES."""
@@ -312,11 +347,11 @@ class MLSTMScorer(nn.Module):
             h = mlstm_chunkwise(*feats, delay=delay, chunk=self.config.mlstm_chunk)
         else:
             h = _MLSTM_FORMS[mode](*feats, delay=delay)
-        return self.project(h)
+        return self.project(h, k, v)
 
     def init_state(self, batch: int) -> MLSTMState:
         """Empty state: C [B, Hkv, d, dv], n [B, Hkv, d], m [B, Hkv]."""
-        return mlstm_init_state(batch, self.num_kv_heads, self.config.mlstm_dim, self.dv)
+        return mlstm_init_state(batch, self.num_kv_heads, self.d, self.dv)
 
     def step(self, state: MLSTMState, k_t: jax.Array, v_t: jax.Array) -> MLSTMState:
         """Writes token t given its cached k_t, v_t [B, Hkv, D]."""
@@ -330,7 +365,7 @@ class MLSTMScorer(nn.Module):
         u = q - w (u = q without delay). This reproduces the parallel scores exactly.
         """
         q, *_ = self.features(k_u, v_u)
-        return self.project(mlstm_readout(state, q)[:, :, None])[:, :, 0]
+        return self.project(mlstm_readout(state, q)[:, :, None], k_u[:, None], v_u[:, None])[:, :, 0]
 
 
 SCORER_CLASSES = {"linear": LinearScorer, "mlp": MLPScorer, "mlstm": MLSTMScorer}

@@ -60,6 +60,7 @@ def future_attention_log_mass_reference(
     scale: float | None = None,
     block_size: int = 128,
     reduce: str = "sum",
+    lookahead: int | None = None,
 ) -> jax.Array:
     """log m̄_t (Eq. 31) by the transposed blockwise pass in plain XLA (Appendix D.2).
 
@@ -71,17 +72,19 @@ def future_attention_log_mass_reference(
       block_size: query positions per loop step; memory is O(B · Hq · S · block).
       reduce: "sum" (the paper's Eq. 31) or "max": log max_d exp(ℓ(d, t) − LSE_d), the
         strongest single future read of key t (an option beyond the paper).
+      lookahead: L (App. B.2), None = unbounded: only queries t + w <= d <= t + w + L count.
 
     Returns:
       float32 [B, Hq, S]: log m̄_t^(h,g) per query head and key position; −inf for keys
       with no future query (t + w >= S). Not differentiated (inputs are stop-gradient).
     """
-    check_log_mass_args(q, k, lse, window, reduce)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     scale = d**-0.5 if scale is None else scale
     q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
+    horizon = s if lookahead is None else window + lookahead  # d - t <= horizon
     blk, nblk, pad = _blocks(s, block_size)
 
     qg = jnp.pad(q.reshape(b, s, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
@@ -98,7 +101,8 @@ def future_attention_log_mass_reference(
         d_pos = start + jnp.arange(blk, dtype=jnp.int32)
         logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_h, q_b, preferred_element_type=jnp.float32)
         logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33: subtract the query normalizer
-        future = (d_pos[None, :] >= t_pos[:, None] + window) & (d_pos[None, :] < s)  # [S, blk]
+        ahead = d_pos[None, :] - t_pos[:, None]
+        future = (ahead >= window) & (ahead <= horizon) & (d_pos[None, :] < s)  # [S, blk]
         logits = jnp.where(future, logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at NEG_INF
         l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
@@ -120,13 +124,14 @@ def future_attention_log_mass_dense(
     scale: float | None = None,
     block_size: int = 128,
     reduce: str = "sum",
+    lookahead: int | None = None,
 ) -> jax.Array:
     """Brute-force check of `future_attention_log_mass_reference` (materializes [B, Hq, S, S]).
 
     Same signature and result; `block_size` is accepted and ignored.
     """
     del block_size
-    check_log_mass_args(q, k, lse, window, reduce)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -137,6 +142,8 @@ def future_attention_log_mass_dense(
     logits = logits - lse.astype(jnp.float32).reshape(b, hkv, g, s)[..., None]  # ℓ(d, t) − LSE_d
     pos = jnp.arange(s)
     future = pos[:, None] >= pos[None, :] + window  # [d, t]
+    if lookahead is not None:
+        future &= pos[:, None] <= pos[None, :] + window + lookahead
     logits = jnp.where(future, logits, -jnp.inf)
     if reduce == "max":
         return logits.max(axis=-2).reshape(b, hq, s)
@@ -190,9 +197,9 @@ def dense_lse(
 
 
 def _pallas(interpret: bool):
-    def run(q, k, lse, *, window, scale=None, reduce="sum"):
+    def run(q, k, lse, *, window, scale=None, reduce="sum", lookahead=None):
         kernel = functools.partial(future_attention_log_mass_pallas, window=window, scale=scale, reduce=reduce,
-                                   interpret=interpret)
+                                   lookahead=lookahead, interpret=interpret)
         return shd.shard_kernel(kernel, ("BSHD", "BSHD", "BHS"), "BHS")(q, k, lse)
 
     return run
@@ -210,22 +217,24 @@ FUTURE_ATTENTION_LOG_MASS = Op(
 
 
 def future_attention_log_mass(q, k, lse, *, window: int, scale: float | None = None, reduce: str = "sum",
-                              implementation: str | None = None) -> jax.Array:
+                              lookahead: int | None = None, implementation: str | None = None) -> jax.Array:
     """log m̄_t (Eq. 31) on the back end `FUTURE_ATTENTION_LOG_MASS` picks (contract of the reference).
 
     implementation: "xla" (`future_attention_log_mass_reference`), "pallas"
     (`pallas_kernels.future_lse`) or "pallas_interpret". None reads `$KVPOP_FUTURE_LSE_IMPL`,
     else picks the kernel on GPU and the XLA pass elsewhere. Under an active mesh the kernel
-    runs in shard_map over batch and heads. `reduce` ("sum" | "max") is part of the contract.
+    runs in shard_map over batch and heads. `reduce` ("sum" | "max") and `lookahead` (L) are
+    part of the contract.
     """
-    return FUTURE_ATTENTION_LOG_MASS(q, k, lse, window=window, scale=scale, reduce=reduce,
+    return FUTURE_ATTENTION_LOG_MASS(q, k, lse, window=window, scale=scale, reduce=reduce, lookahead=lookahead,
                                      implementation=implementation)
 
 
-def future_query_count(seq_len: int, window: int) -> jax.Array:
-    """N_t = max(1, S − (t + w)) (Eq. 2 / 16), float32 [S]."""
+def future_query_count(seq_len: int, window: int, lookahead: int | None = None) -> jax.Array:
+    """N_t = max(1, S − (t + w)) (Eq. 2 / 16), clipped to L + 1 with a lookahead L (B.2); float32 [S]."""
     t = jnp.arange(seq_len, dtype=jnp.float32)
-    return jnp.maximum(1.0, seq_len - (t + window))
+    count = jnp.maximum(1.0, seq_len - (t + window))
+    return count if lookahead is None else jnp.minimum(count, lookahead + 1.0)
 
 
 def future_attention_target(
@@ -240,6 +249,7 @@ def future_attention_target(
     scale: float | None = None,
     log_mass_fn: LogMassFn | None = None,
     reduce: str = "sum",
+    lookahead: int | None = None,
 ) -> jax.Array:
     """Future-utility target r_tgt per KV head (Eq. 2–3, DESIGN.md).
 
@@ -260,12 +270,13 @@ def future_attention_target(
       reduce: "sum" (the paper) or "max": m_t is the largest single future attention
         probability of key t (no count normalization: `normalize` is ignored). A key read
         once, decisively, then ranks above keys that collect small leaks from many queries.
+      lookahead: L (App. B.2): only the queries t + w <= d <= t + w + L count, and N_t <= L + 1.
 
     Returns:
       float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
       no gradient flows to q, k or lse.
     """
-    check_log_mass_args(q, k, lse, window, reduce)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead)
     if aggregate not in ("max", "mean"):
         raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
     if not eps > 0:
@@ -275,10 +286,10 @@ def future_attention_target(
     g = hq // hkv
     q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
     log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
-    log_m = log_mass_fn(q, k, lse, window=window, scale=scale, reduce=reduce)
+    log_m = log_mass_fn(q, k, lse, window=window, scale=scale, reduce=reduce, lookahead=lookahead)
     log_m = log_m.astype(jnp.float32).reshape(b, hkv, g, s)
     if normalize and reduce == "sum":
-        log_m = log_m - jnp.log(future_query_count(s, window))  # Eq. 2
+        log_m = log_m - jnp.log(future_query_count(s, window, lookahead))  # Eq. 2, B.2
     if aggregate == "max":
         log_agg = log_m.max(axis=2)  # Eq. 14
     else:

@@ -99,8 +99,9 @@ def check_attention_args(q, k, v, ranks, cutoffs, sinks, window) -> None:
         raise ValueError(f"need sinks >= 0 and window >= 1 (query q always sees t = q), got {sinks}, {window}")
 
 
-def check_log_mass_args(q, k, lse, window, reduce: str = "sum") -> None:
-    """The future log-mass inputs: q [B, S, Hq, D], k [B, S, Hkv, D], lse [B, Hq, S] (or None), w >= 0."""
+def check_log_mass_args(q, k, lse, window, reduce: str = "sum", lookahead=None) -> None:
+    """The future log-mass inputs: q [B, S, Hq, D], k [B, S, Hkv, D], lse [B, Hq, S] (or None), w >= 0,
+    lookahead None or >= 0."""
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must be [B, S, H, D], got q {q.shape} and k {k.shape}")
     b, s, hq, d = q.shape
@@ -114,3 +115,5 @@ def check_log_mass_args(q, k, lse, window, reduce: str = "sum") -> None:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if lookahead is not None:
+        check_int("lookahead", lookahead, 0)

@@ -43,6 +43,7 @@ class _Static:
     num_stages: int
     interpret: bool
     reduce: str  # "sum" (Eq. 31) or "max"
+    horizon: int  # queries with d - t <= horizon count (w + L with a lookahead L, else S)
 
 
 def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
@@ -59,7 +60,8 @@ def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
         q = q_ref[pl.ds(d_start, bq), :]
         lse2 = lse_ref[pl.ds(d_start, bq)] * LOG2E
         d_pos = d_start + lax.broadcasted_iota(jnp.int32, (bq,), 0)
-        future = (d_pos[None, :] >= t_pos[:, None] + st.window) & (d_pos < st.seq_len)[None, :]
+        ahead = d_pos[None, :] - t_pos[:, None]
+        future = (ahead >= st.window) & (ahead <= st.horizon) & (d_pos < st.seq_len)[None, :]
         logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = jnp.where(future, logits * logit_scale - lse2[None, :], NEG_INF)  # Eq. 33
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -68,7 +70,8 @@ def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
         return m_next, l_next
 
     first_q_block = lax.div(k_start + st.window, bq)  # the block holding d = k_start + w
-    num_q_blocks = -(-st.seq_len // bq)  # blocks of padding only are never read
+    last_needed = jnp.minimum(k_start + bk - 1 + st.horizon, st.seq_len - 1)  # the latest query any key reads
+    num_q_blocks = lax.div(last_needed, bq) + 1  # blocks of padding (or beyond the lookahead) are never read
     init = (jnp.full((bk,), NEG_INF, jnp.float32), jnp.zeros((bk,), jnp.float32))
     m, l = lax.fori_loop(first_q_block, num_q_blocks, body, init)
     has_future = l > 0.0  # l >= 1 as soon as one query is in the future of t
@@ -96,8 +99,8 @@ def _future_lse_padded(st: _Static, q, k, lse):
 
 
 def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | None = None, reduce: str = "sum",
-                                     interpret: bool = False, block_k: int = 64, block_q: int = 64,
-                                     num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                                     lookahead: int | None = None, interpret: bool = False, block_k: int = 64,
+                                     block_q: int = 64, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """log m̄_t (Eq. 31) by the Pallas transposed pass; contract of `future_attention_log_mass_reference`.
 
     Args:
@@ -106,6 +109,7 @@ def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | N
       window: w >= 0; key t collects mass from queries d with t + w <= d < S.
       scale: logit scale, default D ** -0.5.
       reduce: "sum" (Eq. 31) or "max" (log of the largest single future attention weight).
+      lookahead: L (App. B.2): only queries t + w <= d <= t + w + L count; None = all later ones.
       interpret: run in Pallas interpret mode (CPU tests).
       block_k, block_q: keys per program and queries per loop step; powers of 2 >= 16,
         shrunk to the padded sequence when S is short.
@@ -118,7 +122,7 @@ def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | N
     S is padded to a multiple of the blocks and D to a power of 2 >= 16 inside; padded
     queries are masked and padded keys dropped.
     """
-    check_log_mass_args(q, k, lse, window, reduce)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     blocks = [fit_block(x, s) for x in (block_k, block_q)]
@@ -135,6 +139,7 @@ def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | N
         num_stages=num_stages,
         interpret=bool(interpret),
         reduce=reduce,
+        horizon=s if lookahead is None else int(window) + int(lookahead),
     )
     q, k, lse = (lax.stop_gradient(x) for x in (q, k, lse))
     if q.dtype != k.dtype:  # one dot operand type; the reference accumulates in f32 either way

@@ -88,6 +88,23 @@ def test_cache_memory_is_constant(rng):
     assert long.layers[0].k.shape == (1, BASE.num_key_value_heads, kv.budget, BASE.head_dim)
 
 
+@pytest.mark.parametrize("options", [
+    dict(mlstm_feature_map="softmax", mlstm_value="cached", mlstm_norm=True),
+    dict(mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_init="random", mlstm_dim=8),
+])
+def test_mlstm_variants_decode_equals_masked_forward(rng, options):
+    """Every App. E.5 option keeps the key invariant (prompt shorter than B, then longer)."""
+    kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, **options)
+    model, params = kvpop_model(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 36)))
+    full = model.apply({"params": params}, ids).logits
+    for prompt_len in (5, 20):
+        decoded, cache = teacher_forced(model, params, ids, prompt_len)
+        np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
+    state = cache.layers[0].scorer_state
+    assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
+
+
 def test_wrong_batch_or_several_tokens_after_the_prefill_are_errors_not_logits(rng):
     """Issue 13: a batch-1 cache fed 2 rows broadcast silently; a 3-token step after the prefill was off
     by 0.22 from the parallel forward. Both are ValueErrors now, for the KVpop and the baseline caches."""

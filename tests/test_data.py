@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from demo.tokenizer import build_tokenizer, save_tokenizer
-from kvpop_jax.documents import load_documents, resolve_source
+from kvpop_jax.documents import DocumentSpec, load_documents, resolve_source
 from train.packing import DataConfig, PackedBatchIterator
 
 CHARS = list("abcdefghij0123456789 ")
@@ -323,3 +323,18 @@ def test_hosts_get_disjoint_covering_slices(tmp_path, rng, process_count):
             parts = [h[step][key] for h in hosts]
             assert all(p.shape[0] == B // process_count for p in parts)
             np.testing.assert_array_equal(np.concatenate(parts), value, err_msg=key)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_several_splits_are_interleaved(tmp_path, streaming):
+    """The paper reads Nemotron-Math-v2's high_part00..02: comma-separated splits interleave round robin."""
+    import datasets
+
+    parts = {"p0": ["a0", "a1", "a2"], "p1": ["b0"], "p2": ["c0", "c1"]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in parts.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    spec = DocumentSpec(str(tmp_path / "saved"), split="p0,p1,p2", streaming=streaming)
+    assert list(load_documents(spec)) == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert list(load_documents(DocumentSpec(str(tmp_path / "saved"), split="p1"))) == ["b0"]
+    with pytest.raises(ValueError, match="split 'p3' not in"):
+        list(load_documents(DocumentSpec(str(tmp_path / "saved"), split="p0,p3")))

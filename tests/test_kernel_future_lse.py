@@ -73,6 +73,16 @@ def test_kernel_max_reduction_matches_references(rng, seq, window):
     assert_log_mass_close(via, want, 1e-5)
 
 
+@pytest.mark.parametrize("seq, window, lookahead, blocks", [(75, 5, 0, (16, 16)), (75, 5, 20, (16, 32)),
+                                                            (64, 3, 200, (32, 16)), (40, 1, 7, (16, 16))])
+def test_kernel_lookahead_matches_references(rng, seq, window, lookahead, blocks):
+    q, k, lse = random_inputs(rng, seq, 4, 2, 16, jnp.float32, "dense")
+    kw = dict(window=window, lookahead=lookahead)
+    got = future_lse(q, k, lse, interpret=True, block_k=blocks[0], block_q=blocks[1], **kw)
+    assert_log_mass_close(got, targets.future_attention_log_mass_dense(q, k, lse, **kw), 1e-5)
+    assert_log_mass_close(got, targets.future_attention_log_mass_reference(q, k, lse, block_size=16, **kw), 1e-5)
+
+
 def test_scale_and_log_mass_of_dense_lse(rng):
     """Custom scale; with the dense LSE and w = 0 the masses of each query sum to one."""
     seq, hq, hkv, d, scale = 37, 2, 1, 16, 0.37

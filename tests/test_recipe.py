@@ -23,9 +23,9 @@ def test_variant_flags(tmp_path, arch):
     assert cfg.steps == 10 and cfg.optim.warmup_steps == 0  # --quick: a quarter of 40 steps and 2 warmup
     assert cfg.run_dir == str(tmp_path) + "-quick" and cfg.checkpoint_dir.startswith(cfg.run_dir)
     assert cfg.evaluation.problems == 10 and cfg.evaluation.compression_ratios == (0.75, 0.88)
-    plus = variant_kvpop(cfg.kvpop, "streamingllm+")
+    plus = variant_kvpop(cfg.kvpop, "streamingllm+", cfg.head_dim)
     assert (plus.topk, plus.window, plus.budget) == (0, 32, cfg.kvpop.budget)  # same B, no long-range slots
-    assert variant_kvpop(cfg.kvpop, "kvpop-mlstm").scorer == "mlstm"
+    assert variant_kvpop(cfg.kvpop, "kvpop-mlstm", cfg.head_dim).scorer == "mlstm"
     for overrides, message in ((dict(variants="kvpop-gru"), "unknown variant 'kvpop-gru'"),
                                (dict(variants="kvpop-mlp", eval_methods="dense,kvpop-mlstm"), "kvpop-mlstm"),
                                (dict(eval_methods="dense", eval_crs="0.9,1.5"), "eval_crs"),

@@ -134,3 +134,15 @@ def test_metrics_torn_last_line_is_dropped_and_a_bad_middle_line_named(tmp_path,
     with pytest.raises(FlagError, match=r"metrics.jsonl line 2 is not a metrics record"):
         read_metrics(str(path), 3)
     assert read_metrics(str(tmp_path / "missing.jsonl"), 3) == []
+
+
+def test_every_kvpop_flag_named_by_the_resume_check_exists():
+    from absl import flags
+
+    from train.flags import define_flags
+    from train.run_dir import KVPOP_FLAGS, RESUME_KVPOP_FIELDS
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    assert [f for f in KVPOP_FLAGS if f not in fv] == []
+    assert set(KVPOP_FLAGS) <= set(RESUME_KVPOP_FIELDS)

@@ -1,6 +1,7 @@
 """Scorers: the three mLSTM forms agree, decoding reproduces them, delayed readout is
 causal, inputs are detached, zero-init is neutral, weights are headwise."""
 
+import dataclasses
 import functools
 
 import jax
@@ -191,3 +192,110 @@ def test_make_scorer_and_shapes(rng):
         module.apply({"params": params}, k, v, mode="fast")
     feats = hedgehog(jnp.asarray(rng.normal(size=(3, 4)), jnp.float32))
     np.testing.assert_allclose(feats.sum(-1), 2.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- App. E.5 variants
+
+VARIANTS = [
+    dict(),  # the paper's main configuration
+    dict(mlstm_feature_map="softmax"),
+    dict(mlstm_value="cached"),
+    dict(mlstm_skip=True),
+    dict(mlstm_norm=True),
+    dict(mlstm_gate_softcap=0.0),
+    dict(mlstm_init="random"),
+    dict(mlstm_feature_map="softmax", mlstm_value="cached", mlstm_skip=True, mlstm_norm=True, delayed_readout=False),
+]
+
+
+def _softmax_np(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _scorer_numpy(params, config, k, v):
+    """The whole mLSTM scorer from its definition (Eq. 37-42), float64, unstabilized recurrence."""
+    p = {name: np.asarray(x, np.float64) for name, x in params.items()}
+    x = np.concatenate([np.asarray(k, np.float64), np.asarray(v, np.float64)], -1)  # [B, S, H, 2D]
+    phi = ((lambda z: np.concatenate([_softmax_np(z), _softmax_np(-z)], -1))
+           if config.mlstm_feature_map == "hedgehog" else _softmax_np)
+    q = phi(np.einsum("bshi,hie->bhse", x, p["w_q"]))
+    kk = phi(np.einsum("bshi,hie->bhse", x, p["w_k"]))
+    vv = (np.einsum("bshi,hie->bhse", x, p["w_v"]) if config.mlstm_value == "projection"
+          else np.moveaxis(np.asarray(v, np.float64), 1, 2))
+    gates = np.einsum("bshi,hig->bhsg", x, p["w_gates"])
+    cap = config.mlstm_gate_softcap
+    soft = (lambda z: cap * np.tanh(z / cap)) if cap > 0 else (lambda z: z)
+    i = soft(gates[..., 0] + p["b_igate"][None, :, None])
+    log_f = -np.logaddexp(0.0, -soft(gates[..., 1] + p["b_fgate"][None, :, None]))
+    s = x.shape[1]
+    h = _numpy_unstabilized(q, kk, vv, i, log_f, delay=min(config.window, s - 1) if config.delayed_readout else 0)
+    z = h
+    if config.mlstm_norm:
+        z = z / np.sqrt(np.mean(z * z, -1, keepdims=True) + 1e-6) * p["norm_scale"][None, :, None]
+    if config.mlstm_skip:
+        z = z + np.einsum("bshi,hie->bhse", x, p["w_skip"])
+    return np.einsum("bhse,he->bhs", z / (1 + np.exp(-z)), p["a"]) + p["b"][None, :, None]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "main")
+def test_scorer_variants_match_numpy_definition_and_decode(rng, overrides):
+    s, window = 11, 3
+    config = _config(window=window, **overrides)
+    module = MLSTMScorer(num_kv_heads=H, head_dim=D, config=config)
+    k, v = _kv(rng, s)
+    variables = _randomized(module, rng, k, v)
+    got = jax.jit(module.apply)(variables, k, v)
+    want = _scorer_numpy(variables["params"], config, k, v)
+    assert float(np.std(want)) > 1e-2  # not vacuous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # Decoding (step, then readout of u = q - w) reproduces the parallel scores.
+    w = window if config.delayed_readout else 0
+    state = module.apply(variables, B, method=MLSTMScorer.init_state)
+    assert state.C.shape == (B, H, config.mlstm_features(D), config.mlstm_value_dim(D))
+    step = jax.jit(functools.partial(module.apply, method=MLSTMScorer.step))
+    readout = jax.jit(functools.partial(module.apply, method=MLSTMScorer.readout))
+    decoded = np.full((B, H, s), np.nan, np.float32)
+    for q in range(s):
+        state = step(variables, state, k[:, q], v[:, q])
+        if q - w >= 0:
+            decoded[:, :, q - w] = readout(variables, state, k[:, q - w], v[:, q - w])
+    for u in range(s - w, s):
+        decoded[:, :, u] = readout(variables, state, k[:, u], v[:, u])
+    np.testing.assert_allclose(decoded, got, rtol=1e-5, atol=1e-5)
+
+
+def test_identity_style_init_reads_the_key_and_value_pathways(rng):
+    config = _config(mlstm_dim=None, mlstm_skip=True)
+    module = MLSTMScorer(num_kv_heads=H, head_dim=D, config=config)
+    k, v = _kv(rng, 4)
+    params = module.init(jax.random.key(0), k, v)["params"]
+    eye = np.eye(D, D // 2)
+    for name, pathway in (("w_q", 0), ("w_k", 0), ("w_v", 1), ("w_skip", 1)):
+        w = np.asarray(params[name])
+        assert w.shape == (H, 2 * D, D // 2), name  # App. A: 2D -> d/2 with d = head_dim
+        np.testing.assert_array_equal(w[:, pathway * D:(pathway + 1) * D], np.broadcast_to(eye, (H, D, D // 2)))
+        np.testing.assert_array_equal(w[:, (1 - pathway) * D:(2 - pathway) * D], 0.0)
+    q, kk, vv, _, _ = module.apply({"params": params}, k, v, method=MLSTMScorer.features)
+    np.testing.assert_allclose(vv, np.asarray(v)[..., : D // 2], rtol=1e-6)  # v~ = the value's first d/2 coords
+    np.testing.assert_allclose(q, hedgehog(k[..., : D // 2].astype(jnp.float32)), rtol=1e-6)
+    random = MLSTMScorer(num_kv_heads=H, head_dim=D, config=_config(mlstm_init="random"))
+    w = np.asarray(random.init(jax.random.key(0), k, v)["params"]["w_q"])
+    assert np.all(w[:, D:] == 0) and np.abs(w[:, :D]).min() > 0  # random, on the key half only
+
+
+def test_state_slots_and_memory_matched_topk():
+    kv = KVpopConfig(scorer="mlstm", sinks=4, window=256, topk=2016)
+    # Qwen3: d = 128 features, dv = 64: C + n + m = 8321 numbers = 32.5 entries of 2 x 128.
+    assert kv.scorer_state_slots(128) == 33
+    mlp = kv.memory_matched("mlp", 128)
+    assert mlp.scorer == "mlp" and mlp.topk == 2016 + 33 and mlp.scorer_state_slots(128) == 0
+    assert mlp.memory_matched("mlstm", 128) == kv
+    cached = dataclasses.replace(kv, mlstm_value="cached")
+    assert cached.scorer_state_slots(128) == -(-(128 * 128 + 129) // 256)
+    with pytest.raises(ValueError, match="even"):
+        KVpopConfig(scorer="mlstm", mlstm_dim=7)
+    with pytest.raises(ValueError, match="mlstm_feature_map"):
+        KVpopConfig(mlstm_feature_map="relu")
+    with pytest.raises(ValueError, match="mlstm_gate_softcap"):
+        KVpopConfig(mlstm_gate_softcap=-1.0)

@@ -238,3 +238,30 @@ def test_max_reduction_matches_reference_and_numpy(rng, s, block, window):
     np.testing.assert_allclose(np.asarray(tgt), np.log(eps + p), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="reduce"):
         targets.future_attention_target(q, k, dense, window=window, eps=eps, reduce="mean")
+
+
+@pytest.mark.parametrize("s, block, window, lookahead", [(37, 8, 3, 0), (37, 8, 3, 5), (20, 4, 2, 40), (16, 16, 1, 7)])
+def test_lookahead_limits_the_future_queries(rng, s, block, window, lookahead):
+    """App. B.2: only queries t + w <= d <= t + w + L count, and N_t is clipped to L + 1."""
+    hkv, g, eps = 2, 2, 1e-4
+    q, k = _qk(rng, s, hkv, g)
+    p = _np_dense_probs(q, k)  # [B, Hq, d, t]
+    d, t = np.arange(s)[:, None], np.arange(s)[None, :]
+    band = (d >= t + window) & (d <= t + window + lookahead)
+    mass = np.where(band, p, 0.0).sum(axis=2)  # [B, Hq, t]
+    with np.errstate(divide="ignore"):
+        want = np.log(mass)
+    lse = targets.dense_lse(q, k)
+    for fn in (functools.partial(targets.future_attention_log_mass_reference, block_size=block),
+               targets.future_attention_log_mass_dense):
+        got = np.asarray(fn(q, k, lse, window=window, lookahead=lookahead))
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.isfinite(got), finite)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+    count = np.minimum(np.maximum(1, s - (np.arange(s) + window)), lookahead + 1)
+    np.testing.assert_array_equal(np.asarray(targets.future_query_count(s, window, lookahead)), count)
+    target = targets.future_attention_target(q, k, lse, window=window, eps=eps, lookahead=lookahead)
+    m = (mass / count).reshape(B, hkv, g, s).max(axis=2)
+    np.testing.assert_allclose(np.asarray(target), np.log(eps + m), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="lookahead"):
+        targets.future_attention_log_mass(q, k, lse, window=window, lookahead=-1)

@@ -110,6 +110,25 @@ def test_paper_recipes_parse(tmp_path, monkeypatch):
         assert cfg.compute_dtype == "bfloat16" and cfg.teacher_dtype == "bfloat16"
 
 
+def test_paper_recipes_follow_app_a_and_mlp_recipes_are_memory_matched(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+
+    def recipe(name):
+        fv = flags.FlagValues()
+        define_flags(fv)
+        fv(["train", f"--flagfile={REPO}/configs/{name}.flags", f"--run_dir={tmp_path}", "--dry_run"])
+        return config_from_flags(fv, on_accelerator=True)
+
+    for model in ("4b", "8b"):
+        for cr in ("75", "88"):
+            mlstm, mlp = recipe(f"qwen3_{model}_cr{cr}"), recipe(f"qwen3_{model}_cr{cr}_mlp")
+            assert mlstm.head_dim == 128 and mlstm.kvpop.mlstm_features(128) == 128  # App. A: d = head_dim
+            assert mlstm.kvpop.mlstm_value_dim(128) == 64 and mlstm.kvpop.mlstm_init == "identity"
+            assert mlstm.data.split == "high_part00,high_part01,high_part02"
+            assert mlp.kvpop.scorer == "mlp" and mlp.kvpop.topk == mlstm.kvpop.topk + 33
+            assert mlp.kvpop.memory(128) == mlstm.kvpop.memory(128)
+
+
 # ------------------------------------------------------------------------------ optimizer
 
 

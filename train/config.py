@@ -58,14 +58,15 @@ class OptimConfig:
 VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
 
 
-def variant_kvpop(kvpop: KVpopConfig, name: str) -> KVpopConfig:
-    """The KVpopConfig of retrofit variant `name` built from the flags' `kvpop`."""
-    if name == "kvpop-mlstm":
-        return dataclasses.replace(kvpop, scorer="mlstm")
-    if name == "kvpop-mlp":
-        return dataclasses.replace(kvpop, scorer="mlp")
+def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
+    """The KVpopConfig of retrofit variant `name` built from the flags' `kvpop`, at the same memory
+    per KV head (`KVpopConfig.memory`): the flags' scorer state counts, so a stateless scorer gets
+    the mLSTM state's memory as extra long-range slots (the paper's memory-matched comparison) and
+    StreamingLLM+ (k = 0) gets it as window."""
+    if name in ("kvpop-mlstm", "kvpop-mlp"):
+        return kvpop.memory_matched(name.removeprefix("kvpop-"), head_dim)
     if name == "streamingllm+":
-        return dataclasses.replace(kvpop, window=kvpop.window + kvpop.topk, topk=0)
+        return dataclasses.replace(kvpop, scorer="mlp", window=kvpop.memory(head_dim) - kvpop.sinks, topk=0)
     raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -96,6 +97,7 @@ class TrainConfig:
     run_dir: str
     init_checkpoint: str | None
     model_config: str | None
+    head_dim: int  # of the model (sizes the mLSTM state in memory-matched comparisons)
     tokenizer: str | None
     seed: int
     kvpop: KVpopConfig

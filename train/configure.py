@@ -10,7 +10,7 @@ from absl import flags
 
 from demo.task import make_config
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
-from kvpop_jax.config import KVpopConfig
+from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
                           check_export_dir, resolve_model_config, variant_kvpop)
@@ -46,7 +46,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     try:
         kvpop = KVpopConfig(
             sinks=f.sinks, window=f.window, topk=f.topk, scorer=f.scorer, scorer_hidden=f.scorer_hidden,
-            mlstm_dim=f.mlstm_dim, gamma_min=f.gamma_min, gamma_max=f.gamma_max,
+            mlstm_dim=f.mlstm_dim, mlstm_feature_map=f.mlstm_feature_map, mlstm_value=f.mlstm_value,
+            mlstm_skip=f.mlstm_skip, mlstm_norm=f.mlstm_norm, mlstm_init=f.mlstm_init,
+            mlstm_gate_softcap=f.mlstm_gate_softcap, target_lookahead=f.target_lookahead,
+            gamma_min=f.gamma_min, gamma_max=f.gamma_max,
             loss_temperature=f.loss_temperature, margin_weighting=f.margin_weighting,
             balance_weighting=f.balance_weighting, normalizer=f.normalizer, aggregate=f.aggregate,
             target_reduce=f.target_reduce,
@@ -79,12 +82,17 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise FlagError("mesh axes (--mesh_data/--mesh_fsdp/--mesh_tensor) must be >= 1 or -1")
 
     variants = tuple(dict.fromkeys(v.strip() for v in f.variants if v.strip()))
+    head_dim = _head_dim(f)
+    try:
+        kvpop.memory(head_dim)  # the scorer fits the model (e.g. an even Hedgehog feature dim)
+    except ValueError as e:
+        raise FlagError(f"--mlstm_dim/--mlstm_feature_map: {e}") from e
     for name in variants:
         try:
-            variant_kvpop(kvpop, name)
+            variant_kvpop(kvpop, name, head_dim)
         except ValueError as e:
             raise FlagError(f"--variants={name}: {e}") from e
-    evaluation = evaluation_from_flags(f, kvpop, variants)
+    evaluation = evaluation_from_flags(f, kvpop, variants, head_dim)
     steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
@@ -128,7 +136,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     export_dir = f.export_dir or os.path.join(run_dir, "export")
     check_export_dir(export_dir, f.init_checkpoint)
     return TrainConfig(
-        run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config,
+        run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,
         demo_seq_len=f.demo_seq_len, seq_len=f.seq_len, global_batch=f.global_batch, micro_batch=micro,
         optim=optim, mesh=MeshConfig(f.mesh_data, f.mesh_fsdp, f.mesh_tensor, f.distributed),
@@ -151,7 +159,21 @@ def check_float_flags(fv: flags.FlagValues) -> None:
             raise FlagError(f"--{name}={flag.value} is not a finite number")
 
 
-def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...]) -> EvalConfig | None:
+def _head_dim(f) -> int:
+    """head_dim of the model the flags name (--model_config, random:NAME or the init checkpoint)."""
+    if f.model_config:
+        path = resolve_model_config(f.model_config)
+    elif f.init_checkpoint and f.init_checkpoint.startswith("random:"):
+        path = resolve_model_config(f.init_checkpoint.removeprefix("random:"))
+    else:
+        path = os.path.join(f.init_checkpoint, "config.json")
+    try:
+        return Qwen3Config.from_hf(path).head_dim
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FlagError(f"cannot read the model's config.json at {path}: {e}") from e
+
+
+def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head_dim: int) -> EvalConfig | None:
     """The `--eval_*` flags as an EvalConfig (None without --eval_methods), checked before any training."""
     methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
     if not methods:
@@ -175,7 +197,7 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...]) -> E
         budget = KVpopConfig.budget_at(cr, f.eval_prompt_len)
         for m in (m for m in methods if m in trained):
             try:
-                (variant_kvpop(kvpop, m) if variants else kvpop).retarget(budget)
+                (variant_kvpop(kvpop, m, head_dim) if variants else kvpop).retarget(budget, head_dim)
             except ValueError as e:
                 raise FlagError(f"--eval_crs={cr} at --eval_prompt_len={f.eval_prompt_len} (B = {budget}) does "
                                 f"not fit {m}: {e}") from e

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from kvpop_jax.config import AGGREGATIONS, NORMALIZERS, SCORERS, TARGET_REDUCTIONS
+from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORERS,
+                              TARGET_REDUCTIONS)
 from kvpop_jax.modeling import REMAT_POLICIES
 from train.config import DTYPES, VARIANTS
 
@@ -41,7 +42,16 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("topk", 2016, "k: long-range budget (0: StreamingLLM+, a fixed pattern).", **d)
     flags.DEFINE_enum("scorer", "mlstm", SCORERS, "Importance scorer.", **d)
     flags.DEFINE_integer("scorer_hidden", 64, "MLP scorer hidden width per KV head.", **d)
-    flags.DEFINE_integer("mlstm_dim", 32, "mLSTM feature dim per head.", **d)
+    flags.DEFINE_integer("mlstm_dim", None, "mLSTM feature dim d per head (default: head_dim, App. A).", **d)
+    flags.DEFINE_enum("mlstm_feature_map", "hedgehog", list(FEATURE_MAPS), "mLSTM feature map (Eq. 37).", **d)
+    flags.DEFINE_enum("mlstm_value", "projection", list(MLSTM_VALUES),
+                      "mLSTM values: a projection of [k; v] or the cached values themselves (App. E.5).", **d)
+    flags.DEFINE_bool("mlstm_skip", False, "Skip connection from the scored token to the score projection (E.5).",
+                      **d)
+    flags.DEFINE_bool("mlstm_norm", False, "Headwise RMS norm of the mLSTM readout (Eq. 42).", **d)
+    flags.DEFINE_enum("mlstm_init", "identity", list(MLSTM_INITS),
+                      "mLSTM projections: identity-style from the key/value pathways (E.5) or random.", **d)
+    flags.DEFINE_float("mlstm_gate_softcap", 15.0, "Soft-cap of the mLSTM gate pre-activations (0: off).", **d)
     flags.DEFINE_float("gamma_min", 0.999, "Decay min.", **d)
     flags.DEFINE_float("gamma_max", 0.999999, "Decay max.", **d)
     flags.DEFINE_float("loss_temperature", 1.0, "Pairwise (retention) loss temperature τ.", **d)
@@ -52,6 +62,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum("target_reduce", "sum", TARGET_REDUCTIONS,
                       "Reduction of a key's future attention: sum (the paper's mass, Eq. 2, divided by "
                       "N_t) or max (its strongest single read; not in the paper).", **d)
+    flags.DEFINE_integer("target_lookahead", None,
+                         "L: only queries up to t + w + L count for key t's target, N_t <= L + 1 (App. B.2; "
+                         "default: unbounded).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
@@ -59,7 +72,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("kl_temperature", 1.0, "KL temperature.", **d)
     # --- data
     flags.DEFINE_string("data", None, "Hub dataset, local file/dir/glob, or demo:N (generated demo traces).", **d)
-    flags.DEFINE_string("data_split", "train", "Split (hub names and saved datasets).", **d)
+    flags.DEFINE_string("data_split", "train", "Split (hub names and saved datasets); several, comma-separated, "
+                        "are interleaved (e.g. high_part00,high_part01,high_part02).", **d)
     flags.DEFINE_string("data_subset", None, "Hub dataset config name.", **d)
     flags.DEFINE_string("text_field", "auto", "Text field: auto, a column, or a+b.", **d)
     flags.DEFINE_bool("shuffle", True, "Shuffle documents (deterministic in --seed).", **d)

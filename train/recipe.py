@@ -59,7 +59,7 @@ def check_targets(scores: dict[str, float]) -> list[tuple[str, bool | None]]:
 def variant_config(cfg: TrainConfig, name: str, init_dir: str, tokenizer_dir: str) -> TrainConfig:
     """The TrainConfig of one variant: its KVpop settings, RUN_DIR/NAME, the shared init and tokenizer."""
     run_dir = os.path.join(cfg.run_dir, name)
-    return dataclasses.replace(cfg, kvpop=variant_kvpop(cfg.kvpop, name), run_dir=run_dir,
+    return dataclasses.replace(cfg, kvpop=variant_kvpop(cfg.kvpop, name, cfg.head_dim), run_dir=run_dir,
                                export_dir=os.path.join(run_dir, "export"), init_checkpoint=init_dir,
                                tokenizer=tokenizer_dir, variants=(), evaluation=None, export=True)
 
@@ -129,7 +129,7 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
                         sinks=cfg.kvpop.sinks, problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress)
     recall = {}
     if ev.recall_sequences:
-        for name in (m for m in ev.methods if m in exports and variant_kvpop(cfg.kvpop, m).topk > 0):
+        for name in (m for m in ev.methods if m in exports and variant_kvpop(cfg.kvpop, m, cfg.head_dim).topk > 0):
             result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
                                 out_dir=os.path.join(out, f"recall_{name}"), progress=cfg.progress)
             recall[name] = result.global_mean

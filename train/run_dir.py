@@ -37,11 +37,13 @@ RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tb", TRAIN_CONFIG_FILE)
 
 # Settings a resumed run must keep: the KVpop fields that shape the parameters or the policy
 # (flag name, or the field for those without a flag), the sequence length, batch and dtype.
-RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_chunk",
-                       "mlstm_gate_softcap", "delayed_readout", "gamma_min", "gamma_max", "decay_step", "eps",
-                       "aggregate", "count_normalize", "normalizer", "target_reduce")
-KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max",
-               "aggregate", "normalizer", "target_reduce")
+RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map",
+                       "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_chunk", "mlstm_gate_softcap",
+                       "delayed_readout", "gamma_min", "gamma_max", "decay_step", "eps", "aggregate",
+                       "count_normalize", "normalizer", "target_reduce", "target_lookahead")
+KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map", "mlstm_value",
+               "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
+               "normalizer", "target_reduce", "target_lookahead")
 RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len")
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
