@@ -255,11 +255,12 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
         train(parse(tiny_flags(run, arch, steps=3, kl_topk=100000)))
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "loss": 2.6')  # a kill mid-write
-    out = train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=2)))
-    assert out["resumed_from"] == 2 and _steps(run) == [2, 3]
-    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    # the same flags resume (nothing left to train: no second compile; the subprocess test resumes mid-run)
+    out = train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, log_every=2)))
+    assert out["resumed_from"] == 2 and _steps(run) == [2]
+    assert [m["step"] for m in _metrics(run)] == [1, 2]  # the torn line is gone
     assert all(m["state_finite"] == 1.0 for m in _metrics(run))
-    assert json.load(open(os.path.join(run, "train_config.json")))["optim"]["steps"] == 3
+    assert json.load(open(os.path.join(run, "train_config.json")))["log_every"] == 2  # rewritten after the restore
 
 
 def test_non_finite_updated_state_aborts_without_saving_or_exporting(tmp_path, arch):

@@ -83,7 +83,7 @@ def main(argv):
         raise app.UsageError("--checkpoint and --out are required")
     try:
         config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"exported step {step} ({config.num_hidden_layers} layers, kvpop={config.kvpop is not None}) to {FLAGS.out}")
