@@ -235,7 +235,8 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 def check_params(config: Qwen3Config, params: dict) -> dict[str, Any]:
     """The params flattened ("a/b/c" -> array), checked against `config`: the same leaves, the
-    config's shapes, a float dtype and finite values. Raises ValueError naming the first bad leaf."""
+    config's shapes and a float dtype. Raises ValueError naming the first bad leaf (save_pretrained
+    also refuses non-finite values, checked as each tensor is converted)."""
     flat = traverse_util.flatten_dict(dict(params), sep="/")
     expected = traverse_util.flatten_dict(abstract_params(config), sep="/")
     missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))

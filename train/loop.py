@@ -24,17 +24,17 @@ from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
-from kvpop_jax.fileio import atomic_write_bytes
 from kvpop_jax import sharding as shd
+from kvpop_jax.fileio import atomic_write_bytes
 from train import optim
 from train import step as st
 from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
-from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, next_rows, prepare_data,
-                         prepare_init_checkpoint, run_tokenizer, step_config, to_global, with_shardings)
 from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_run_dir, prepare_run_dir,
                            read_metrics)
+from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, next_rows, prepare_data,
+                         prepare_init_checkpoint, run_tokenizer, step_config, to_global, with_shardings)
 from train.teacher_cache import read_teacher_topk
 
 CHECKED_TERMS = ("kl", "retention_loss", "loss", "grad_norm")
@@ -140,8 +140,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     check_export_dir(cfg.export_dir, cfg.init_checkpoint)
-    if jax.process_index() == 0:
-        prepare_run_dir(cfg)
+    prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("run folder prepared")
     mesh = build_mesh(cfg)

@@ -94,13 +94,14 @@ def checkpoint_steps(cfg: TrainConfig) -> list[int]:
     return sorted(int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit())
 
 
-def prepare_run_dir(cfg: TrainConfig) -> None:
-    """--overwrite deletes the run's outputs; without it, --noresume over a run is refused."""
+def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
+    """--overwrite deletes the run's outputs (where `delete`: process 0); without it, --noresume over
+    a run is refused."""
     steps = checkpoint_steps(cfg)
     metrics = os.path.join(cfg.run_dir, METRICS_FILE)
     logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
     if cfg.overwrite:
-        for name in RUN_OUTPUTS:
+        for name in RUN_OUTPUTS if delete else ():
             path = os.path.join(cfg.run_dir, name)
             if os.path.isdir(path):
                 shutil.rmtree(path)
