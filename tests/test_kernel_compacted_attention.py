@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL_BLOCKS, TRITON_TARGETS, assert_close, random_qkv, random_ranks, running_cutoffs_np
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax.attention import kvpop_attention_reference
 from pallas_kernels.compacted_attention import (
     kvpop_attention_pallas_compacted as compacted_sparse_attention,
@@ -144,9 +145,8 @@ def test_lowers_for_cuda():
         (out, lse), pullback = jax.vjp(lambda q, k, v: forward(q, k, v, ranks, cut), q, k, v)
         return pullback((out, jnp.ones_like(lse)))
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
     backward = {"compacted_attention_fwd", "compacted_attention_dq", "sparse_attention_dkdv"}
     for fn, kernels in ((forward, {"compacted_attention_fwd"}), (vjp, backward)):
-        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        text = export_for_cuda(fn, *args).mlir_module()
         assert set(re.findall(r"custom_call @([^(\s]+)\(", text)) <= set(TRITON_TARGETS)
         assert kernels <= set(re.findall(r'name = "kvpop_(\w+)"', text))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import TRITON_TARGETS
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax import targets
 from pallas_kernels.future_lse import future_attention_log_mass_pallas as future_lse
 
@@ -140,8 +141,7 @@ def test_lowers_for_cuda(seq, hq, hkv, d, dtype):
         jax.ShapeDtypeStruct((2, hq, seq), jnp.float32),
     )
     fn = functools.partial(targets.future_attention_log_mass, window=32, implementation="pallas")
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+    exported = export_for_cuda(fn, *args)
     text = exported.mlir_module()
     targets_called = set(re.findall(r"custom_call @([^(\s]+)\(", text))
     assert targets_called and targets_called <= set(TRITON_TARGETS), targets_called

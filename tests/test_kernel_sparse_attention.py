@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax.attention import kvpop_attention, kvpop_attention_reference
 from pallas_kernels import sparse_attention as sa
 from helpers import (SMALL_BLOCKS, TRITON_TARGETS, assert_close, kvpop_mask_np, random_qkv, random_ranks,
@@ -135,9 +136,8 @@ def test_lowers_for_cuda(hq, hkv, d, dtype):
         (out, lse), pullback = jax.vjp(lambda q, k, v: forward(q, k, v, ranks, cut), q, k, v)
         return pullback((out, jnp.ones_like(lse)))
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
     for fn, kernels in ((forward, {"fwd"}), (vjp, {"fwd", "dq", "dkdv"})):
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        exported = export_for_cuda(fn, *args)
         text = exported.mlir_module()
         targets = set(re.findall(r"custom_call @([^(\s]+)\(", text))
         assert targets and targets <= set(TRITON_TARGETS), targets

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import TRITON_TARGETS, random_ranks, running_cutoffs_np
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax import policy
 from kvpop_jax.policy import running_topk_cutoff_reference as running_topk_cutoff
 from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas as topk_cutoff
@@ -94,10 +95,7 @@ def test_rejects_bad_arguments():
 def test_lowers_for_cuda(shape, topk):
     """The kernel lowers through Pallas' Triton path for CUDA on a CPU-only machine."""
     fn = lambda r: running_topk_cutoff_auto(r, sinks=4, window=32, topk=topk, implementation="pallas")  # noqa: E731
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-        jax.ShapeDtypeStruct(shape, jnp.int32)
-    )
+    exported = export_for_cuda(fn, jax.ShapeDtypeStruct(shape, jnp.int32))
     text = exported.mlir_module()
     targets_called = set(re.findall(r"custom_call @([^(\s]+)\(", text))
     assert targets_called and targets_called <= set(TRITON_TARGETS), targets_called
