@@ -30,6 +30,7 @@ from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import load_tokenizer
 from kvpop_jax.generate import generate
 from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_jax.runtime import report_backend
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -179,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]; got {argv}\n\n{__doc__}")
+    report_backend()
     COMMANDS[argv[0]](argv[1:])
 
 
