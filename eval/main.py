@@ -7,6 +7,7 @@ Commands (each prints its own `--help`):
   patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
+  bench gpu       on a GPU node: kernel tests, kernels, decode, the 8B recipe's dry run, tokens/s and MFU
   diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
 Every command that produces results writes a markdown table and PNG plots to --out_dir.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import bench_decode, bench_kernels, diagnose
+from eval import bench_decode, bench_gpu, bench_kernels, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.patterns import run_patterns
 from eval.recall import run_recall
@@ -156,10 +157,11 @@ def cmd_patterns(argv: Sequence[str]) -> None:
 
 
 def cmd_bench(argv: Sequence[str]) -> None:
-    """Benchmarks: kernels, decode."""
+    """Benchmarks: kernels, decode, gpu (all of a GPU node's first measurements in one run)."""
     benches: dict[str, Callable[[Sequence[str]], None]] = {
         "kernels": bench_kernels.main,
         "decode": bench_decode.main,
+        "gpu": bench_gpu.main,
     }
     if not argv or argv[0] not in benches:
         raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")

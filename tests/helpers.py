@@ -115,6 +115,16 @@ def random_qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
 # --- Pallas kernels ------------------------------------------------------------------------
 
 SMALL_BLOCKS = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+# `python -m eval.main bench gpu` sets KVPOP_KERNEL_TESTS=native: the kernel tests then run the kernels
+# compiled on the GPU instead of in interpret mode, and skip what holds only on CPU.
+NATIVE_KERNELS = os.environ.get("KVPOP_KERNEL_TESTS") == "native"
+INTERPRET = not NATIVE_KERNELS
+CPU_ONLY_REASON = "checks CPU behaviour (interpret mode, the CPU default back end)"
+
+
+def kernel_backend(name: str) -> str:
+    """A dispatcher back-end name run the way the kernel tests run: "pallas" or "pallas_interpret"."""
+    return name if NATIVE_KERNELS else f"{name}_interpret"
 
 
 def assert_close(got, want, tol):

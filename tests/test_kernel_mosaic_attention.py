@@ -1,4 +1,5 @@
-"""The Mosaic GPU (Hopper) masked-attention forward, in GPU interpret mode, against the XLA reference."""
+"""The Mosaic GPU (Hopper) masked-attention forward, in GPU interpret mode (on a Hopper GPU: compiled),
+against the XLA reference."""
 
 import re
 
@@ -7,14 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, random_qkv, random_ranks, running_cutoffs_np
+from helpers import (CPU_ONLY_REASON, INTERPRET, NATIVE_KERNELS, assert_close, kernel_backend, random_qkv, random_ranks,
+                     running_cutoffs_np)
 from kvpop_jax.attention import KVPOP_ATTENTION, kvpop_attention, kvpop_attention_reference
-from pallas_kernels.compat import (MOSAIC_GPU_TARGETS, export_for_cuda, mosaic_gpu_interpret_params,
+from pallas_kernels.compat import (MOSAIC_GPU_TARGETS, export_for_cuda, is_hopper_or_later, mosaic_gpu_interpret_params,
                                    mosaic_gpu_interpret_unavailable)
 from pallas_kernels.mosaic_attention import kvpop_attention_mosaic
 
-needs_interpret = pytest.mark.skipif(mosaic_gpu_interpret_unavailable() is not None,
-                                     reason=str(mosaic_gpu_interpret_unavailable()))
+if NATIVE_KERNELS:
+    WHY_NOT = None if is_hopper_or_later(jax.devices()[0]) else "the Mosaic GPU kernel needs a Hopper (sm_90+) GPU"
+else:
+    WHY_NOT = mosaic_gpu_interpret_unavailable()
+runs_mosaic = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 def inputs(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk):
@@ -38,19 +43,20 @@ CASES = [
 ]
 
 
-@needs_interpret
+@runs_mosaic
 @pytest.mark.parametrize("seq, hq, hkv, d, dtype, mode, sinks, window, topk, block_k", CASES)
 def test_forward_matches_reference(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk, block_k):
     q, k, v, ranks, cut = inputs(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk)
     kw = dict(sinks=sinks, window=window)
-    out, lse = kvpop_attention_mosaic(q, k, v, ranks, cut, interpret=True, block_k=block_k, **kw)
+    out, lse = kvpop_attention_mosaic(q, k, v, ranks, cut, interpret=INTERPRET, block_k=block_k, **kw)
     want_out, want_lse = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_close(out, want_out, 2e-2)
     assert_close(lse, want_lse, 1e-5)
 
 
-@needs_interpret
+@runs_mosaic
+@pytest.mark.skipif(NATIVE_KERNELS, reason=CPU_ONLY_REASON)
 def test_no_shared_memory_races(rng):
     """The two-slot K/V pipeline never writes a slot that is still being read (race detector)."""
     q, k, v, ranks, cut = inputs(rng, 192, 2, 1, 64, jnp.bfloat16, "topk", 2, 8, 12)
@@ -59,7 +65,7 @@ def test_no_shared_memory_races(rng):
     assert_close(out, kvpop_attention_reference(q, k, v, ranks, cut, sinks=2, window=8)[0], 2e-2)
 
 
-@needs_interpret
+@runs_mosaic
 def test_dispatcher_forward_and_reference_gradients(rng, monkeypatch):
     """KVPOP_ATTENTION_IMPL selects it; gradients are the XLA reference's (forward-only kernel)."""
     q, k, v, ranks, cut = inputs(rng, 80, 2, 1, 64, jnp.bfloat16, "topk", 2, 8, 6)
@@ -73,8 +79,8 @@ def test_dispatcher_forward_and_reference_gradients(rng, monkeypatch):
 
         return f
 
-    monkeypatch.setenv(KVPOP_ATTENTION.env_var, "mosaic_gpu_interpret")
-    assert KVPOP_ATTENTION.select(None, q, k, v, ranks, cut, **kw) == "mosaic_gpu_interpret"
+    monkeypatch.setenv(KVPOP_ATTENTION.env_var, kernel_backend("mosaic_gpu"))
+    assert KVPOP_ATTENTION.select(None, q, k, v, ranks, cut, **kw) == kernel_backend("mosaic_gpu")
     got = jax.grad(loss(None), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
     for g_got, g_want in zip(got, want):
