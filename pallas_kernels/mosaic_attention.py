@@ -20,8 +20,10 @@ query head, batch):
     never makes a NaN); P goes to shared memory (bf16/f16) for the second `wgmma`, P V;
   - the output block leaves through shared memory and TMA; the natural-log LSE likewise.
 
-Key blocks run from 0 to the causal diagonal; tiles with no kept entry are computed and
-masked, not skipped (the Triton kernel skips them; doing so here is a later speed step).
+Block skipping: a program visits only the key blocks that can hold a kept entry for its query
+block (`key_block_lists`, computed in XLA from per-block rank minima and cutoff maxima, the
+Triton kernel's test); the list is copied to shared memory and read as scalars, so the loop
+and the prefetch follow it. A visited tile adds exactly 0 for its masked entries.
 Inputs must be bfloat16 or float16 (wgmma); D is padded to a multiple of 64 (one 128-byte
 swizzled row), S to a multiple of the blocks.
 
@@ -44,6 +46,7 @@ from pallas_kernels.compat import mosaic_gpu_interpret_params, mosaic_load, plgp
 
 SWIZZLE_BYTES = 128  # one swizzled shared-memory row: 64 bf16/f16 elements
 MMA_ROWS = 64  # wgmma's M per warpgroup
+LIST_WIDTH = 64  # key-block lists are [rows, 64] (TMA copies at most 256 elements per dimension)
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -58,25 +61,62 @@ class StaticArgs:
     interpret: object  # False, True or a plgpu.InterpretGPUParams (hashable)
 
 
-def _kernel(q_ref, k_ref, v_ref, ranks_ref, cut_ref, o_ref, lse_ref,
-            q_smem, k_smem, v_smem, ranks_smem, p_smem, cut_smem, lse_smem, q_bars, k_bars, v_bars, r_bars,
-            *, st: StaticArgs):
+def key_block_lists(ranks, cutoffs, *, sinks: int, window: int, block_q: int, block_k: int) -> jax.Array:
+    """The key blocks each query block visits: those that can hold a kept entry (XLA, outside the kernel).
+
+    ranks, cutoffs: int32 [B, H, S] (S a multiple of both blocks; padded keys ranked BIG_RANK,
+    padded queries with cutoff −1). A key block is visited by a query block iff it is causal
+    for it and holds a sink, overlaps the window of one of its queries, or overlaps their
+    eligible range with a key whose rank is <= the block's largest cutoff (the Triton kernel's
+    `tile_may_keep`, sound: a skipped tile has no kept entry).
+
+    Returns int32 [B, H, S / block_q, R, LIST_WIDTH]: per query block, flattened, its count n,
+    then the n key-block indices ascending, then zeros (R rows: S / block_k + 1 entries).
+    """
+    b, h, s = ranks.shape
+    nq, nk = s // block_q, s // block_k
+    k_start = jnp.arange(nk, dtype=jnp.int32) * block_k
+    q_start = jnp.arange(nq, dtype=jnp.int32) * block_q
+    k_pos = jnp.arange(s, dtype=jnp.int32).reshape(nk, block_k)
+    best_rank = jnp.min(jnp.where(k_pos >= sinks, ranks.reshape(b, h, nk, block_k), BIG_RANK), axis=-1)
+    max_cut = jnp.max(cutoffs.reshape(b, h, nq, block_q), axis=-1)
+    q_last = (q_start + block_q - 1)[:, None]
+    causal = k_start[None, :] <= q_last
+    near = (k_start[None, :] < sinks) | (k_start[None, :] + block_k - 1 > q_start[:, None] - window)
+    eligible = jnp.maximum(k_start, sinks)[None, :] <= q_last - window
+    keep = causal & (near | (eligible & (best_rank[:, :, None, :] <= max_cut[:, :, :, None])))  # [B, H, nq, nk]
+    order = jnp.argsort(~keep, axis=-1, stable=True).astype(jnp.int32)  # kept blocks first, ascending
+    count = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    lists = jnp.concatenate([count[..., None], jnp.where(jnp.arange(nk) < count[..., None], order, 0)], axis=-1)
+    lists = pad_axis(lists, 3, round_up(nk + 1, LIST_WIDTH))
+    return lists.reshape(b, h, nq, -1, LIST_WIDTH)
+
+
+def _kernel(q_ref, k_ref, v_ref, ranks_ref, cut_ref, lists_ref, o_ref, lse_ref,
+            q_smem, k_smem, v_smem, ranks_smem, p_smem, cut_smem, list_smem, lse_smem, q_bars, k_bars, v_bars,
+            r_bars, *, st: StaticArgs):
     bq, bk = st.block_q, st.block_k
     head_dim = q_smem.shape[-1]
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     hkv = lax.div(h, jnp.int32(st.groups))
-    q_start = lax.axis_index("q_blocks") * bq
-    num_k_blocks = lax.div(q_start + bq + bk - 1, jnp.int32(bk))  # causal: keys up to the last query
+    q_block = lax.axis_index("q_blocks")
+    q_start = q_block * bq
+
+    def listed(i):  # entry i of the list: 0 is the count, 1 + j the j-th key block
+        return list_smem[i // LIST_WIDTH, i % LIST_WIDTH]
 
     def fetch(j, slot):
-        keys = pl.ds(j * bk, bk)
+        keys = pl.ds(listed(1 + j) * bk, bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hkv], k_smem.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(ranks_ref.at[b, hkv, keys], ranks_smem.at[slot], r_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hkv], v_smem.at[slot], v_bars.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), h], q_smem, q_bars.at[0])
     plgpu.copy_gmem_to_smem(cut_ref.at[b, hkv, pl.ds(q_start, bq)], cut_smem, q_bars.at[1])
+    plgpu.copy_gmem_to_smem(lists_ref.at[b, hkv, q_block], list_smem, q_bars.at[2])
+    plgpu.barrier_wait(q_bars.at[2])
+    num_k_blocks = listed(0)  # >= 1: the block holding q_start is always visited (window >= 1)
     fetch(0, 0)
     q_pos = q_start + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
     plgpu.barrier_wait(q_bars.at[1])
@@ -98,7 +138,7 @@ def _kernel(q_ref, k_ref, v_ref, ranks_ref, cut_ref, o_ref, lse_ref,
             return acc_ref[...]
 
         s = pl.run_scoped(logits, plgpu.ACC((bq, bk), jnp.float32)) * (st.scale * LOG2E)
-        k_start = j * bk
+        k_start = listed(1 + j) * bk
         plgpu.barrier_wait(r_bars.at[slot])
         ranks = mosaic_load(ranks_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
         k_pos = k_start + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
@@ -139,6 +179,8 @@ def _kernel(q_ref, k_ref, v_ref, ranks_ref, cut_ref, o_ref, lse_ref,
 
 def _forward(st: StaticArgs, q, k, v, ranks, cutoffs):
     b, s_pad, hq, d = q.shape
+    lists = key_block_lists(ranks, cutoffs, sinks=st.sinks, window=st.window, block_q=st.block_q,
+                            block_k=st.block_k)
     dtype = q.dtype
     swizzled = (plgpu.TilingTransform((8, SWIZZLE_BYTES // dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     kernel = plgpu.kernel(
@@ -151,8 +193,9 @@ def _forward(st: StaticArgs, q, k, v, ranks, cutoffs):
             plgpu.SMEM((2, st.block_k), jnp.int32),  # the key blocks' ranks, two slots
             plgpu.SMEM((st.block_q, st.block_k), dtype, transforms=swizzled),  # P
             plgpu.SMEM((st.block_q,), jnp.int32),  # the query block's cutoffs
+            plgpu.SMEM(lists.shape[-2:], jnp.int32),  # its key-block list
             plgpu.SMEM((st.block_q,), jnp.float32),  # LSE
-            plgpu.Barrier(num_barriers=2),  # Q, cutoffs
+            plgpu.Barrier(num_barriers=3),  # Q, cutoffs, list
             plgpu.Barrier(num_barriers=2),  # K slots
             plgpu.Barrier(num_barriers=2),  # V slots
             plgpu.Barrier(num_barriers=2),  # ranks slots
@@ -163,7 +206,7 @@ def _forward(st: StaticArgs, q, k, v, ranks, cutoffs):
         interpret=_interpret_params(st.interpret),
         kernel_name="kvpop_mosaic_attention_fwd",
     )
-    return kernel(q, k, v, ranks, cutoffs)
+    return kernel(q, k, v, ranks, cutoffs, lists)
 
 
 def _interpret_params(interpret):

@@ -10,10 +10,10 @@ import pytest
 
 from helpers import (CPU_ONLY_REASON, INTERPRET, NATIVE_KERNELS, assert_close, kernel_backend, random_qkv, random_ranks,
                      running_cutoffs_np)
-from kvpop_jax.attention import KVPOP_ATTENTION, kvpop_attention, kvpop_attention_reference
+from kvpop_jax.attention import KVPOP_ATTENTION, kvpop_attention, kvpop_attention_reference, kvpop_block_mask
 from pallas_kernels.compat import (MOSAIC_GPU_TARGETS, export_for_cuda, is_hopper_or_later, mosaic_gpu_interpret_params,
                                    mosaic_gpu_interpret_unavailable)
-from pallas_kernels.mosaic_attention import kvpop_attention_mosaic
+from pallas_kernels.mosaic_attention import LIST_WIDTH, key_block_lists, kvpop_attention_mosaic
 
 if NATIVE_KERNELS:
     WHY_NOT = None if is_hopper_or_later(jax.devices()[0]) else "the Mosaic GPU kernel needs a Hopper (sm_90+) GPU"
@@ -40,6 +40,7 @@ CASES = [
     (150, 4, 2, 32, jnp.float16, "random", 2, 5, 0, 64),  # D padded to 64, three key blocks
     (128, 2, 2, 64, jnp.bfloat16, "none", 4, 16, 0, 128),  # k = 0, block_k 128
     (64, 4, 1, 128, jnp.bfloat16, "topk", 0, 1, 6, 64),  # GQA 4, D 128, s = 0, w = 1
+    (384, 2, 1, 64, jnp.bfloat16, "topk", 2, 8, 2, 64),  # sparse: most long-range key blocks skipped
 ]
 
 
@@ -86,6 +87,29 @@ def test_dispatcher_forward_and_reference_gradients(rng, monkeypatch):
     for g_got, g_want in zip(got, want):
         assert g_got.dtype == jnp.bfloat16
         assert_close(g_got, g_want, 2e-2)
+
+
+def test_key_block_lists_hold_every_tile_with_a_kept_entry_and_skip_others(rng):
+    seq, hkv, sinks, window, topk, bq, bk = 2048, 2, 4, 32, 4, 64, 64
+    ranks = random_ranks(rng, 1, hkv, seq)
+    cut = jnp.asarray(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))
+    ranks = jnp.asarray(ranks)
+    pos = jnp.arange(seq, dtype=jnp.int32)
+    mask = np.asarray(kvpop_block_mask(pos, pos, ranks, cut, sinks=sinks, window=window))  # [1, H, S, S]
+    tiles = mask.reshape(1, hkv, seq // bq, bq, seq // bk, bk).any(axis=(3, 5))  # [1, H, nq, nk]
+    lists = np.asarray(key_block_lists(ranks, cut, sinks=sinks, window=window, block_q=bq, block_k=bk))
+    assert lists.shape[-1] == LIST_WIDTH
+    lists = lists.reshape(1, hkv, seq // bq, -1)
+    visited = causal = 0
+    for h in range(hkv):
+        for qb in range(seq // bq):
+            n = lists[0, h, qb, 0]
+            listed = lists[0, h, qb, 1:1 + n]
+            assert np.all(np.diff(listed) > 0) and not np.any(lists[0, h, qb, 1 + n:])
+            assert set(np.flatnonzero(tiles[0, h, qb])) <= set(listed.tolist()), (h, qb)
+            visited += n
+            causal += (qb * bq + bq - 1) // bk + 1
+    assert visited < causal // 2, (visited, causal)
 
 
 def test_never_chosen_automatically_and_rejects_float32(rng, monkeypatch):
