@@ -68,11 +68,15 @@ def test_kernel_compiles_for_h100_without_spills(kernel, recipe):
 
 
 @needs_gpu_compiler
-def test_gpu_compiler_catches_shared_memory_overflow():
-    """The check can fail: a Triton tile too large for 227 KiB of shared memory is rejected."""
+@pytest.mark.parametrize("blocks, spills, error", [
+    (dict(block_q=128, block_k=256, num_stages=4), False, "Shared memory size limit exceeded"),  # 321 > 227 KiB
+    (dict(block_q=128, block_k=128, num_stages=3), True, "register spilling"),
+])
+def test_gpu_compiler_catches_overflows(blocks, spills, error):
+    """The checks can fail: D = 256 tiles too large for an H100's shared memory, or its registers."""
     spec = jax.ShapeDtypeStruct
     args = (spec((1, 1024, 8, 256), jnp.bfloat16), spec((1, 1024, 2, 256), jnp.bfloat16),
             spec((1, 1024, 2, 256), jnp.bfloat16), spec((1, 2, 1024), jnp.int32), spec((1, 2, 1024), jnp.int32))
-    fn = functools.partial(kvpop_attention_pallas, sinks=4, window=32, block_q=128, block_k=256, num_stages=4)
-    with open(H100_TARGET_CONFIG) as f, pytest.raises(Exception, match="[Ss]hared memory"):
-        compile_for_gpu(fn, *args, target_config=f.read())
+    fn = functools.partial(kvpop_attention_pallas, sinks=4, window=32, **blocks)
+    with open(H100_TARGET_CONFIG) as f, pytest.raises(Exception, match=error):
+        compile_for_gpu(fn, *args, target_config=f.read(), fail_on_register_spill=spills)
