@@ -5,16 +5,20 @@ to BENCHMARKS.md as one section:
 
   kernel_tests  pytest tests/test_kernel_*.py + tests/test_gpu_readiness.py with
                 KVPOP_KERNEL_TESTS=native: the kernel tests run compiled on the GPU, not interpreted
-  kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
-                attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
-  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop
   dry_run       `python -m train.main --flagfile=configs/qwen3_8b_cr88.flags --dry_run`: per-device memory
   train         `python -m train.throughput`: a few steps of a random 4-layer model of Qwen3-8B's width with
                 the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU
+  kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
+                attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
+  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop
+
+The first three run in subprocesses (eval never imports train), the last two in this process,
+after them: JAX keeps the device memory it has used, and the subprocesses need the GPUs' memory.
+For the same reason `eval.main` turns JAX's preallocation off for this command
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false`, `PARENT_ENV`).
 
 On CPU (or with `--dry`) every stage runs on tiny shapes in seconds (the path the test suite
-checks); the tables then say so. A failing stage is recorded and the next one runs. The
-training stages run `train` in subprocesses (eval never imports train).
+checks); the tables then say so. A failing stage is recorded and the next one runs.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from eval.bench_kernels import run_bench_kernels
 from kvpop_jax.runtime import backend_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("kernel_tests", "kernels", "decode", "dry_run", "train")
+STAGES = ("kernel_tests", "dry_run", "train", "kernels", "decode")
+# Set before JAX starts in the process that runs this command (eval.main does).
+PARENT_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 RECIPE = "configs/qwen3_8b_cr88.flags"
 DECODE_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072)
 # The dry path's model and recipe overrides: one tiny layer, float32, no remat (compiles in seconds).

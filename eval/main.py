@@ -16,6 +16,7 @@ Every command that produces results writes a markdown table and PNG plots to --o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -182,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]; got {argv}\n\n{__doc__}")
+    if argv[:2] == ["bench", "gpu"]:  # it shares the GPUs with its subprocesses: no preallocation
+        for name, value in bench_gpu.PARENT_ENV.items():
+            os.environ.setdefault(name, value)
     report_backend()
     COMMANDS[argv[0]](argv[1:])
 
