@@ -3,13 +3,18 @@ numpy brute forces of the KVpop mask, kernel-test constants, and train.main comm
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from flax import traverse_util
 
+from kvpop_jax import save_pretrained
+from kvpop_jax.modeling import init_params, retrofit_params
 from train.configure import config_from_flags
 from train.flags import define_flags
 
@@ -53,6 +58,22 @@ def make_hf_checkpoint(path, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.save_pretrained(path)
     return model
+
+
+def kvpop_export(path, base, kvpop, rng, seed: int = 0):
+    """A random KVpop model saved as an export (kvpop_jax.save_pretrained) -> (config, params).
+
+    The scorers' final projections start at zero (all scores equal): every KVpop parameter is
+    re-drawn from N(0, 1) so eviction follows the scorer.
+    """
+    config = dataclasses.replace(base, kvpop=kvpop)
+    params = retrofit_params(config, init_params(base, jax.random.key(seed)), jax.random.key(seed + 1))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    flat = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) if "/kvpop/" in k else v
+            for k, v in flat.items()}
+    params = traverse_util.unflatten_dict(flat, sep="/")
+    save_pretrained(config, params, path)
+    return config, params
 
 
 # --- numpy brute force (independent of kvpop_jax.policy) ---------------------------------
