@@ -172,7 +172,7 @@ class KVpopLayer(CacheLayerMixin):
                 prio_u = static_priority(scorer.readout(self.state, k_u, v_u)[..., None], log_gamma, at(u))[..., 0]
             else:
                 prio_u = self.priority[:, :, slot]
-            self._admit(k_u.clone(), v_u.clone(), u, prio_u.clone())
+            self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; _admit writes only long-range slots
         self.keys[:, :, slot] = k_t.to(self.dtype)
         self.values[:, :, slot] = v_t.to(self.dtype)
         self.pos[:, :, slot] = q

@@ -190,6 +190,11 @@ class MLSTMScorer(nn.Module):
         cap = self.settings.mlstm_gate_softcap
         return cap * torch.tanh(x / cap) if cap > 0 else x
 
+    def query_features(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v [..., Hkv, D] -> q~ [..., Hkv, d] (all a readout needs of `features`)."""
+        x = scorer_input(k, v)
+        return FEATURE_MAPS[self.settings.mlstm_feature_map](torch.einsum("...hi,hie->...he", x, self.w_q))
+
     def features(self, k: torch.Tensor, v: torch.Tensor):
         """k, v [..., Hkv, D] -> q~, k~ [..., Hkv, d], v~ [..., Hkv, dv], log i, log f [..., Hkv]."""
         x = scorer_input(k, v)
@@ -236,7 +241,7 @@ class MLSTMScorer(nn.Module):
 
     def readout(self, state: MLSTMState, k_u: torch.Tensor, v_u: torch.Tensor) -> torch.Tensor:
         """Scores token u from its cached k_u, v_u [B, Hkv, D] against `state` -> [B, Hkv]."""
-        q, *_ = self.features(k_u, v_u)
+        q = self.query_features(k_u, v_u)
         return self.project(mlstm_readout(state, q)[:, :, None], k_u[:, None], v_u[:, None])[:, :, 0]
 
 

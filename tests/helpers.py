@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from flax import traverse_util
 
 from kvpop_jax import save_pretrained
-from kvpop_jax.modeling import init_params, retrofit_params
+from kvpop_jax.modeling import abstract_params
 from train.configure import config_from_flags
 from train.flags import define_flags
 
@@ -60,18 +59,26 @@ def make_hf_checkpoint(path, seed: int = 0, **overrides):
     return model
 
 
-def kvpop_export(path, base, kvpop, rng, seed: int = 0):
+def kvpop_export(path, base, kvpop, rng):
     """A random KVpop model saved as an export (kvpop_jax.save_pretrained) -> (config, params).
 
-    The scorers' final projections start at zero (all scores equal): every KVpop parameter is
-    re-drawn from N(0, 1) so eviction follows the scorer.
+    Drawn with numpy on the parameter shapes (nothing to compile): weights ~ N(0, 1/hidden),
+    norm scales near 1, and every KVpop parameter ~ N(0, 1) (their own init zeroes the scorers'
+    final projections: all scores equal, eviction by recency only).
     """
     config = dataclasses.replace(base, kvpop=kvpop)
-    params = retrofit_params(config, init_params(base, jax.random.key(seed)), jax.random.key(seed + 1))
-    flat = traverse_util.flatten_dict(params, sep="/")
-    flat = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) if "/kvpop/" in k else v
-            for k, v in flat.items()}
-    params = traverse_util.unflatten_dict(flat, sep="/")
+
+    def draw(key_path, leaf):
+        name = jax.tree_util.keystr(key_path)
+        if "kvpop" in name:
+            x = rng.normal(size=leaf.shape)
+        elif "scale" in name:
+            x = 1.0 + 0.3 * rng.normal(size=leaf.shape)
+        else:
+            x = rng.normal(size=leaf.shape) / np.sqrt(base.hidden_size)
+        return jnp.asarray(x, leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(draw, abstract_params(config))
     save_pretrained(config, params, path)
     return config, params
 

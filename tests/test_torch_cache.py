@@ -41,15 +41,14 @@ CASES = [
 ]
 
 
-def jax_teacher_forced(config, params, ids, prompt_len):
+def jax_teacher_forced(model, params, ids, prompt_len, step):
     """(logits [B, S, V], per step: every layer's slot positions [B, Hkv, N]) of the JAX bounded cache."""
-    model = Qwen3ForCausalLM(config)
-    out = model.apply({"params": params}, jnp.asarray(ids[:, :prompt_len]), cache=init_cache(config, ids.shape[0]))
+    prefill = jax.jit(lambda p, x: model.apply({"params": p}, x, cache=init_cache(model.config, x.shape[0])))
+    out = prefill(params, jnp.asarray(ids[:, :prompt_len]))
     logits, cache = [np.asarray(out.logits)], out.cache
     positions = [[np.asarray(layer.pos) for layer in cache.layers]]
-    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
     for t in range(prompt_len, ids.shape[1]):
-        out = step(cache, jnp.asarray(ids[:, t : t + 1]))
+        out = step(params, cache, jnp.asarray(ids[:, t : t + 1]))
         cache = out.cache
         logits.append(np.asarray(out.logits))
         positions.append([np.asarray(layer.pos) for layer in cache.layers])
@@ -77,15 +76,17 @@ def test_teacher_forced_decode_and_kept_slots_equal_kvpop_jax(tmp_path, rng, bas
     kv = KVpopConfig(mlstm_chunk=8, **options)
     config, params = kvpop_export(tmp_path, base, kv, rng)
     model, make_cache = kvpop_torch.load(tmp_path)
+    jax_model = Qwen3ForCausalLM(config)
+    step = jax.jit(lambda p, c, t: jax_model.apply({"params": p}, t, cache=c))  # one compile for both prompts
     ids = rng.integers(0, base.vocab_size, size=(2, SEQ_LEN))
     for prompt_len in prompt_lens:
-        want, want_pos = jax_teacher_forced(config, params, ids, prompt_len)
+        want, want_pos = jax_teacher_forced(jax_model, params, ids, prompt_len, step)
         cache = make_cache()
         got, got_pos = torch_teacher_forced(model, cache, ids, prompt_len)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-        for step, (a, b) in enumerate(zip(got_pos, want_pos)):
+        for i, (a, b) in enumerate(zip(got_pos, want_pos)):
             for layer, (x, y) in enumerate(zip(a, b)):
-                np.testing.assert_array_equal(x, y, err_msg=f"prompt {prompt_len}, step {step}, layer {layer}")
+                np.testing.assert_array_equal(x, y, err_msg=f"prompt {prompt_len}, step {i}, layer {layer}")
         # Bounded: B slots per KV head, all taken by now (the sequence is longer than B).
         layer = cache.layers[0]
         assert layer.keys.shape == (2, base.num_key_value_heads, kv.budget, base.head_dim)

@@ -47,39 +47,48 @@ def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
 
 
 def heads(options, rng):
-    """A JAX KVpopHead with random parameters (bound) and the torch head loaded with the same tensors."""
+    """A JAX KVpopHead's parameters (random) and the torch head loaded with the same tensors."""
     kv = KVpopConfig(sinks=2, window=5, topk=4, **{"mlstm_chunk": 8, **options})
     module = JaxHead(kv, HKV, D)
     dummy = jnp.zeros((1, 1, HKV, D))
-    params = module.init(jax.random.key(0), dummy, dummy)["params"]
-    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape).astype(np.float32)), params)
+    shapes = jax.eval_shape(module.init, jax.random.key(0), dummy, dummy)["params"]
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape).astype(np.float32)), shapes)
     head = KVpopHead(KVpopSettings.from_dict(kv.to_dict()), HKV, D)
     flat = traverse_util.flatten_dict(params, sep=".")  # the export's names, prefix stripped
     head.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in flat.items()})
-    return kv, module.bind({"params": params}), head
+    return kv, module, params, head
+
+
+def jax_reference(head, k, v, k_t, v_t):
+    """Scores and log γ of k, v [B, S, H, D]; for the mLSTM also the state after S tokens (a token
+    scan, as `KVpopHead.prefill_cache`), that state after one more token k_t, v_t [B, H, D], and
+    its readout of token 3."""
+    scores, log_gamma = head(k, v)
+    if head.config.scorer != "mlstm":
+        return scores, log_gamma
+    _, kk, vv, i_pre, log_f = head.scorer.features(k, v)
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
+    state, _ = jax.lax.scan(lambda st, x: (mlstm_step(st, *x), None), head.scorer.init_state(k.shape[0]), xs)
+    stepped = head.scorer.step(state, k_t, v_t)
+    return scores, log_gamma, state, stepped, head.scorer.readout(stepped, k[:, 3], v[:, 3])
 
 
 @pytest.mark.parametrize("options", SCORERS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_scores_states_and_steps_match_kvpop_jax(rng, options):
-    kv, jax_head, head = heads(options, rng)
+    kv, module, params, head = heads(options, rng)
     k, v = (rng.normal(size=(2, 23, HKV, D)).astype(np.float32) for _ in range(2))
-    want, log_gamma = jax_head(jnp.asarray(k), jnp.asarray(v))
-    got = head.scorer(torch.from_numpy(k), torch.from_numpy(v))
-    np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(head.log_gamma().numpy(), np.asarray(log_gamma), rtol=1e-6)
+    k_t, v_t = (rng.normal(size=(2, HKV, D)).astype(np.float32) for _ in range(2))
+    want = jax.jit(lambda p, *x: module.apply({"params": p}, *x, method=jax_reference))(params, k, v, k_t, v_t)
+    close = lambda a, b: np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-5, atol=1e-5)  # noqa: E731
+    close(head.scorer(torch.from_numpy(k), torch.from_numpy(v)), want[0])
+    close(head.log_gamma(), want[1])
     if kv.scorer != "mlstm":
         return
-    # The prefill's final state (chunkwise here, a token scan there) and one decode step + readout.
-    _, kk, vv, i_pre, log_f = jax_head.scorer.features(jnp.asarray(k), jnp.asarray(v))
-    state = jax_head.scorer.init_state(2)
-    for t in range(k.shape[1]):
-        state = mlstm_step(state, kk[:, t], vv[:, t], i_pre[:, t], log_f[:, t])
-    _, torch_state = head.scorer.scores_and_state(torch.from_numpy(k), torch.from_numpy(v))
-    for a, b in zip(torch_state, state):
-        np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-5, atol=1e-6)
-    k_t, v_t = (rng.normal(size=(2, HKV, D)).astype(np.float32) for _ in range(2))
-    state = jax_head.scorer.step(state, jnp.asarray(k_t), jnp.asarray(v_t))
-    torch_state = head.scorer.step(torch_state, torch.from_numpy(k_t), torch.from_numpy(v_t))
-    np.testing.assert_allclose(head.scorer.readout(torch_state, torch.from_numpy(k[:, 3]), torch.from_numpy(v[:, 3])),
-                               np.asarray(jax_head.scorer.readout(state, jnp.asarray(k[:, 3]), jnp.asarray(v[:, 3]))),
-                               rtol=1e-5, atol=1e-5)
+    # The prefill's final state (chunkwise here, a token scan there), one decode step and a readout.
+    _, state = head.scorer.scores_and_state(torch.from_numpy(k), torch.from_numpy(v))
+    for a, b in zip(state, want[2]):
+        close(a, b)
+    state = head.scorer.step(state, torch.from_numpy(k_t), torch.from_numpy(v_t))
+    for a, b in zip(state, want[3]):
+        close(a, b)
+    close(head.scorer.readout(state, torch.from_numpy(k[:, 3]), torch.from_numpy(v[:, 3])), want[4])
