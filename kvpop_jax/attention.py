@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
+from kvpop_jax.gathered_attention import keys_per_query, kvpop_attention_gathered
 from pallas_kernels.common import NEG_INF, check_attention_args
 from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
 from pallas_kernels.sparse_attention import kvpop_attention_pallas
@@ -229,6 +230,25 @@ def _compacted_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, 
     return compacted_is_cheaper(q.shape[1], sinks=sinks, window=window, topk=topk)
 
 
+def _gathered(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    """`kvpop_attention_gathered`, falling back to the reference where a key list overflows."""
+    return kvpop_attention_gathered(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
+                                    fallback=kvpop_attention_reference)
+
+
+GATHERED_MARGIN = 0.6  # the gathered path wins when it scores fewer than this share of the reference's keys
+
+
+def _gathered_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    """Static cost model: keys scored per query, gathered lists vs all S (the reference).
+
+    The margin pays for the gathers, the list building and the scatter-adds of the backward.
+    """
+    del k, v, ranks, cutoffs, scale
+    s = q.shape[1]
+    return keys_per_query(s, sinks=sinks, window=window, topk=topk) < GATHERED_MARGIN * s
+
+
 def _pallas(kernel, interpret: bool, with_topk: bool) -> Callable:
     """A masked-attention kernel under the dispatcher's signature, in shard_map under a mesh."""
 
@@ -244,6 +264,7 @@ KVPOP_ATTENTION = Op(
     "kvpop_attention", "KVPOP_ATTENTION_IMPL",
     {
         "xla": Backend(kvpop_attention_reference),
+        "xla_sparse": Backend(_gathered, rejects=_compacted_rejects, preferred=_gathered_preferred),
         "pallas": Backend(_pallas(kvpop_attention_pallas, False, False), platforms=("gpu",)),
         "pallas_compacted": Backend(_pallas(kvpop_attention_pallas_compacted, False, True), platforms=("gpu",),
                                     rejects=_compacted_rejects, preferred=_compacted_preferred),
@@ -251,7 +272,7 @@ KVPOP_ATTENTION = Op(
         "pallas_compacted_interpret": Backend(_pallas(kvpop_attention_pallas_compacted, True, True),
                                               rejects=_compacted_rejects),
     },
-    auto=("pallas_compacted", "pallas", "xla"),
+    auto=("pallas_compacted", "pallas", "xla_sparse", "xla"),
 )
 
 
