@@ -32,11 +32,13 @@ def _loss_weights(rng, q, hq):
 
 
 def _grads(fn, w_out, w_lse, q, k, v):
+    """Gradients of a random linear function of (out, lse), in one compiled call."""
+
     def loss(q, k, v):
         out, lse = fn(q, k, v)
         return jnp.sum(out * w_out) + jnp.sum(lse * w_lse)
 
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
 def _gathered(ranks, cut, **kw):
@@ -57,7 +59,7 @@ def test_matches_reference_values_and_gradients(rng, seq, sinks, window, topk, h
     kw = dict(sinks=sinks, window=window)
     got = _gathered(ranks, cut, topk=topk, block_q=block_q, **kw)
     want = _reference(ranks, cut, **kw)
-    out, lse = got(q, k, v)
+    out, lse = jax.jit(got)(q, k, v)
     want_out, want_lse = masked_attention_np(q, k, v, kvpop_mask_np(ranks, cut, **kw))
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, seq) and lse.dtype == jnp.float32
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
@@ -68,23 +70,22 @@ def test_matches_reference_values_and_gradients(rng, seq, sinks, window, topk, h
         np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("low", [-1, 0])
-def test_random_cutoffs_take_the_fallback_or_fit(rng, low):
-    """Non-monotone cutoffs (not a running top-k): lists may overflow k + block; exact either way."""
+@pytest.mark.parametrize("topk, fallback", [(2, kvpop_attention_reference), (2, None), (70, kvpop_attention_reference)])
+def test_random_cutoffs_take_the_fallback_or_fit(rng, topk, fallback):
+    """Non-monotone cutoffs (not a running top-k): lists may overflow k + block; exact either way
+    (fallback, or lists of length S without one)."""
     b, seq, hq, hkv, d, sinks, window = 2, 70, 4, 2, 8, 3, 4
     q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
     ranks = random_ranks(rng, b, hkv, seq)
-    cut = rng.integers(low, seq + 1, (b, hkv, seq)).astype(np.int32)
+    cut = rng.integers(-1, seq + 1, (b, hkv, seq)).astype(np.int32)
     kw = dict(sinks=sinks, window=window, scale=0.3)
     want = _reference(ranks, cut, **kw)
+    got = _gathered(ranks, cut, topk=topk, block_q=16, fallback=fallback, **kw)
+    for x, y in zip(jax.jit(got)(q, k, v), jax.jit(want)(q, k, v)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
     w_out, w_lse = _loss_weights(rng, q, hq)
-    g_want = _grads(want, w_out, w_lse, q, k, v)
-    for topk, fallback in ((2, kvpop_attention_reference), (2, None), (seq, kvpop_attention_reference)):
-        got = _gathered(ranks, cut, topk=topk, block_q=16, fallback=fallback, **kw)
-        for x, y in zip(got(q, k, v), want(q, k, v)):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
-        for x, y in zip(_grads(got, w_out, w_lse, q, k, v), g_want):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(_grads(got, w_out, w_lse, q, k, v), _grads(want, w_out, w_lse, q, k, v)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_fallback_runs_only_when_a_list_overflows(rng):
@@ -98,10 +99,14 @@ def test_fallback_runs_only_when_a_list_overflows(rng):
         out, lse = kvpop_attention_reference(*args, **kw)
         return out + 1.0, lse  # visibly different: tells which branch ran
 
-    def branch(cut):
-        got = kvpop_attention_gathered(q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window,
+    @jax.jit
+    def both(cut):
+        got = kvpop_attention_gathered(q, k, v, jnp.asarray(ranks), cut, sinks=sinks, window=window,
                                        topk=topk, block_q=16, fallback=marked_reference)[0]
-        want = kvpop_attention_reference(q, k, v, jnp.asarray(ranks), jnp.asarray(cut), sinks=sinks, window=window)[0]
+        return got, kvpop_attention_reference(q, k, v, jnp.asarray(ranks), cut, sinks=sinks, window=window)[0]
+
+    def branch(cut):
+        got, want = both(jnp.asarray(cut, jnp.int32))
         calls.append(bool(np.allclose(got, want + 1.0, atol=1e-5)))
 
     branch(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))  # a running top-k: fits
@@ -114,14 +119,14 @@ def test_bf16_runs_in_bf16(rng):
     q, k, v = random_qkv(rng, b, seq, hq, hkv, d, jnp.bfloat16)
     ranks = random_ranks(rng, b, hkv, seq)
     cut = running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk)
-    out, lse = _gathered(ranks, cut, sinks=sinks, window=window, topk=topk, block_q=16)(q, k, v)
+    out, lse = jax.jit(_gathered(ranks, cut, sinks=sinks, window=window, topk=topk, block_q=16))(q, k, v)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     want_out, want_lse = masked_attention_np(q, k, v, kvpop_mask_np(ranks, cut, sinks=sinks, window=window))
     np.testing.assert_allclose(np.asarray(out, np.float32), want_out, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
-    grads = jax.grad(lambda q, k, v: jnp.sum(_gathered(ranks, cut, sinks=sinks, window=window, topk=topk,
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(_gathered(ranks, cut, sinks=sinks, window=window, topk=topk,
                                                        block_q=16)(q, k, v)[0].astype(jnp.float32)),
-                     argnums=(0, 1, 2))(q, k, v)
+                     argnums=(0, 1, 2)))(q, k, v)
     assert all(g.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
 
 
@@ -174,5 +179,6 @@ def test_dispatcher_prefers_it_where_it_is_cheaper(rng, monkeypatch):
     kw = dict(sinks=sinks, window=window, topk=topk)
     args = (q, k, v, jnp.asarray(ranks), jnp.asarray(cut))
     assert KVPOP_ATTENTION.select(None, *args, **kw) == "xla_sparse"
-    for x, y in zip(kvpop_attention(*args, **kw), kvpop_attention(*args, implementation="xla", **kw)):
+    run = jax.jit(lambda *a: (kvpop_attention(*a, **kw), kvpop_attention(*a, implementation="xla", **kw)))
+    for x, y in zip(*run(*args)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
