@@ -86,9 +86,74 @@ def one_token(q: jax.Array, kind: str) -> None:
 # ------------------------------------------------------------------------------- dense
 
 
+DECODE_CHUNK = 2048  # cache slots per step of the decode attention's loop over the filled prefix
+DECODE_MAX_QUERIES = 16  # new tokens up to which the dense cache attends with `prefix_attention`
+
+
+def prefix_attention(q, k_cache, v_cache, *, q_positions, kv_length, scale: float | None = None,
+                     chunk: int = DECODE_CHUNK):
+    """A few queries against the filled prefix of a head-major cache (the decode step).
+
+    q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, T, D] with slot t holding position t; slot t is
+    visible to query s iff t < kv_length and t <= q_positions[s] (q_positions int [B, S],
+    kv_length int []). The cache is read in its own layout (no per-step transpose or copy).
+
+    Cost follows the length where that pays: while at most half the capacity is filled, an
+    online softmax visits only the ceil(kv_length / chunk) chunks holding filled slots (each
+    chunk is sliced out, a copy, so past half the capacity one pass over all T slots is
+    cheaper and is what runs). Forward only (the chunk loop is a while loop).
+    Returns out [B, S, Hq, D] in q's dtype.
+    """
+    b, s, hq, d = q.shape
+    h, t = k_cache.shape[1:3]
+    g = hq // h
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, s, h, g, d).transpose(0, 2, 3, 1, 4).reshape(b, h, g * s, d).astype(k_cache.dtype)
+    q_pos = jnp.tile(q_positions.astype(jnp.int32), (1, g))[:, None, :, None]  # [B, 1, G*S, 1]
+
+    def scores(k_c, pos):  # masked logits [B, H, G*S, C] of the slots at positions pos [C]
+        logits = jnp.einsum("bhmd,bhcd->bhmc", qg, k_c, preferred_element_type=jnp.float32) * scale
+        return jnp.where((pos < kv_length) & (pos <= q_pos), logits, NEG_INF)
+
+    def finish(acc, l):
+        return (acc / l[..., None]).reshape(b, h, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+
+    def whole():
+        probs = jax.nn.softmax(scores(k_cache, jnp.arange(t, dtype=jnp.int32)), axis=-1)
+        out = jnp.einsum("bhmc,bhcd->bhmd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+        return finish(out, jnp.ones(out.shape[:-1], jnp.float32))
+
+    c = min(chunk, t)
+    if 2 * c > t:
+        return whole().astype(q.dtype)
+
+    def chunk_step(i, carry):
+        m, l, acc = carry
+        start = jnp.minimum(i * c, t - c)  # the last chunk may overlap the one before
+        pos = start + jnp.arange(c, dtype=jnp.int32)
+        logits = scores(jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2), pos)
+        logits = jnp.where(pos >= i * c, logits, NEG_INF)  # the overlap was counted already
+        m_new = jnp.maximum(m, logits.max(-1))
+        p = jnp.exp(logits - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        v_c = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2)
+        pv = jnp.einsum("bhmc,bhcd->bhmd", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    def chunked():
+        init = (jnp.full((b, h, g * s), NEG_INF, jnp.float32), jnp.zeros((b, h, g * s), jnp.float32),
+                jnp.zeros((b, h, g * s, d), jnp.float32))
+        n_chunks = jnp.maximum((kv_length + c - 1) // c, 1)
+        _, l, acc = jax.lax.fori_loop(0, n_chunks, chunk_step, init)
+        return finish(acc, l)
+
+    return jax.lax.cond(2 * kv_length <= t, chunked, whole).astype(q.dtype)
+
+
 @flax.struct.dataclass
 class DenseLayerCache:
-    """k, v: [B, T, Hkv, D], slot i holds the token at position i (T = max cache length)."""
+    """k, v: [B, Hkv, T, D] (head-major, like the bounded caches and torch's): slot i holds the
+    token at position i; T = max cache length."""
 
     k: jax.Array
     v: jax.Array
@@ -101,21 +166,26 @@ class DenseLayerCache:
         if policy is not None:
             raise ValueError("a KVpop model decodes with its bounded cache (kvpop_jax.cache.init_cache), "
                              "not a dense one")
-        b, t = self.k.shape[:2]
-        cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), length, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), length, axis=1)
-        slots = jnp.arange(t, dtype=jnp.int32)
-        kv_valid = jnp.broadcast_to(slots < length + q.shape[1], (b, t))
-        out, _ = attn_lib.dense_attention(
-            q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-            q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
-        )
+        b, _, t, _ = self.k.shape
+        s = q.shape[1]
+        # Written in place (a donated or loop-carried cache is updated, not copied).
+        cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, jnp.swapaxes(k, 1, 2).astype(self.k.dtype), length, 2)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, jnp.swapaxes(v, 1, 2).astype(self.v.dtype), length, 2)
+        if s <= DECODE_MAX_QUERIES:
+            out = prefix_attention(q, cache_k, cache_v, q_positions=positions, kv_length=length + s)
+        else:  # a prompt: the blockwise dense attention over the cache, transposed once
+            slots = jnp.arange(t, dtype=jnp.int32)
+            out, _ = attn_lib.dense_attention(
+                q, jnp.swapaxes(cache_k, 1, 2).astype(q.dtype), jnp.swapaxes(cache_v, 1, 2).astype(q.dtype),
+                q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)),
+                kv_valid=jnp.broadcast_to(slots < length + s, (b, t)),
+            )
         return out, DenseLayerCache(cache_k, cache_v)
 
 
 def init_dense_cache(config: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-    """An empty dense cache of `max_len` slots per layer (it holds every token)."""
-    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    """An empty dense cache of `max_len` slots per layer (it holds every token): k, v [B, Hkv, T, D]."""
+    shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
     layer = DenseLayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
 

@@ -9,7 +9,8 @@ import pytest
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig, Qwen3Config
-from kvpop_jax.cache import init_cache
+from kvpop_jax.attention import dense_attention_reference
+from kvpop_jax.cache import init_cache, prefix_attention
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
 BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -103,3 +104,23 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
         np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
     state = cache.layers[0].scorer_state
     assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
+
+
+@pytest.mark.parametrize("capacity, chunk, new", [(37, 4, 1), (37, 8, 3), (64, 16, 1), (20, 2048, 2)])
+def test_dense_decode_attention_matches_dense_reference(rng, capacity, chunk, new):
+    """`prefix_attention` (chunk loop over the filled prefix, or one pass over the capacity) ==
+    the dense reference over the filled slots, at every fill level; no slot past the length counts."""
+    b, hq, hkv, d = 2, 4, 2, 8
+    k_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, new, hq, d)), jnp.float32)
+    run = jax.jit(lambda pos, n: prefix_attention(q, k_cache, v_cache, q_positions=pos, kv_length=n, chunk=chunk))
+    slots = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
+    for length in sorted({0, 1, chunk - 1, chunk, capacity // 2 - new, capacity // 2, capacity - new}):
+        if not 0 <= length <= capacity - new:
+            continue
+        pos = jnp.broadcast_to(length + jnp.arange(new), (b, new))
+        got = run(pos, jnp.int32(length + new))
+        want, _ = dense_attention_reference(q, jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2),
+                                            q_positions=pos, kv_positions=slots, kv_valid=slots < length + new)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"length {length}")
