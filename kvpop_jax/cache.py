@@ -90,19 +90,19 @@ DECODE_CHUNK = 2048  # cache slots per step of the decode attention's loop over 
 DECODE_MAX_QUERIES = 16  # new tokens up to which the dense cache attends with `prefix_attention`
 
 
-def prefix_attention(q, k_cache, v_cache, *, q_positions, kv_length, scale: float | None = None,
+def prefix_attention(q, k_cache, v_cache, k_new, v_new, *, q_positions, length, scale: float | None = None,
                      chunk: int = DECODE_CHUNK):
-    """A few queries against the filled prefix of a head-major cache (the decode step).
+    """A few new tokens against the filled prefix of a head-major cache plus themselves (a decode step).
 
-    q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, T, D] with slot t holding position t; slot t is
-    visible to query s iff t < kv_length and t <= q_positions[s] (q_positions int [B, S],
-    kv_length int []). The cache is read in its own layout (no per-step transpose or copy).
+    q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, T, D], slot t holding position t, slots < length
+    filled; k_new, v_new [B, S, Hkv, D] the new tokens' (positions length + i, not yet in the
+    cache); q_positions int [B, S]; key position p is visible to query s iff p <= q_positions[s].
 
-    Cost follows the length where that pays: while at most half the capacity is filled, an
-    online softmax visits only the ceil(kv_length / chunk) chunks holding filled slots (each
-    chunk is sliced out, a copy, so past half the capacity one pass over all T slots is
-    cheaper and is what runs). Forward only (the chunk loop is a while loop).
-    Returns out [B, S, Hq, D] in q's dtype.
+    The cache is read as it is before this step's write (its own layout, no transpose), so the
+    in-place write of the new tokens never forces a copy of it. While at most half the
+    capacity is filled, an online softmax visits only the ceil(length / chunk) chunks holding
+    filled slots (each sliced out, a copy); past that one pass over all T slots is cheaper.
+    Forward only (the chunk loop is a while loop). Returns out [B, S, Hq, D] in q's dtype.
     """
     b, s, hq, d = q.shape
     h, t = k_cache.shape[1:3]
@@ -111,43 +111,59 @@ def prefix_attention(q, k_cache, v_cache, *, q_positions, kv_length, scale: floa
     qg = q.reshape(b, s, h, g, d).transpose(0, 2, 3, 1, 4).reshape(b, h, g * s, d).astype(k_cache.dtype)
     q_pos = jnp.tile(q_positions.astype(jnp.int32), (1, g))[:, None, :, None]  # [B, 1, G*S, 1]
 
-    def scores(k_c, pos):  # masked logits [B, H, G*S, C] of the slots at positions pos [C]
-        logits = jnp.einsum("bhmd,bhcd->bhmc", qg, k_c, preferred_element_type=jnp.float32) * scale
-        return jnp.where((pos < kv_length) & (pos <= q_pos), logits, NEG_INF)
+    def partial(k_c, v_c, visible):
+        """Softmax pieces (max, sum, unnormalized out) over keys k_c/v_c [B, H, C, D]."""
+        logits = jnp.einsum("bhmd,bhcd->bhmc", qg, k_c.astype(qg.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible, logits * scale, NEG_INF)
+        m = logits.max(-1)
+        p = jnp.exp(logits - m[..., None])
+        out = jnp.einsum("bhmc,bhcd->bhmd", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
+        return m, p.sum(-1), out
 
-    def finish(acc, l):
-        return (acc / l[..., None]).reshape(b, h, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    def merge(a, b_):
+        m = jnp.maximum(a[0], b_[0])
+        wa, wb = jnp.exp(a[0] - m), jnp.exp(b_[0] - m)
+        return m, a[1] * wa + b_[1] * wb, a[2] * wa[..., None] + b_[2] * wb[..., None]
+
+    new_pos = length + jnp.arange(s, dtype=jnp.int32)
+    new = partial(jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype), new_pos <= q_pos)
 
     def whole():
-        probs = jax.nn.softmax(scores(k_cache, jnp.arange(t, dtype=jnp.int32)), axis=-1)
-        out = jnp.einsum("bhmc,bhcd->bhmd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
-        return finish(out, jnp.ones(out.shape[:-1], jnp.float32))
+        pos = jnp.arange(t, dtype=jnp.int32)
+        return partial(k_cache, v_cache, (pos < length) & (pos <= q_pos))
 
     c = min(chunk, t)
-    if 2 * c > t:
-        return whole().astype(q.dtype)
-
-    def chunk_step(i, carry):
-        m, l, acc = carry
-        start = jnp.minimum(i * c, t - c)  # the last chunk may overlap the one before
-        pos = start + jnp.arange(c, dtype=jnp.int32)
-        logits = scores(jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2), pos)
-        logits = jnp.where(pos >= i * c, logits, NEG_INF)  # the overlap was counted already
-        m_new = jnp.maximum(m, logits.max(-1))
-        p = jnp.exp(logits - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        v_c = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2)
-        pv = jnp.einsum("bhmc,bhcd->bhmd", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
     def chunked():
+        def chunk_step(i, carry):
+            start = jnp.minimum(i * c, t - c)  # the last chunk may overlap the one before: masked
+            pos = start + jnp.arange(c, dtype=jnp.int32)
+            visible = (pos >= i * c) & (pos < length) & (pos <= q_pos)
+            k_c = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2)
+            v_c = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2)
+            return merge(carry, partial(k_c, v_c, visible))
+
         init = (jnp.full((b, h, g * s), NEG_INF, jnp.float32), jnp.zeros((b, h, g * s), jnp.float32),
                 jnp.zeros((b, h, g * s, d), jnp.float32))
-        n_chunks = jnp.maximum((kv_length + c - 1) // c, 1)
-        _, l, acc = jax.lax.fori_loop(0, n_chunks, chunk_step, init)
-        return finish(acc, l)
+        return jax.lax.fori_loop(0, (length + c - 1) // c, chunk_step, init)
 
-    return jax.lax.cond(2 * kv_length <= t, chunked, whole).astype(q.dtype)
+    cached = whole() if 2 * c > t else jax.lax.cond(2 * length <= t, chunked, whole)
+    _, l, acc = merge(cached, new)
+    out = (acc / l[..., None]).reshape(b, h, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    return out.astype(q.dtype)
+
+
+def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
+    """x, plus an exact zero computed from `dependency`: orders a cache's in-place write after
+    this step's reads of it (`dependency` = what the reads produced).
+
+    Without a data dependency XLA (CPU) may schedule the write first and then copies a
+    loop-carried cache twice per decode step (in `generate`'s while loop) to keep the old
+    values readable. `z − z` is not folded for floats; non-finite z contributes 0 too.
+    """
+    z = dependency.reshape(-1)[0].astype(jnp.float32)
+    zero = z - z
+    return x + jnp.where(jnp.isfinite(zero), zero, 0.0).astype(x.dtype)
 
 
 @flax.struct.dataclass
@@ -168,12 +184,13 @@ class DenseLayerCache:
                              "not a dense one")
         b, _, t, _ = self.k.shape
         s = q.shape[1]
+        if s <= DECODE_MAX_QUERIES:  # reads the cache before the write below
+            out = prefix_attention(q, self.k, self.v, k, v, q_positions=positions, length=length)
+            k, v = after(k, out), after(v, out)
         # Written in place (a donated or loop-carried cache is updated, not copied).
         cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, jnp.swapaxes(k, 1, 2).astype(self.k.dtype), length, 2)
         cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, jnp.swapaxes(v, 1, 2).astype(self.v.dtype), length, 2)
-        if s <= DECODE_MAX_QUERIES:
-            out = prefix_attention(q, cache_k, cache_v, q_positions=positions, kv_length=length + s)
-        else:  # a prompt: the blockwise dense attention over the cache, transposed once
+        if s > DECODE_MAX_QUERIES:  # a prompt: the blockwise dense attention over the cache, transposed once
             slots = jnp.arange(t, dtype=jnp.int32)
             out, _ = attn_lib.dense_attention(
                 q, jnp.swapaxes(cache_k, 1, 2).astype(q.dtype), jnp.swapaxes(cache_v, 1, 2).astype(q.dtype),

@@ -108,19 +108,25 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
 
 @pytest.mark.parametrize("capacity, chunk, new", [(37, 4, 1), (37, 8, 3), (64, 16, 1), (20, 2048, 2)])
 def test_dense_decode_attention_matches_dense_reference(rng, capacity, chunk, new):
-    """`prefix_attention` (chunk loop over the filled prefix, or one pass over the capacity) ==
-    the dense reference over the filled slots, at every fill level; no slot past the length counts."""
+    """`prefix_attention` (chunk loop over the filled prefix, or one pass over the capacity, plus
+    the new tokens) == the dense reference over cache + new tokens, at every fill level; no slot
+    past the length counts (they hold garbage here)."""
     b, hq, hkv, d = 2, 4, 2, 8
     k_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
     v_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(b, new, hq, d)), jnp.float32)
-    run = jax.jit(lambda pos, n: prefix_attention(q, k_cache, v_cache, q_positions=pos, kv_length=n, chunk=chunk))
+    k_new = jnp.asarray(rng.normal(size=(b, new, hkv, d)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(b, new, hkv, d)), jnp.float32)
+    run = jax.jit(lambda pos, n: prefix_attention(q, k_cache, v_cache, k_new, v_new, q_positions=pos, length=n,
+                                                  chunk=chunk))
     slots = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
     for length in sorted({0, 1, chunk - 1, chunk, capacity // 2 - new, capacity // 2, capacity - new}):
         if not 0 <= length <= capacity - new:
             continue
         pos = jnp.broadcast_to(length + jnp.arange(new), (b, new))
-        got = run(pos, jnp.int32(length + new))
-        want, _ = dense_attention_reference(q, jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2),
-                                            q_positions=pos, kv_positions=slots, kv_valid=slots < length + new)
+        got = run(pos, jnp.int32(length))
+        full_k = jax.lax.dynamic_update_slice_in_dim(jnp.swapaxes(k_cache, 1, 2), k_new, length, 1)
+        full_v = jax.lax.dynamic_update_slice_in_dim(jnp.swapaxes(v_cache, 1, 2), v_new, length, 1)
+        want, _ = dense_attention_reference(q, full_k, full_v, q_positions=pos, kv_positions=slots,
+                                            kv_valid=slots < length + new)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"length {length}")
