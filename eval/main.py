@@ -7,6 +7,7 @@ Commands (each prints its own `--help`):
   patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
+  bench train     a training step per variant and each KVpop layer part, as ratios to dense
   diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
 Every command that produces results writes a markdown table and PNG plots to --out_dir.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import bench_decode, bench_kernels, diagnose
+from eval import bench_decode, bench_kernels, bench_train, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.patterns import run_patterns
 from eval.recall import run_recall
@@ -155,10 +156,11 @@ def cmd_patterns(argv: Sequence[str]) -> None:
 
 
 def cmd_bench(argv: Sequence[str]) -> None:
-    """Benchmarks: kernels, decode."""
+    """Benchmarks: kernels, decode, train."""
     benches: dict[str, Callable[[Sequence[str]], None]] = {
         "kernels": bench_kernels.main,
         "decode": bench_decode.main,
+        "train": bench_train.main,
     }
     if not argv or argv[0] not in benches:
         raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")
