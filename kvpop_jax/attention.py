@@ -281,11 +281,14 @@ def kvpop_attention(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: 
     """KVpop-masked attention on the back end `KVPOP_ATTENTION` picks (contract of the reference).
 
     implementation: one of `KVPOP_ATTENTION.implementations` — "xla"
-    (`kvpop_attention_reference`), "pallas" (`kvpop_attention_pallas`), "pallas_compacted"
-    (compacted key lists; needs `topk`), or their "_interpret" twins (CPU tests). None reads
-    `$KVPOP_ATTENTION_IMPL`, else picks automatically: on GPU the compacted kernel where its
-    tile count is lower, else the block-skipping kernel; the XLA reference elsewhere. Under an
-    active mesh the kernels run in shard_map over batch and heads.
+    (`kvpop_attention_reference`, O(S²)), "xla_sparse" (`kvpop_attention_gathered`: plain XLA
+    over gathered per-block key lists, O(S·(B + block)); needs `topk`), "pallas"
+    (`kvpop_attention_pallas`), "pallas_compacted" (compacted key lists; needs `topk`), or the
+    kernels' "_interpret" twins (CPU tests). None reads `$KVPOP_ATTENTION_IMPL`, else picks
+    automatically: on GPU the compacted kernel where its tile count is lower, else the
+    block-skipping kernel; elsewhere "xla_sparse" where it scores fewer than
+    `GATHERED_MARGIN` x S keys per query, else the reference. Under an active mesh the kernels
+    run in shard_map over batch and heads.
     """
     return KVPOP_ATTENTION(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
                            implementation=implementation)
