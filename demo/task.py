@@ -34,6 +34,21 @@ Why this shape:
   name then digit, so it is a plain induction head (find the earlier `q`, copy the digit
   after it). The chain-of-thought completion splits the answer into such steps.
 
+Two tasks (`TASKS`, `make_config(task=...)`):
+- "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
+  One decisive read among ~900 later queries: the paper's mean future-attention target barely
+  singles a fact out (BENCHMARKS.md), a harder benchmark kept beside the main one.
+- "reuse" (the main task): like a reasoning trace that comes back to earlier results, each
+  marked fact is recalled `n_reuse` times on lines `q=4` (its value predictable only by looking
+  the fact up), the first recall at least `reuse_gap` of the prompt after the fact and the last
+  at least `final_gap` before the question. A recall reads the fact without binding it again
+  (the `=` keeps `q=4` from being a `name digit` pair), so every read, the question's included,
+  goes to the fact itself: the paper's target collects n_reuse + 1 reads for it. Every read
+  comes after the fact has left any heuristic's budget (B <= 25% of the prompt: StreamingLLM,
+  TOVA and H2O have seen no attention to it while they could still keep it), and at insertion
+  a fact looks like the hundreds of distractor bindings. Only the `keep` cue, inside the
+  window after the fact, marks it.
+
 Difficulty knob (`DIFFICULTY`): easy = answer is one looked-up value (n_query=1), medium
 (default) = sum of two, hard = sum of three out of four marked, with a longer mark delay.
 Lengths: `seq_len` is the exact prompt length in tokens of the demo tokenizer
@@ -77,6 +92,9 @@ class DemoTaskConfig:
       tokens before the restated digit, so distractors are read only inside a window w >= it.
     cot: the completion shows the lookups and additions before the boxed answer.
     answer_format: "boxed" (\\boxed{7}) or "hash" (#### 7).
+    n_reuse: recall lines `q=4` of each marked fact (0: the read-once task).
+    reuse_gap: the first recall comes at least this fraction of seq_len after the fact.
+    final_gap: the last recall comes at least this fraction of seq_len before the question.
     """
 
     seq_len: int = 1536
@@ -91,6 +109,9 @@ class DemoTaskConfig:
     scratch_reach: int = 24
     cot: bool = True
     answer_format: str = "boxed"
+    n_reuse: int = 0
+    reuse_gap: float = 0.27
+    final_gap: float = 0.27
 
     def __post_init__(self):
         if not 1 <= self.n_query <= self.n_marked <= 8:
@@ -111,6 +132,13 @@ class DemoTaskConfig:
         zone_tokens = (hi - lo) * (self.seq_len - 1 - self.question_tokens)
         if zone_tokens < self.n_marked * self._marked_spacing:
             raise ValueError(f"seq_len={self.seq_len} is too short for {self.n_marked} marked bindings")
+        if self.n_reuse < 0 or not 0.0 <= self.reuse_gap < 1.0 or not 0.0 <= self.final_gap < 1.0:
+            raise ValueError(f"need n_reuse >= 0 and gaps in [0, 1), got {self.n_reuse}, {self.reuse_gap}, "
+                             f"{self.final_gap}")
+        if self.n_reuse and self._reuse_room < 4 * self.max_line_tokens:
+            raise ValueError(f"no room to recall facts: the marked zone ends at {hi:.2f} of the prompt, then "
+                             f"reuse_gap {self.reuse_gap} and final_gap {self.final_gap} leave "
+                             f"{self._reuse_room} tokens at seq_len={self.seq_len}")
 
     @property
     def max_line_tokens(self) -> int:
@@ -139,17 +167,33 @@ class DemoTaskConfig:
     def _marked_spacing(self) -> int:
         return self.max_mark_gap + self.max_line_tokens + 1
 
+    @property
+    def _reuse_room(self) -> int:
+        """Tokens between the earliest first restatement of the last fact and the latest restatement."""
+        body = self.seq_len - 1 - self.question_tokens
+        return int((1.0 - self.final_gap) * self.seq_len) - int(self.marked_zone[1] * body) - int(
+            self.reuse_gap * self.seq_len)
+
 
 DIFFICULTY = {
     "easy": dict(n_query=1, n_marked=2),
     "medium": dict(n_query=2, n_marked=3),
     "hard": dict(n_query=3, n_marked=4, max_mark_delay=2),
 }
+TASKS = {
+    "read_once": dict(),
+    # Facts late enough that the first k binding values (an insertion-time FIFO) rarely hold them,
+    # reads > B = 25% of the prompt after them, the last read a third of the prompt before the end.
+    "reuse": dict(n_reuse=3, marked_zone=(0.26, 0.38), reuse_gap=0.26, final_gap=0.33),
+}
 
 
-def make_config(difficulty: str | None = None, **overrides) -> DemoTaskConfig:
-    """DemoTaskConfig from a DIFFICULTY preset (default "medium") plus field overrides."""
-    return DemoTaskConfig(**{**DIFFICULTY[difficulty or "medium"], **overrides})
+def make_config(difficulty: str | None = None, task: str | None = None, **overrides) -> DemoTaskConfig:
+    """DemoTaskConfig from a DIFFICULTY preset (default "medium") and a TASKS preset (default
+    "read_once") plus field overrides."""
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    return DemoTaskConfig(**{**DIFFICULTY[difficulty or "medium"], **TASKS[task or "read_once"], **overrides})
 
 
 # ------------------------------------------------------------------------------ generation
@@ -164,20 +208,21 @@ def _answer_atoms(value: int, answer_format: str) -> list[str]:
     return [BOXED, str(value), "}"] if answer_format == "boxed" else [HASHES, " ", str(value)]
 
 
-def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskConfig | None = None,
-                     **overrides) -> dict:
+def generate_example(seed, *, difficulty: str | None = None, task: str | None = None,
+                     config: DemoTaskConfig | None = None, **overrides) -> dict:
     """One trace. `seed`: int, tuple of ints (see `example_seed`) or np.random.Generator.
 
     Returns dict(prompt, answer, text, meta): text = prompt + completion; answer is the
     integer answer as a string. meta holds token positions in the tokenized prompt (<bos> = 0):
-      facts: per marked binding, name, value, value_pos, mark_pos (its name in `keep`), queried;
+      facts: per marked binding, name, value, value_pos, mark_pos (its name in `keep`), queried,
+        reuse_pos (the value tokens of its recall lines);
       binding_value_positions: every binding's value token (distractors included);
       determined_positions: the tokens of `text` fixed by their prefix (scratch lookups and
         results, the whole completion). Everything else is random by construction, so weighting
         the LM loss towards these helps a small dense model find the lookups;
       n_prompt_tokens, n_text_tokens, max_mark_gap.
     """
-    cfg = config or make_config(difficulty, **overrides)
+    cfg = config or make_config(difficulty, task, **overrides)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     names = [NAMES[i] for i in rng.permutation(cfg.n_names)]
     marked, pool = names[: cfg.n_marked], names[cfg.n_marked :]
@@ -199,9 +244,17 @@ def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskCon
     recent: deque[tuple[str, int, int]] = deque(maxlen=cfg.recent_names)  # (name, value, value_pos)
     value_positions: list[int] = []
     determined: list[int] = []
-    facts = [dict(name=marked[i], value=marked_values[i], value_pos=-1, mark_pos=-1, queried=i in queried)
-             for i in range(cfg.n_marked)]
+    facts = [dict(name=marked[i], value=marked_values[i], value_pos=-1, mark_pos=-1, queried=i in queried,
+                  reuse_pos=[]) for i in range(cfg.n_marked)]
     next_marked, pending, delay = 0, None, 0  # pending: index of the marked binding awaiting `keep`
+    due: list[tuple[int, int]] = []  # (body position from which a recall may come, fact index)
+    last_reuse = int((1.0 - cfg.final_gap) * cfg.seq_len) - 1  # recalls end before this position
+
+    def schedule_reuse(i: int, value_pos: int) -> None:
+        first = value_pos + int(cfg.reuse_gap * cfg.seq_len)
+        spots = np.sort(rng.integers(first, max(first + 1, last_reuse - 2 * cfg.max_line_tokens), cfg.n_reuse))
+        due.extend((int(p), i) for p in spots)
+        due.sort()
 
     def binding_line(n: int, marked_slot: int | None = None) -> list[str]:
         line = []
@@ -209,6 +262,7 @@ def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskCon
             if j == marked_slot:
                 facts[next_marked]["value_pos"] = 1 + len(body) + len(line) + 1
                 line += [marked[next_marked], str(marked_values[next_marked])]
+                schedule_reuse(next_marked, facts[next_marked]["value_pos"]) if cfg.n_reuse else None
                 continue
             taken = {name for name, _, _ in recent}
             name = pool[int(rng.integers(len(pool)))]
@@ -246,9 +300,16 @@ def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskCon
             if pending is not None:
                 delay -= 1
             if remaining < cfg.max_line_tokens:
-                if pending is not None or next_marked < cfg.n_marked:
-                    raise AssertionError("marked zone overflow; validation should prevent this")
+                if pending is not None or next_marked < cfg.n_marked or due:
+                    raise AssertionError("marked zone or recall overflow; validation should prevent this")
                 break
+            if due and due[0][0] <= 1 + len(body) + 2:  # recall a marked fact: `q=4`, read, not re-bound
+                _, i = due.pop(0)
+                facts[i]["reuse_pos"].append(1 + len(body) + 2)
+                determined.append(facts[i]["reuse_pos"][-1])  # predictable: the fact's own value
+                line = [marked[i], "=", str(marked_values[i]), "\n"]
+                body += line
+                continue
             line = scratch_line() if rng.random() < cfg.p_scratch else None
             if line is None:
                 line = binding_line(int(rng.integers(1, cfg.max_bindings_per_line + 1)))
@@ -279,7 +340,7 @@ def generate_example(seed, *, difficulty: str | None = None, config: DemoTaskCon
         meta=dict(
             seed=seed_meta,
             facts=facts,
-            binding_value_positions=sorted(value_positions + [f["value_pos"] for f in facts]),
+            binding_value_positions=sorted(set(value_positions + [f["value_pos"] for f in facts])),
             n_prompt_tokens=1 + len(body) + len(question),
             n_text_tokens=1 + len(body) + len(question) + len(completion),
             determined_positions=determined + list(range(1 + len(body) + len(question),
@@ -297,6 +358,20 @@ def generate_dataset(n: int, seed: int = 0, split: str = "train", *, start: int 
     for i in range(start, start + n):
         ex = generate_example(example_seed(seed, split, i), **kw)
         out.append(dict(id=f"{split}-{seed}-{i}", **ex))
+    return out
+
+
+def generate_mixture(n: int, seed: int = 0, split: str = "train", tasks: tuple[str, ...] = ("read_once",),
+                     **kw) -> list[dict]:
+    """Examples 0..n-1 of `split`, example i of task tasks[i % len(tasks)] (one task: exactly
+    `generate_dataset(n, seed, split, task=...)`). Ids name the task when there are several."""
+    if len(tasks) == 1:
+        return generate_dataset(n, seed, split, task=tasks[0], **kw)
+    out = []
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        ex = generate_example(example_seed(seed, split, i), task=task, **kw)
+        out.append(dict(id=f"{task}-{split}-{seed}-{i}", **ex))
     return out
 
 

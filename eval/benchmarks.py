@@ -1,21 +1,102 @@
-"""Benchmarks: problems (id, prompt, answer) from local files or the HF hub."""
+"""Benchmarks: problems (id, prompt, answer) from local files, the HF hub, or generated demo tasks.
+
+A source is a JSONL/JSON file, a local file `datasets` reads (parquet, csv), a hub dataset name,
+or a demo-task spec that generates fresh problems nobody has seen:
+
+    demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D]
+
+e.g. `demo:reuse:test:seed=123:n=100:len=2048` (TASK in `demo.task.TASKS`: reuse, read_once;
+SPLIT train | validation | test, default test; seed 0, n 100, len 1024, difficulty medium).
+Different seeds and splits never share a problem.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
+from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset
+
 PROMPT_FIELDS = ("prompt", "problem", "question")
+DEMO_PREFIX = "demo:"
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSpec:
+    """Generated demo-task problems (see the module docstring)."""
+
+    task: str
+    split: str = "test"
+    seed: int = 0
+    n: int = 100
+    len: int = 1024
+    difficulty: str = "medium"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"demo task must be one of {sorted(TASKS)}, got {self.task!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"demo split must be one of {sorted(SPLITS)}, got {self.split!r}")
+        if self.difficulty not in DIFFICULTY:
+            raise ValueError(f"demo difficulty must be one of {sorted(DIFFICULTY)}, got {self.difficulty!r}")
+        if self.n < 1 or self.seed < 0:
+            raise ValueError(f"demo spec needs n >= 1 and seed >= 0, got n={self.n}, seed={self.seed}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.split}-s{self.seed}-{self.n}x{self.len}"
+
+    def __str__(self) -> str:
+        return f"{DEMO_PREFIX}{self.task}:{self.split}:seed={self.seed}:n={self.n}:len={self.len}" + (
+            f":difficulty={self.difficulty}" if self.difficulty != "medium" else "")
+
+    def problems(self) -> list[dict]:
+        examples = generate_dataset(self.n, self.seed, self.split, task=self.task, difficulty=self.difficulty,
+                                    seq_len=self.len)
+        return [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
+
+
+def parse_demo_spec(source: str) -> DemoSpec:
+    """`demo:reuse:test:seed=123:n=100:len=2048` -> DemoSpec; errors name the bad part."""
+    if not source.startswith(DEMO_PREFIX):
+        raise ValueError(f"a demo benchmark starts with {DEMO_PREFIX!r}, got {source!r}")
+    parts = [p for p in source[len(DEMO_PREFIX):].split(":") if p]
+    if not parts:
+        raise ValueError(f"{source!r}: name a task, e.g. demo:reuse (tasks: {sorted(TASKS)})")
+    fields: dict = {"task": parts[0]}
+    for part in parts[1:]:
+        if "=" not in part:
+            fields["split"] = part
+            continue
+        key, value = part.split("=", 1)
+        if key not in ("seed", "n", "len", "difficulty"):
+            raise ValueError(f"{source!r}: unknown key {key!r} (seed, n, len, difficulty)")
+        try:
+            fields[key] = value if key == "difficulty" else int(value)
+        except ValueError:
+            raise ValueError(f"{source!r}: {key}={value!r} is not an integer") from None
+    try:
+        return DemoSpec(**fields)
+    except ValueError as e:
+        raise ValueError(f"{source!r}: {e}") from None
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
 def load_benchmark(source: str, *, split: str = "test", limit: int | None = None) -> list[dict]:
-    """Problems as dicts (id, prompt, answer) from a JSONL/JSON file, a local data file
-    `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
-    if source.endswith((".jsonl", ".json")) and os.path.isfile(source):
+    """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON file, a local data
+    file `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
+    if source.startswith(DEMO_PREFIX):
+        rows = parse_demo_spec(source).problems()
+    elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
         with open(source) as f:
             text = f.read()
-        rows = json.loads(text) if source.endswith(".json") and text.lstrip().startswith("[") else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
+        if not text.strip():
+            raise ValueError(f"benchmark {source!r} is empty (no JSON records)")
+        rows = _json_rows(source, text)
+    elif not os.path.exists(source) and (os.path.splitext(source)[1] in LOCAL_SUFFIXES
+                                         or source.startswith((".", "/", "~"))):
+        raise FileNotFoundError(f"benchmark {source!r}: no such file (a local path is never looked up on the hub)")
     else:
         import datasets  # heavy: only for non-JSONL sources
 
@@ -27,6 +108,8 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
         rows = [dict(r) for r in rows]
     problems = []
     for i, row in enumerate(rows[:limit] if limit else rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
         field = next((f for f in PROMPT_FIELDS if f in row), None)
         if field is None or "answer" not in row:
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
@@ -36,5 +119,26 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
     return problems
 
 
+def _json_rows(source: str, text: str) -> list:
+    """A JSON array, or JSON lines; a bad line is named by its number."""
+    if source.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"benchmark {source!r} line {e.lineno} is not valid JSON ({e.msg})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"benchmark {source!r} line {number} is not valid JSON ({e.msg}): "
+                             f"{line.strip()[:80]!r}") from None
+    return rows
+
+
 def benchmark_name(source: str) -> str:
+    if source.startswith(DEMO_PREFIX):
+        return parse_demo_spec(source).name
     return os.path.splitext(os.path.basename(source.rstrip("/")))[0] or source

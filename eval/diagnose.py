@@ -10,6 +10,9 @@ small table; each takes under a minute on CPU.
   read    the dense teacher's attention on each queried fact at the completion step that reads it
   maxtgt  mean vs max over future queries: does the target's top-k hold both facts (dense
           teacher, one head)?
+  rank    per layer / KV head: AUC of the policy's ranking (and its target's) of the queried
+          facts against every other binding value eligible at the last prompt token (1: the
+          facts rank above all look-alikes, 0.5: chance)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from demo.task import generate_dataset
+from demo.task import TASKS, generate_dataset
 from eval.recall import policy_arrays
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer
@@ -46,10 +49,11 @@ def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
 
 
 def _problems(args):
-    return generate_dataset(args.problems, args.seed, "test", seq_len=args.prompt_len)
+    return generate_dataset(args.problems, args.seed, "test", task=args.task, seq_len=args.prompt_len)
 
 
 def _needed(example) -> list[int]:
+    """The queried facts' own value tokens (restatements aside: the facts are what must be kept)."""
     return [f["value_pos"] for f in example["meta"]["facts"] if f["queried"]]
 
 
@@ -146,7 +150,39 @@ def maxtgt(args) -> None:
           f"(layer {args.layer}, KV head {args.kv_head})")
 
 
-DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt}
+def _auc(ranks_H_S, needed, others) -> np.ndarray:
+    """Per head: share of (needed, other) pairs where the needed token ranks better (lower)."""
+    r = np.asarray(ranks_H_S)
+    wins = r[:, needed][:, :, None] < r[:, others][:, None, :]
+    return wins.mean(axis=(1, 2))
+
+
+def rank(args) -> None:
+    for path in args.exports:
+        config, params = load_pretrained(path)
+        kv = config.kvpop.retarget(args.budget, config.head_dim)
+        model = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=kv))
+        tokenizer = checkpoint_tokenizer(path)
+        shape = (config.num_hidden_layers, config.num_key_value_heads)
+        policy_auc, target_auc, n = np.zeros(shape), np.zeros(shape), 0
+        for ex in _problems(args):
+            ids = tokenizer(ex["text"])["input_ids"]
+            last = ex["meta"]["n_prompt_tokens"] - 1
+            arr = policy_arrays(model, params, jnp.asarray([ids]), jnp.asarray([[last]]))
+            needed = _needed(ex)
+            others = [p for p in ex["meta"]["binding_value_positions"]
+                      if kv.sinks <= p <= last - kv.window and p not in needed]
+            for layer in range(config.num_hidden_layers):
+                policy_auc[layer] += _auc(arr["ranks"][layer][0], needed, others)
+                target_auc[layer] += _auc(arr["teacher_ranks"][layer][0], needed, others)
+            n += 1
+        print(f"{path}: AUC of the queried facts against the other eligible binding values at the last prompt "
+              f"token ({n} {args.task} problems), per [layer, kv head]:")
+        print("  policy :", (policy_auc / n).round(3).tolist())
+        print("  target :", (target_auc / n).round(3).tolist())
+
+
+DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -156,6 +192,7 @@ def main(argv: Sequence[str]) -> None:
                         help="comma-separated KVpop exports (keep; target uses the first)")
     parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt)")
     parser.add_argument("--problems", type=int, default=24)
+    parser.add_argument("--task", default="read_once", choices=sorted(TASKS), help="demo task of the problems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt_len", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=123, help="B at which keep sets are measured")

@@ -101,7 +101,8 @@ def retention_loss(
       (loss, metrics): loss is the float32 scalar mean over valid examples of
       ω · softplus(−y (r̂_new(q) − r̂_bnd(q)) / τ) (0 when none is valid, never NaN).
       metrics (float32 scalars): `boundary_accuracy` (fraction of valid examples with
-      y · (r̂_new(q) − r̂_bnd(q)) > 0), `keep_rate` (fraction with y = +1), `num_valid`.
+      y · (r̂_new(q) − r̂_bnd(q)) > 0), `boundary_auc` (`boundary_auc`), `keep_rate`
+      (fraction with y = +1), `num_valid`.
     """
     if scores.ndim != 3 or target_scores.shape != scores.shape:
         raise ValueError(f"scores and target_scores must both be [B, H, S], got {scores.shape}, {target_scores.shape}")
@@ -146,10 +147,28 @@ def retention_loss(
     loss = jnp.sum(jnp.where(valid, weights * per_example, 0.0)) / denom
     metrics = {
         "boundary_accuracy": jnp.sum(jnp.where(valid & (y * diff > 0), 1.0, 0.0)) / denom,
+        "boundary_auc": boundary_auc(diff, y, valid),
         "keep_rate": jnp.sum(jnp.where(valid & (y > 0), 1.0, 0.0)) / denom,
         "num_valid": num_valid,
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def boundary_auc(margin: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
+    """Ranking quality at the boundary: the probability that a token the teacher keeps gets a larger
+    student margin r̂_new(q) − r̂_bnd(q) than one it drops (ties count 1/2), over all (keep, drop)
+    pairs of valid examples within each (batch, head) row; 0.5 when no row has both.
+
+    margin, y (±1), valid: [B, H, Nq]. Unlike boundary accuracy it does not depend on where the
+    scores sit relative to 0, only on their order: it moves as soon as the scorer ranks better.
+    """
+    margin = jax.lax.stop_gradient(margin.astype(jnp.float32))
+    keep, drop = valid & (y > 0), valid & (y < 0)
+    pairs = keep[..., :, None] & drop[..., None, :]  # [B, H, Nq, Nq]
+    above = margin[..., :, None] - margin[..., None, :]
+    wins = jnp.where(above > 0, 1.0, jnp.where(above == 0, 0.5, 0.0))
+    total = jnp.sum(pairs.astype(jnp.float32))
+    return jnp.where(total > 0, jnp.sum(jnp.where(pairs, wins, 0.0)) / jnp.maximum(total, 1.0), 0.5)
 
 
 def sample_query_positions(

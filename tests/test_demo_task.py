@@ -193,3 +193,47 @@ def test_task_needs_long_range_memory(test_set):
     assert rate["delayed"] == 1.0
     assert rate["streaming"] <= 0.05
     assert rate["insertion_fifo"] <= 0.35 and rate["insertion_lifo"] <= 0.15
+
+
+# ---------------------------------------------------------------------- the reuse task
+
+
+@pytest.fixture(scope="module")
+def reuse_set():
+    return dt.generate_dataset(100, seed=0, split="test", task="reuse", seq_len=1024)
+
+
+def test_reuse_recalls_each_fact_after_any_budget_and_before_the_gap(reuse_set):
+    cfg = dt.make_config(task="reuse", seq_len=1024)
+    for ex in reuse_set:
+        tokens, meta = [atoms.BOS] + atoms.atomize(ex["text"]), ex["meta"]
+        for f in meta["facts"]:
+            reuse = f["reuse_pos"]
+            assert len(reuse) == cfg.n_reuse and reuse == sorted(reuse)
+            assert reuse[0] - f["value_pos"] >= int(cfg.reuse_gap * 1024) > 256  # beyond B at CR 75%
+            assert reuse[-1] <= 1024 - int(cfg.final_gap * 1024)
+            for p in reuse:  # a recall line `name = digit`: reads the fact's value, binds nothing
+                assert tokens[p - 2 : p + 2] == [f["name"], "=", str(f["value"]), "\n"]
+                assert p not in meta["binding_value_positions"] and p in meta["determined_positions"]
+            # the prompt binds the name once: the only `name digit` pair before the completion is the fact
+            pairs = [i + 1 for i in range(meta["n_prompt_tokens"] - 1)
+                     if tokens[i] == f["name"] and tokens[i + 1] in atoms.DIGITS]
+            assert pairs == [f["value_pos"]]
+        assert oracles.solve_from_tokens(tokens[: meta["n_prompt_tokens"]]) == ex["answer"]
+    # the read-once task is the reuse task without restatements
+    assert dt.make_config(task="read_once") == dt.make_config()
+    with pytest.raises(ValueError, match="task must be one of"):
+        dt.make_config(task="reuse_twice")
+    with pytest.raises(ValueError, match="no room to recall"):
+        dt.make_config(task="reuse", seq_len=1024, final_gap=0.6)
+
+
+def test_reuse_oracles_separate_delayed_insertion_and_streaming(reuse_set):
+    rate = lambda budget: {p: np.mean([r[p] for r in (oracles.oracle_recovery(ex, budget, s=4, w=32)  # noqa: E731
+                                                          for ex in reuse_set)]) for p in ("streaming", "delayed",
+                                                                                           "insertion_fifo",
+                                                                                           "insertion_lifo")}
+    cr88 = rate(123)
+    assert cr88["delayed"] == 1.0 and cr88["streaming"] == 0.0
+    assert max(cr88["insertion_fifo"], cr88["insertion_lifo"]) <= 0.3
+    assert rate(256)["streaming"] == 0.0  # the last read is a third of the prompt before the question

@@ -251,3 +251,24 @@ def test_topk_kl_gradient(rng):
     assert np.all(np.asarray(g_teacher) == 0)  # the teacher is a constant
     with pytest.raises(ValueError, match="k must be"):
         losses.teacher_topk(teacher, vocab + 1)
+
+
+def test_boundary_auc_matches_pairwise_count(rng):
+    """AUC per (batch, head) row of the student margin against the teacher's keep/drop labels."""
+    margin = rng.normal(size=(2, 3, 12)).astype(np.float32)
+    margin[0, 0, :4] = 0.25  # ties count one half
+    y = np.where(rng.random((2, 3, 12)) < 0.4, 1.0, -1.0).astype(np.float32)
+    valid = rng.random((2, 3, 12)) < 0.8
+    wins = pairs = 0.0
+    for b in range(2):
+        for h in range(3):
+            for i in range(12):
+                for j in range(12):
+                    if valid[b, h, i] and valid[b, h, j] and y[b, h, i] > 0 and y[b, h, j] < 0:
+                        pairs += 1
+                        wins += 1.0 if margin[b, h, i] > margin[b, h, j] else 0.5 if margin[b, h, i] == margin[b, h, j] else 0.0
+    got = float(losses.boundary_auc(jnp.asarray(margin), jnp.asarray(y), jnp.asarray(valid)))
+    np.testing.assert_allclose(got, wins / pairs, rtol=1e-6)
+    assert float(losses.boundary_auc(jnp.asarray(margin), jnp.asarray(y), jnp.zeros_like(jnp.asarray(valid)))) == 0.5
+    perfect = np.where(y > 0, 1.0, -1.0).astype(np.float32)  # a margin that orders every pair right
+    assert float(losses.boundary_auc(jnp.asarray(perfect), jnp.asarray(y), jnp.asarray(valid))) == 1.0

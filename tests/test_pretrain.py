@@ -18,7 +18,7 @@ from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import (BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, encode, lookup_row,
-                                     make_batch, parse_curriculum)
+                                     make_batch, parse_curriculum, recall_row)
 from train.demo_teacher.evaluate import evaluate, export
 from train.demo_teacher.init import DIGIT_IDS, init_offset_heads, plant_lookup_circuit
 from train.demo_teacher.loop import STATE_FILE, train
@@ -191,3 +191,54 @@ def test_shipped_teacher_loads_and_answers():
     for row, n in zip(np.asarray(tokens), np.asarray(lengths)):
         text = tok.decode(row[:n].tolist(), skip_special_tokens=True)
         assert demo_task.extract_answer(text) is not None, text
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_planted_recall_head_reads_the_fact_on_recall_lines(seed):
+    """The reuse task's `q=4` lines: the recall head predicts the digit bound to q before training,
+    and the match head never takes a recall line's digit for a binding."""
+    from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
+                         rope_theta=1e8, tie_word_embeddings=True)
+    base = init_offset_heads(init_params(config, jax.random.key(seed)), config, (1, 2))
+    planted = plant_lookup_circuit(base, config, seed, recall_head=True)
+    without = plant_lookup_circuit(base, config, seed)
+    ids, weighted = recall_row(np.random.default_rng((seed, 7)), 200)
+    row = np.asarray(ids)
+    recall = (np.roll(row, 1) == VOCAB["="]) & np.isin(np.roll(row, 2), [VOCAB[n] for n in atoms.NAMES])
+    recall = recall[1:] & weighted[1:]  # target j: the token at j + 1 is a recalled value
+    model = Qwen3ForCausalLM(config)
+    for params, expect in ((planted, True), (without, False)):
+        pred = np.asarray(model.apply({"params": params}, jnp.asarray(row[None])).logits[0]).argmax(-1)
+        right = pred[:-1][recall] == row[1:][recall]
+        assert recall.sum() >= 8
+        assert right.mean() >= 0.75 if expect else right.mean() < 0.5, (expect, right)  # training sharpens it
+    task = demo_task.make_config("medium", "reuse", seq_len=1024)
+    ex = demo_task.generate_example((seed, 99, 0), config=task)
+    row = np.asarray(encode(ex["text"]))
+    pred = np.asarray(model.apply({"params": planted}, jnp.asarray(row[None])).logits[0]).argmax(-1)
+    recalled = [p for f in ex["meta"]["facts"] for p in f["reuse_pos"]]
+    assert (pred[np.asarray(recalled) - 1] == row[recalled]).mean() >= 0.6  # hundreds of tokens back
+    start = ex["meta"]["n_prompt_tokens"]  # the completion's lookups still find the binding itself
+    lookups = [p for p in range(start + 1, len(row)) if row[p - 1] in [VOCAB[n] for n in atoms.NAMES]]
+    assert (pred[np.asarray(lookups) - 1] == row[lookups]).all()
+
+
+def test_recall_drills_and_reuse_rows(tmp_path):
+    ids, weighted = recall_row(np.random.default_rng(3), 120)
+    text = decode(ids)
+    lines = text.split("\n")
+    values = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+    for ln in lines[len(values):-1]:
+        if "=" in ln and not ln.startswith(">"):
+            assert ln[2] == values[ln[0]]  # name=value recalls the bound value
+    assert np.asarray(weighted).sum() > 10
+    cfg = tiny_config(tmp_path, phases=parse_curriculum("1024:2:4:recall=0.25/reuse=0.5", 4))
+    batch = make_batch(cfg, 0)
+    assert decode(batch["input_ids"][0]).count("=") > 20  # the recall drill row
+    reuse_rows = [decode(r) for r in batch["input_ids"][2:]]
+    assert all("keep" in r for r in reuse_rows) and all(
+        any(f"\n{c}=" in r for c in atoms.NAMES) for r in reuse_rows)  # the reuse task's recall lines
+    assert (batch["weights"][2:] == cfg.completion_weight).sum(-1).min() > 3 * 3  # recalls weigh like answers

@@ -6,6 +6,7 @@ Built only by `train/configure.py` from the flags; every error is a `FlagError` 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -42,9 +43,10 @@ class OptimConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise FlagError(f"--steps must be >= 1, got {self.steps}")
-        for name in ("base_lr", "new_lr", "new_lr_final", "weight_decay", "clip_norm"):
-            if getattr(self, name) < 0:
-                raise FlagError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("base_lr", "new_lr", "new_lr_final", "weight_decay", "clip_norm", "eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise FlagError(f"--{'adam_eps' if name == 'eps' else name} must be a finite number >= 0, got {value}")
         if not 0 <= self.warmup_steps:
             raise FlagError(f"--warmup_steps must be >= 0, got {self.warmup_steps}")
         for name in ("b1", "b2"):
@@ -53,7 +55,7 @@ class OptimConfig:
 
 
 # Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k.
-VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+")
+VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+", "kvpop-mlstm-max")
 
 
 def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
@@ -63,6 +65,8 @@ def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
     StreamingLLM+ (k = 0) gets it as window."""
     if name in ("kvpop-mlstm", "kvpop-mlp"):
         return kvpop.memory_matched(name.removeprefix("kvpop-"), head_dim)
+    if name == "kvpop-mlstm-max":  # the max-over-future-queries target (not the paper's)
+        return dataclasses.replace(kvpop.memory_matched("mlstm", head_dim), target_reduce="max")
     if name == "streamingllm+":
         return dataclasses.replace(kvpop, scorer="mlp", window=kvpop.memory(head_dim) - kvpop.sinks, topk=0)
     raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
@@ -78,6 +82,9 @@ class EvalConfig:
     prompt_len: int = 1024
     batch: int = 50
     recall_sequences: int = 8
+    tasks: tuple[str, ...] = ("read_once",)  # the first is the main task
+    long_len: int = 0  # length generalization: the main task at this prompt length too (0: off)
+    long_methods: tuple[str, ...] = ()  # the trained variants evaluated at long_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +109,7 @@ class TrainConfig:
     data: DataConfig
     demo_examples: int  # > 0: `data.data` is generated (demo:N) into run_dir/data
     demo_seq_len: int
+    demo_tasks: tuple[str, ...]
     seq_len: int
     global_batch: int
     micro_batch: int
@@ -126,6 +134,9 @@ class TrainConfig:
     dry_run: bool
     variants: tuple[str, ...] = ()
     evaluation: EvalConfig | None = None
+    overwrite: bool = False  # start over in a run_dir that holds a run (train/run_dir.py)
+    divergence_factor: float = 100.0  # stop when a loss term exceeds this x its running median (0: off)
+    divergence_warmup: int = 3  # steps of history before the divergence guard checks
 
     @property
     def grad_accum(self) -> int:
@@ -176,7 +187,10 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         sources.append(os.path.join(cfg.init_checkpoint, "config.json"))
     if not sources:
         raise FlagError("no architecture: pass --init_checkpoint (a HF directory or random:NAME) or --model_config")
-    configs = [Qwen3Config.from_hf(s) for s in sources]
+    try:
+        configs = [Qwen3Config.from_hf(s) for s in sources]
+    except (ValueError, FileNotFoundError) as e:  # not an object, a missing field, ...: named, one line
+        raise FlagError(f"--init_checkpoint/--model_config: {e}") from e
     base = [dataclasses.replace(c, kvpop=None) for c in configs]
     for src, c in zip(sources[1:], base[1:]):
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731
@@ -184,6 +198,16 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         if arch(c) != arch(base[0]):
             raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures")
     return base[-1]
+
+
+def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
+    """The export must not land on (or inside) the init checkpoint: it would replace the model it starts from."""
+    if not init_checkpoint or init_checkpoint.startswith("random:"):
+        return
+    init, export = os.path.realpath(init_checkpoint), os.path.realpath(export_dir)
+    if export == init or export.startswith(init.rstrip(os.sep) + os.sep):
+        raise FlagError(f"--export_dir={export_dir} is --init_checkpoint={init_checkpoint} or inside it: the export "
+                        "would overwrite the model the run starts from; choose another --export_dir")
 
 
 def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:

@@ -12,7 +12,7 @@ Model sources (`--init_checkpoint`):
 
 Data (`--data`): a hub dataset name, a local jsonl/parquet/arrow file, directory or glob
 (see `kvpop_jax/documents.py`), or `demo:N` = N generated demo-task traces (`demo/task.py`)
-written to RUN_DIR/data/demo_train.jsonl.
+written to RUN_DIR/data/demo_train_{N}x{demo_seq_len}_seed{seed}.jsonl.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("max_length", None, "Drop documents longer than this (default: seq_len).", **d)
     flags.DEFINE_bool("streaming", None, "Stream the dataset (default: hub yes, local no).", **d)
     flags.DEFINE_integer("demo_seq_len", 1536, "Prompt length of generated demo traces (demo:N).", **d)
+    flags.DEFINE_list("demo_tasks", ["read_once"],
+                      "Demo tasks of the generated traces (demo:N), in turn: reuse, read_once (demo/task.py).", **d)
     # --- batch and schedule
     flags.DEFINE_integer("seq_len", 16384, "S: tokens per packed row.", **d)
     flags.DEFINE_integer("global_batch", 128, "Rows per optimizer step (all devices, all micro-batches).", **d)
@@ -126,10 +128,19 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("checkpoint_every", 500, "Save a checkpoint every N steps (and at the end).", **d)
     flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (older ones deleted).", **d)
     flags.DEFINE_bool("async_checkpointing", True, "Write checkpoints in the background.", **d)
-    flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in run_dir/checkpoints.", **d)
+    flags.DEFINE_bool("resume", True,
+                      "Resume from the latest checkpoint in run_dir/checkpoints (refused if a budget, scorer, "
+                      "width, sequence length or model flag changed since).", **d)
+    flags.DEFINE_bool("overwrite", False,
+                      "Start over in a run_dir that holds a run: delete its checkpoints, metrics.jsonl, tb/ and "
+                      "train_config.json first (without it, --noresume there is refused).", **d)
     flags.DEFINE_bool("export", True, "Export HF-style safetensors to --export_dir at the end.", **d)
     flags.DEFINE_string("export_dir", None, "Export directory (default: run_dir/export).", **d)
     flags.DEFINE_integer("log_every", 1, "Write metrics every N steps.", **d)
+    flags.DEFINE_float("divergence_factor", 100.0,
+                       "Stop (without saving) when kl, retention_loss or loss exceeds this multiple of its running "
+                       "median (0: off).", **d)
+    flags.DEFINE_integer("divergence_warmup", 3, "Steps of history the divergence guard needs before it checks.", **d)
     flags.DEFINE_bool("tensorboard", True, "Also write TensorBoard events to run_dir/tb.", **d)
     flags.DEFINE_bool("progress", True, "tqdm progress bar.", **d)
     # --- recipe: several retrofits of one teacher, then the demo comparison (train/recipe.py)
@@ -147,6 +158,14 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("eval_batch", 50, "Problems decoded per batch (greedy, one rollout each).", **d)
     flags.DEFINE_integer("eval_recall_sequences", 8,
                          "Held-out traces for the teacher-retention recall of each KVpop variant (0: skip).", **d)
+    flags.DEFINE_list("eval_tasks", ["read_once"],
+                      "Demo tasks to evaluate on, each with its own table; the first is the main task the "
+                      "targets are checked on.", **d)
+    flags.DEFINE_integer("eval_long_len", 0,
+                         "Also evaluate dense and --eval_long_methods at this prompt length on the main task, "
+                         "at the same budgets B (length generalization; 0: skip).", **d)
+    flags.DEFINE_list("eval_long_methods", ["kvpop-mlstm", "kvpop-mlp"],
+                      "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
     flags.DEFINE_bool("quick", False,
                       "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
                       "--checkpoint_every and --eval_problems).", **d)

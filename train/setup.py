@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from demo.task import generate_dataset, write_jsonl
+from demo.task import generate_mixture, write_jsonl
 from demo.tokenizer import save_tokenizer
 from kvpop_jax import modeling, save_pretrained
 from kvpop_jax import sharding as shd
@@ -24,6 +24,9 @@ from train.packing import PackedBatchIterator
 
 
 def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
+    """The step's static config; checks what needs the model (before anything compiles)."""
+    if cfg.kvpop.kl_topk > model_config.vocab_size:
+        raise FlagError(f"--kl_topk={cfg.kvpop.kl_topk} exceeds the model's vocab_size {model_config.vocab_size}")
     return st.StepConfig(
         model=dataclasses.replace(model_config, kvpop=cfg.kvpop),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
@@ -106,11 +109,23 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
         if not os.path.isfile(data_config.data) and jax.process_index() == 0:
             os.makedirs(os.path.dirname(data_config.data), exist_ok=True)
             tmp = data_config.data + ".tmp"
-            write_jsonl(tmp, generate_dataset(cfg.demo_examples, cfg.seed, "train", seq_len=cfg.demo_seq_len))
+            write_jsonl(tmp, generate_mixture(cfg.demo_examples, cfg.seed, "train", cfg.demo_tasks,
+                                              seq_len=cfg.demo_seq_len))
             os.replace(tmp, data_config.data)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")
-    return PackedBatchIterator(data_config, tokenizer)
+    try:
+        return PackedBatchIterator(data_config, tokenizer)
+    except ValueError as e:  # no usable text, a bad line, an empty file: named, one line at the CLI
+        raise FlagError(f"--data: {e}") from e
+
+
+def next_rows(batches: PackedBatchIterator) -> dict[str, np.ndarray]:
+    """The next packed batch; a data error met on the way (a stream's bad line) is a FlagError."""
+    try:
+        return next(batches)
+    except ValueError as e:
+        raise FlagError(f"--data: {e}") from e
 
 
 def to_global(batch: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:

@@ -40,6 +40,7 @@ class PretrainConfig:
     export_dtype: str = "float32"
     offset_heads: tuple[int, ...] = ()  # KV head i of layer 0 starts attending offset_heads[i] back
     lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/demo_teacher/init.py)
+    recall_head: bool = False  # plant the recall head too (reads `q=4` lines of the reuse task)
 
     def __post_init__(self):
         if not self.phases:
@@ -56,6 +57,8 @@ class PretrainConfig:
             raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
         if self.offset_heads and not self.model.attention_bias:
             raise ValueError("offset_heads needs a model with attention_bias=True (the heads are q/k biases)")
+        if self.recall_head and not self.lookup_circuit:
+            raise ValueError("recall_head is part of the planted lookup circuit: it needs lookup_circuit")
         if self.lookup_circuit and self.offset_heads[:1] != (1,):
             raise ValueError("lookup_circuit needs offset_heads to start with 1 (its previous-token head)")
         if len(self.offset_heads) > self.model.num_key_value_heads or any(o < 1 for o in self.offset_heads):
@@ -79,7 +82,7 @@ class PretrainConfig:
         if isinstance(phase, int):
             return demo_task.make_config(self.difficulty, seq_len=phase)
         overrides = dict(phase.task)
-        for drill in ("drill", "lookup"):  # not task fields: the shares of drill rows
+        for drill in ("drill", "lookup", "recall", "reuse"):  # not task fields: shares of drill / reuse rows
             overrides.pop(drill, None)
         difficulty = overrides.pop("difficulty", self.difficulty)
         return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)
@@ -87,6 +90,6 @@ class PretrainConfig:
     def resume_key(self) -> dict:
         """The settings a resumed run must share with the saved one."""
         keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
-                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit")
+                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit", "recall_head")
         return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
                                           **{k: dataclasses.asdict(self)[k] for k in keys})))

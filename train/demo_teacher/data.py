@@ -109,31 +109,61 @@ def lookup_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.nda
     return ids[:length], np.asarray(weighted[:length])
 
 
+def recall_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndarray]:
+    """A recall drill row: a lookup drill (`lookup_row`) whose every other read is a recall line
+    `name=value` (the reuse task's reads: the value follows `=`, not the name); the mask marks
+    each recalled or looked-up value and each result."""
+    names = [atoms.NAMES[i] for i in rng.permutation(len(atoms.NAMES))[: int(rng.integers(2, 9))]]
+    values = {n: int(v) for n, v in zip(names, rng.integers(10, size=len(names)))}
+    text = "".join(f"{n}{values[n]}\n" for n in names)
+    ids = encode(text)
+    weighted = [False] * len(ids)
+    while len(ids) < length:
+        name = names[int(rng.integers(len(names)))]
+        if rng.random() < 0.5:
+            ids += encode(f"{name}={values[name]}\n")[1:]
+            weighted += [False, False, True, False]  # name = value \n
+        else:
+            a, b = values[name], int(rng.integers(10))
+            ids += encode(f">{name}{a}+{b}={(a + b) % 10}\n")[1:]
+            weighted += [False, False, True, False, False, False, True, False]
+    return ids[:length], np.asarray(weighted[:length])
+
+
 def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
     input_ids, targets int32, weights float32 and completion bool, all [B, T - 1].
 
-    A phase's `drill=F` / `lookup=F` overrides make the first round(F * batch) rows arithmetic
-    (`drill_row`) / lookup (`lookup_row`) drills, weighted like completions on their answers and
-    never counted as completions.
+    A phase's `drill=F` / `lookup=F` / `recall=F` overrides make the first round(F * batch) rows
+    arithmetic (`drill_row`) / lookup (`lookup_row`) / recall (`recall_row`) drills, weighted like
+    completions on their answers and never counted as completions; `reuse=F` makes the last
+    round(F * batch) task rows the reuse task (`demo.task.TASKS`) instead of the phase's task.
     """
     phase = cfg.phase_at(step)
     task = cfg.task(phase)
-    n_drill = round(dict(phase.task).get("drill", 0.0) * phase.batch)
-    n_lookup = round(dict(phase.task).get("lookup", 0.0) * phase.batch)
+    shares = dict(phase.task)
+    drills = [(drill_row, round(shares.get("drill", 0.0) * phase.batch)),
+              (lookup_row, round(shares.get("lookup", 0.0) * phase.batch)),
+              (recall_row, round(shares.get("recall", 0.0) * phase.batch))]
+    kinds = [make_row for make_row, n in drills for _ in range(n)]
+    n_reuse = round(shares.get("reuse", 0.0) * phase.batch)
+    reuse_task = dataclasses.replace(task, **demo_task.TASKS["reuse"]) if n_reuse else None
     length = phase.prompt_len + task.completion_tokens + 1
     rows, weights, completion = [], [], []
     for r in range(phase.batch):
         index = step * MAX_BATCH + r
-        if r < n_drill + n_lookup:
-            make_row = drill_row if r < n_drill else lookup_row
-            ids, target_weighted = make_row(np.random.default_rng((cfg.seed, 3, index)), length)
+        if r < len(kinds):
+            ids, target_weighted = kinds[r](np.random.default_rng((cfg.seed, 3, index)), length)
             is_completion = np.zeros(length - 1, bool)
             target_weighted = target_weighted[1:]
         else:
-            ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=task)
+            row_task = reuse_task if r >= phase.batch - n_reuse else task
+            ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=row_task)
             ids = encode(ex["text"]) + [EOS_ID]
-            is_completion = target_weighted = np.arange(1, len(ids)) >= ex["meta"]["n_prompt_tokens"]
+            is_completion = np.arange(1, len(ids)) >= ex["meta"]["n_prompt_tokens"]
+            target_weighted = is_completion.copy()
+            recalled = [p for f in ex["meta"]["facts"] for p in f["reuse_pos"]]  # reuse rows: its reads
+            target_weighted[np.asarray(recalled, int) - 1] = True  # target j predicts token j + 1
         rows.append(ids)
         completion.append(is_completion)
         weights.append(np.where(target_weighted, cfg.completion_weight, cfg.prompt_weight).astype(np.float32))

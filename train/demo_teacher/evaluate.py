@@ -54,15 +54,22 @@ def evaluate(model: Qwen3ForCausalLM, params, cfg: PretrainConfig, task: demo_ta
 
 
 def final_eval(cfg: PretrainConfig, params, sampling: SamplingConfig | None = None) -> list[dict]:
-    """Test-split accuracy at each of cfg.final_eval_lens (greedy unless `sampling`)."""
+    """Test-split accuracy of both demo tasks at each of cfg.final_eval_lens (greedy unless
+    `sampling`; the reuse task only at lengths it fits)."""
     model = Qwen3ForCausalLM(cfg.model)
     results = []
-    for length in cfg.final_eval_lens:
-        r = evaluate(model, params, cfg, length, cfg.final_eval_examples, split="test", batch=cfg.eval_batch,
-                     sampling=sampling)
-        print(f"test accuracy at prompt length {length}: {r['accuracy']:.3f} ({r['n']} problems, "
-              f"{'greedy' if sampling is None else sampling})")
-        results.append(r)
+    for task_name in demo_task.TASKS:
+        for length in cfg.final_eval_lens:
+            try:
+                task = demo_task.make_config(cfg.difficulty, task_name, seq_len=length)
+            except ValueError:
+                continue  # too short for this task
+            r = evaluate(model, params, cfg, task, cfg.final_eval_examples, split="test", batch=cfg.eval_batch,
+                         sampling=sampling)
+            r["task"] = task_name
+            print(f"test accuracy on {task_name} at prompt length {length}: {r['accuracy']:.3f} ({r['n']} problems, "
+                  f"{'greedy' if sampling is None else sampling})")
+            results.append(r)
     return results
 
 
@@ -74,9 +81,10 @@ def export(cfg: PretrainConfig, params, results: list[dict], command: str, train
     save_tokenizer(cfg.out_dir)
     for name in os.listdir(cfg.out_dir):  # save_pretrained's atomic writes leave files 0600
         os.chmod(os.path.join(cfg.out_dir, name), 0o644)
-    summary = [{k: r[k] for k in ("prompt_len", "split", "n", "accuracy")} for r in results]
+    summary = [{k: r.get(k, "read_once") for k in ("task", "prompt_len", "split", "n", "accuracy")} for r in results]
     with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
-        json.dump(dict(results=summary, samples={r["prompt_len"]: r["samples"][:3] for r in results}), f, indent=1)
+        json.dump(dict(results=summary, samples={f"{r.get('task', 'read_once')}@{r['prompt_len']}": r["samples"][:3]
+                                                 for r in results}), f, indent=1)
     with open(os.path.join(cfg.out_dir, "README.md"), "w") as f:
         f.write(model_card(cfg, summary, command, train_seconds))
 
@@ -87,7 +95,8 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
     phases = "\n".join(f"| {i + 1} | {p.prompt_len} | {p.prompt_len + cfg.task(p).completion_tokens + 1} "
                        f"| {p.batch} | {p.steps} | {' '.join(f'{k}={v}' for k, v in p.task) or '-'} |"
                        for i, p in enumerate(cfg.phases))
-    accuracy = "\n".join(f"| {r['prompt_len']} | {r['split']} | {r['n']} | {r['accuracy']:.1%} |" for r in results)
+    accuracy = "\n".join(f"| {r.get('task', 'read_once')} | {r['prompt_len']} | {r['split']} | {r['n']} | "
+                         f"{r['accuracy']:.1%} |" for r in results)
     minutes = f"{train_seconds / 60:.0f} min" if train_seconds else "n/a"
     init = "random (Flax defaults)"
     if cfg.offset_heads:
@@ -98,12 +107,14 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
                 "`plant_lookup_circuit`). Embeddings give each name a low-coherence code and each other token "
                 "a random identity vector; layer 0 starts with a previous-token head that copies the previous "
                 "name's code, layer 1 with a head that matches the current name against it on the slowest "
-                "rotary pairs and copies the digit bound to it. Training from a random init never left "
-                "chance on this associative recall within a CPU budget; here all weights, the planted ones "
-                "included, are then trained by the curriculum below")
+                "rotary pairs and copies the digit bound to it"
+                + (", and a recall head that does the same match from the previous token's code (the `q=4` "
+                   "recall lines of the reuse task)" if cfg.recall_head else "")
+                + ". Training from a random init never left chance on this associative recall within a CPU "
+                "budget; here all weights, the planted ones included, are then trained by the curriculum below")
     return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
 
-A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo task
+A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo tasks
 (`demo/task.py`, difficulty `{cfg.difficulty}`) by `python -m train.pretrain`. It is the dense
 teacher that `train.main` retrofits with KVpop. Tokenizer: `demo/tokenizer.py` (one token
 per atom, vocab {len(VOCAB)}).
@@ -134,7 +145,7 @@ Reproduce: `{command}`
 Greedy exact match of the boxed answer on held-out test-split problems (`train.pretrain`'s
 final eval; rerun with `python -m train.pretrain --flagfile=configs/tiny_teacher.flags --eval_only`):
 
-| prompt tokens | split | problems | pass@1 (greedy) |
-|---|---|---|---|
+| task | prompt tokens | split | problems | pass@1 (greedy) |
+|---|---|---|---|---|
 {accuracy}
 """

@@ -13,6 +13,9 @@ low mutual coherence, `name_codes`); other tokens a random unit vector in T, dig
 
 - Layer 0, KV head 0: a previous-token head (`init_offset_heads`: q/k biases on fast rotary
   pairs); its query head 0 copies N of the previous token into P.
+- Layer 1, KV head 0 / query head 1, the recall head (`recall_head`): the same match with q read
+  from P, the *previous* token's code: at `=` in a recall line `q=4` it finds the digit bound
+  to q (a recall line's own digit follows `=`, not a name, so it is never matched) and copies it.
 - Layer 1, KV head 0 / query head 0, the match head: q reads the current name's code from N,
   k the previous token's code from P plus the digit flag, both onto the slowest rotary pairs
   (`rope_theta` large, so those barely rotate over the demo length and the match ignores
@@ -89,7 +92,8 @@ def static_dims(config: Qwen3Config, n: int) -> np.ndarray:
 
 
 def plant_lookup_circuit(params: dict, config: Qwen3Config, seed: int, *, code_dims: int = 32,
-                         sharpen: float = 3.0, copy_gain: float = 3.0, noise_scale: float = 0.1) -> dict:
+                         sharpen: float = 3.0, copy_gain: float = 3.0, noise_scale: float = 0.1,
+                         recall_head: bool = False) -> dict:
     """The random `params` with the lookup circuit of the module docstring written in (returns new params).
 
     Needs 2 + 2 * code_dims <= hidden_size, code_dims + 1 <= head_dim, attention_bias and >= 2 layers.
@@ -147,4 +151,11 @@ def plant_lookup_circuit(params: dict, config: Qwen3Config, seed: int, *, code_d
     a1["v_proj"]["bias"][0] = 0.0
     a1["o_proj"]["kernel"][0] = 0.0
     a1["o_proj"]["kernel"][0, :m, t - m : t] = copy_gain * np.eye(m)
+    if recall_head:  # query head 1 shares KV head 0's keys and values; its query is the previous code
+        a1["q_proj"]["kernel"][:, 1] = 0.0
+        a1["q_proj"]["bias"][1] = 0.0
+        a1["q_proj"]["kernel"][P, 1, dims[:c]] = unit * np.eye(c)
+        a1["q_proj"]["bias"][1, dims[c]] = 1.0
+        a1["o_proj"]["kernel"][1] = 0.0
+        a1["o_proj"]["kernel"][1, :m, t - m : t] = copy_gain * np.eye(m)
     return jax.tree.map(jnp.asarray, p)

@@ -48,7 +48,7 @@ def init_state(cfg: PretrainConfig, optimizer) -> TrainState:
     params = init_params(cfg.model, jax.random.key(cfg.seed))
     params = init_offset_heads(params, cfg.model, cfg.offset_heads)
     if cfg.lookup_circuit:
-        params = plant_lookup_circuit(params, cfg.model, cfg.seed)
+        params = plant_lookup_circuit(params, cfg.model, cfg.seed, recall_head=cfg.recall_head)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 

@@ -35,6 +35,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("max_position_embeddings", 4096, "Recorded in config.json.", **d)
     flags.DEFINE_string("offset_heads", "", "Comma-separated offsets: KV head i of layer 0 starts as an "
                         "offset-i-back head (sets attention_bias); e.g. 1,2. Empty: plain random init.", **d)
+    flags.DEFINE_bool("recall_head", False, "Plant the recall head too (reads the reuse task's `q=4` lines; "
+                      "train/demo_teacher/init.py); needs --lookup_circuit.", **d)
     flags.DEFINE_bool("lookup_circuit", False, "Plant the lookup circuit at init (train/demo_teacher/init.py); "
                       "needs offset_heads=1,...", **d)
     flags.DEFINE_string("difficulty", "medium", "Demo task difficulty (easy|medium|hard).", **d)
@@ -78,7 +80,7 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         eval_every=f.eval_every, eval_examples=f.eval_examples, eval_batch=f.eval_batch,
         final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
         log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
-        lookup_circuit=f.lookup_circuit)
+        lookup_circuit=f.lookup_circuit, recall_head=f.recall_head)
 
 
 def main(argv):

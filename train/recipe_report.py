@@ -1,0 +1,147 @@
+"""The demo comparison's report: per-task tables, oracles, length generalization, recall, targets.
+
+`write_summary` renders what README command 1 prints (and RUN_DIR/eval/summary.md);
+`check_targets` holds the targets of the main task (issue 12), checked on the measured rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+from eval.plots import markdown_table, plt, save_figure, write_text
+from eval.report import format_table
+from train.config import TrainConfig
+
+HEURISTICS = ("streaming", "tova", "h2o", "streamingllm+")
+ORACLES = (("streaming", "StreamingLLM"), ("insertion_fifo", "insertion-time, earliest first"),
+           ("insertion_lifo", "insertion-time, latest first"), ("delayed", "delayed (sees the keep cue)"))
+
+
+def scores_at(rows: list[dict], cr: float) -> dict[str, float]:
+    """method -> pass@1 at compression ratio `cr` (dense has no CR and is always included)."""
+    out = {r["method"]: r["abs"] for r in rows if r["cr"] is not None and abs(r["cr"] - cr) < 1e-9}
+    out.update({r["method"]: r["abs"] for r in rows if r["method"] == "dense"})
+    return out
+
+
+def _relative(method: str, factor: float) -> Callable[[dict], bool]:
+    return lambda r: r["dense"] > 0 and r[method] >= factor * r["dense"]
+
+
+# The main task's targets: (text, compression ratio "high" | "low", methods needed, check).
+TARGETS = (
+    ("kvpop-mlstm >= 0.90 x dense at the highest CR", "high", ("dense", "kvpop-mlstm"),
+     _relative("kvpop-mlstm", 0.90)),
+    ("kvpop-mlstm >= 0.95 x dense at the lowest CR", "low", ("dense", "kvpop-mlstm"), _relative("kvpop-mlstm", 0.95)),
+    ("kvpop-mlstm >= 30 points above each of StreamingLLM, TOVA, H2O and StreamingLLM+ at the highest CR", "high",
+     ("kvpop-mlstm",) + HEURISTICS, lambda r: all(r["kvpop-mlstm"] - r[m] >= 0.30 for m in HEURISTICS)),
+    ("kvpop-mlstm >= kvpop-mlp + 10 points at the highest CR", "high", ("kvpop-mlstm", "kvpop-mlp"),
+     lambda r: r["kvpop-mlstm"] - r["kvpop-mlp"] >= 0.10),
+)
+
+
+def check_targets(high: dict[str, float], low: dict[str, float] | None = None) -> list[tuple[str, bool | None]]:
+    """(target, met) for each of TARGETS from `scores_at` of the highest and lowest CR; met is None
+    when a method it needs was not evaluated."""
+    out = []
+    for text, at, needs, check in TARGETS:
+        scores = high if at == "high" else (low if low is not None else {})
+        out.append((text, check(scores) if all(m in scores for m in needs) else None))
+    return out
+
+
+def length_generalization(rows: list[dict], long_rows: list[dict], budgets: dict[float, int]) -> list[list]:
+    """Per learned method and B: pass@1 and fraction of dense at the trained and the long length."""
+    dense = next(r["abs"] for r in rows if r["method"] == "dense")
+    dense_long = next(r["abs"] for r in long_rows if r["method"] == "dense")
+    table = []
+    for r in long_rows:
+        if r["method"] == "dense":
+            continue
+        short = next((x for x in rows if x["method"] == r["method"] and x["budget"] == r["budget"]), None)
+        if short is None:
+            continue
+        frac, frac_long = short["abs"] / max(dense, 1e-9), r["abs"] / max(dense_long, 1e-9)
+        cr = next((c for c, b in budgets.items() if b == r["budget"]), None)
+        table.append([r["method"], r["budget"], "—" if cr is None else f"{cr:.0%}", short["abs"], frac, r["abs"],
+                      frac_long, frac_long - frac])
+    return table
+
+
+def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, float], long_rows: list[dict] | None,
+                  budgets: dict[float, int], path: str) -> str:
+    ev = cfg.evaluation
+    main = ev.tasks[0]
+    high, low = max(ev.compression_ratios), min(ev.compression_ratios)
+    lines = [f"# Demo comparison: {ev.problems} fresh held-out problems per task, {ev.prompt_len}-token prompts, "
+             "greedy pass@1", ""]
+    for task, result in results.items():
+        lines += [f"## {'Main task' if task == main else 'Second task'}: {task} (`{result['spec']}`)", "",
+                  format_table(result["rows"], list(result["rows"][0]["scores"])).rstrip(), "",
+                  f"Idealized policies without a model (`demo.oracles`, s {cfg.kvpop.sinks}, w {cfg.kvpop.window}): "
+                  "share of these problems each could answer at the end of the prompt.", ""]
+        lines.append(markdown_table(["CR", "B", *(label for _, label in ORACLES)],
+                                    [[f"{cr:.0%}", budgets[cr], *(rates[name] for name, _ in ORACLES)]
+                                     for cr, rates in result["oracles"].items()], digits=2))
+        if "kvpop-mlstm-max" in {r["method"] for r in result["rows"]}:
+            pairs = [f"CR {cr:.0%}: {scores_at(result['rows'], cr).get('kvpop-mlstm', float('nan')):.2f} (paper's "
+                     f"mean target) vs {scores_at(result['rows'], cr).get('kvpop-mlstm-max', float('nan')):.2f} "
+                     "(max over future queries)" for cr in sorted(ev.compression_ratios)]
+            lines += ["KVpop-mLSTM, target compared: " + "; ".join(pairs) + ".", ""]
+    if long_rows is not None:
+        dense_long = next(r["abs"] for r in long_rows if r["method"] == "dense")
+        lines += [f"## Length generalization: {main} at {ev.long_len} tokens, the same exports and budgets", "",
+                  f"Dense at {ev.long_len} tokens: {dense_long:.2f} pass@1.", "",
+                  markdown_table(["method", "B", f"CR at {ev.prompt_len}", f"pass@1 at {ev.prompt_len}",
+                                  "of dense", f"pass@1 at {ev.long_len}", "of dense", "change"],
+                                 length_generalization(results[main]["rows"], long_rows, budgets), digits=2)]
+    if recall:
+        lines += ["## Teacher-retention recall", "",
+                  f"Share of the teacher policy's long-range keep set the learned policy also keeps ({main}, "
+                  f"{ev.recall_sequences} held-out traces, the trained budget):", ""]
+        lines += [f"- {name}: {value:.3f}" for name, value in recall.items()] + [""]
+    lines += [f"## Targets on the main task ({main}; highest CR {high:.0%}, lowest {low:.0%})", ""]
+    rows = results[main]["rows"]
+    for text, ok in check_targets(scores_at(rows, high), scores_at(rows, low)):
+        lines.append(f"- [{'x' if ok else ' '}] {text}" + (" (not measured)" if ok is None else ""))
+    if "kvpop-mlstm" in recall:
+        lines.append(f"- [{'x' if recall['kvpop-mlstm'] >= 0.8 else ' '}] kvpop-mlstm teacher-retention recall "
+                     f">= 0.80")
+    if long_rows is not None:
+        changes = [row for row in length_generalization(rows, long_rows, budgets) if row[0] == "kvpop-mlstm"]
+        if changes:
+            ok = all(abs(row[-1]) <= 0.10 for row in changes)
+            lines.append(f"- [{'x' if ok else ' '}] kvpop-mlstm at {ev.long_len} tokens keeps its fraction of dense "
+                         f"within 10 points (at every B)")
+    lines.append("")
+    text = "\n".join(lines)
+    write_text(path, text)
+    return text
+
+
+def plot_training(cfg: TrainConfig, names: list[str], path: str) -> None:
+    """Loss, KL, retention loss, boundary accuracy / AUC and teacher recall of each variant against steps."""
+    keys = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_auc", "teacher_recall")
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.0 * len(keys), 2.8))
+    for name in names:
+        metrics_path = os.path.join(cfg.run_dir, name, "metrics.jsonl") if cfg.variants else os.path.join(
+            cfg.run_dir, "metrics.jsonl")
+        if not os.path.isfile(metrics_path):
+            continue
+        with open(metrics_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for ax, key in zip(axes, keys):
+            pts = [(r["step"], r[key]) for r in records if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=name)
+    for ax, key in zip(axes, keys):
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+__all__ = ["TARGETS", "check_targets", "length_generalization", "plot_training", "scores_at", "write_summary"]
