@@ -276,14 +276,15 @@ def ring_slot(t: jax.Array, kv: KVpopConfig) -> jax.Array:
 
 def write_slot(cache: KVpopLayerCache, slot, k, v, pos, priority, enable) -> KVpopLayerCache:
     """Writes one token per (batch, head) at `slot` ([B, H] ints) where `enable` ([B, H])."""
-    n = cache.pos.shape[-1]
-    onehot = (jnp.arange(n) == slot[..., None]) & enable[..., None]  # [B, H, N]
-    return cache.replace(
-        k=jnp.where(onehot[..., None], k[:, :, None].astype(cache.k.dtype), cache.k),
-        v=jnp.where(onehot[..., None], v[:, :, None].astype(cache.v.dtype), cache.v),
-        pos=jnp.where(onehot, pos[..., None], cache.pos),
-        priority=jnp.where(onehot, priority[..., None], cache.priority),
-    )
+    b, h = slot.shape
+    at = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)  # one slot per (batch, head): a scatter, in place
+
+    def put(x, new):
+        keep = enable.reshape(enable.shape + (1,) * (new.ndim - 2))
+        return x.at[at].set(jnp.where(keep, new.astype(x.dtype), x[at]))
+
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v), pos=put(cache.pos, pos),
+                         priority=put(cache.priority, priority))
 
 
 def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig) -> KVpopLayerCache:

@@ -150,3 +150,27 @@ def test_wrong_batch_or_several_tokens_after_the_prefill_are_errors_not_logits(r
                 model.apply({"params": params}, ids[:, 9:10], cache=c)
         with pytest.raises(ValueError, match="decodes one token per call after the prefill, got 3 tokens"):
             model.apply({"params": params}, ids[:1, 9:12], cache=after_prefill)
+
+
+def test_write_slot_scatter_equals_one_hot_select(rng):
+    """`write_slot` (a scatter, in place in a decode loop) == the one-hot select it replaced, on random
+    slots and enable masks; disabled rows keep their old values."""
+    from kvpop_jax.cache import KVpopLayerCache, write_slot
+
+    b, h, n, d = 3, 2, 7, 4
+    cache = KVpopLayerCache(k=jnp.asarray(rng.normal(size=(b, h, n, d)), jnp.float32),
+                            v=jnp.asarray(rng.normal(size=(b, h, n, d)), jnp.float32),
+                            pos=jnp.asarray(rng.integers(-1, 50, size=(b, h, n)), jnp.int32),
+                            priority=jnp.asarray(rng.normal(size=(b, h, n)), jnp.float32))
+    slot = jnp.asarray(rng.integers(0, n, size=(b, h)), jnp.int32)
+    enable = jnp.asarray(rng.random((b, h)) < 0.6)
+    k, v = (jnp.asarray(rng.normal(size=(b, h, d)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(rng.integers(0, 50, size=(b, h)), jnp.int32)
+    prio = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)
+    got = jax.jit(write_slot)(cache, slot, k, v, pos, prio, enable)
+    onehot = (jnp.arange(n) == slot[..., None]) & enable[..., None]
+    want = (jnp.where(onehot[..., None], k[:, :, None], cache.k), jnp.where(onehot[..., None], v[:, :, None], cache.v),
+            jnp.where(onehot, pos[..., None], cache.pos), jnp.where(onehot, prio[..., None], cache.priority))
+    for g, w in zip((got.k, got.v, got.pos, got.priority), want):
+        np.testing.assert_array_equal(g, w)
+    assert bool(enable.any()) and not bool(enable.all())  # both branches exercised
