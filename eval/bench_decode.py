@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from eval import bench_torch
 from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines
@@ -57,7 +58,7 @@ from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.modeling import KVPOP_SUBTREE, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("dense", "kvpop") + baselines.BOUNDED_METHODS
+METHODS = ("dense", "kvpop") + baselines.BOUNDED_METHODS + bench_torch.METHODS
 
 
 def tiny_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
@@ -248,7 +249,7 @@ def run_bench_decode(
     command = command or default_command()
     config, params, dense_config, dense_params = _models(checkpoint, model_config, kvpop, dtype, seed)
     kv = config.kvpop
-    if kv is None and any(m != "dense" for m in methods):
+    if kv is None and any(m not in ("dense", "torch-dense") for m in methods):
         raise ValueError("the bounded methods need a budget: pass kvpop=KVpopConfig(...) for a dense checkpoint")
     max_pos = lengths[-1] + warmup + steps + 1
     if max_pos > config.max_position_embeddings:
@@ -258,7 +259,9 @@ def run_bench_decode(
     kvpop_model = Qwen3ForCausalLM(config, dtype=dtype) if kv is not None else None
     dense_model = Qwen3ForCausalLM(dense_config, dtype=dtype)
 
-    # Bounded methods first, dense last: the device's peak is a process-lifetime peak.
+    # Bounded methods first, dense last: the device's peak is a process-lifetime peak (torch rows: own allocator).
+    torch_methods = [m for m in methods if m in bench_torch.METHODS]
+    methods = [m for m in methods if m not in bench_torch.METHODS]
     order = [m for m in methods if m != "dense"] + [m for m in methods if m == "dense"]
     rows: list[BenchRow] = []
     bar = tqdm(total=len(order) * len(lengths), desc="bench decode", unit="point", disable=not progress)
@@ -287,13 +290,23 @@ def run_bench_decode(
             gc.collect()
             bar.update()
     bar.close()
+    notes = []
+    if torch_methods:
+        torch_rows, note = bench_torch.run_torch_rows(
+            torch_methods, config, params, lengths=lengths, batch=batch, warmup=warmup, steps=steps,
+            dtype_name=jnp.dtype(dtype).name, seed=seed)
+        rows += [BenchRow(**r) for r in torch_rows]
+        notes.append(note)
 
     info = dict(
         command=command, date=timestamp(), device=device_description(), batch=batch, warmup=warmup, steps=steps,
         dtype=jnp.dtype(dtype).name, model=_model_summary(config, checkpoint),
         budget=None if kv is None else dict(sinks=kv.sinks, window=kv.window, topk=kv.topk, budget=kv.budget,
                                             scorer=kv.scorer),
+        notes=notes,
     )
+    for note in notes:
+        print(note)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     png = plot_bench(rows, os.path.join(out_dir, "bench_decode.png"), on_cpu=info["device"]["platform"] == "cpu")
@@ -367,6 +380,7 @@ def bench_markdown(rows: Sequence[BenchRow], info: dict, png: str, relative_to: 
         f"steps after compile + {info['warmup']} warmup steps; cache MiB = bytes of the cache pytree; "
         + ("RSS = VmRSS of the process after the steps." if on_cpu else
            "device memory from `memory_stats()` (peak is process-lifetime; dense runs last)."),
+        *[f"- {note}" for note in info.get("notes", ())],
         "",
         markdown_table(["method", "length", "ms/token (median)", "ms/token (p90)", "cache MiB", *mem_cols,
                         "first step s (compile)"], table, digits=2),
