@@ -116,8 +116,8 @@ def _dense_state(config: Qwen3Config, batch: int, length, capacity: int, dtype, 
     reps = -(-capacity // block)
 
     def fill(k):
-        small = jax.random.normal(k, (batch, block, config.num_key_value_heads, config.head_dim), dtype)
-        return jnp.tile(small, (1, reps, 1, 1))[:, :capacity]
+        small = jax.random.normal(k, (batch, config.num_key_value_heads, block, config.head_dim), dtype)
+        return jnp.tile(small, (1, 1, reps, 1))[:, :, :capacity]
 
     keys = jax.random.split(key, 2 * config.num_hidden_layers)
     layers = tuple(DenseLayerCache(k=fill(keys[2 * i]), v=fill(keys[2 * i + 1]))
