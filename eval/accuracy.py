@@ -23,7 +23,8 @@ Methods (names on the command line):
 Answers are checked by `eval/answers.py`; benchmarks load by `eval/benchmarks.py`.
 
 Outputs in out_dir: accuracy.md (table), accuracy.png (bars), accuracy.json (all numbers),
-samples.jsonl (every completion with its extracted answer).
+samples.jsonl (every completion with its extracted answer); written under temporary names and
+renamed together at the end, so a failed rerun leaves the previous report as it was.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from tqdm.auto import tqdm
 
 from eval.answers import is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, load_benchmark
+from eval.outputs import staged_outputs
+from eval.plots import write_text
 from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
@@ -158,20 +161,24 @@ def run_accuracy(
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")
-    sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
-    benchmarks = {benchmark_name(s): load_benchmark(s, split=split, limit=limit) for s in sources}
     settings = [(m, None) if m == "dense" else (m, float(cr)) for m in methods
                 for cr in ([None] if m == "dense" else compression_ratios)]
+    for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
+        path = _checkpoint_for(checkpoints, method, cr)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: no such directory")
+    sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
+    benchmarks = {benchmark_name(s): load_benchmark(s, split=split, limit=limit) for s in sources}
     tok = _load_tokenizer(tokenizer, _checkpoint_for(checkpoints, *settings[0]))
     encoded = {b: [_encode(tok, p["prompt"], chat_template) for p in probs] for b, probs in benchmarks.items()}
     batch = batch_size or n_rollouts
-    os.makedirs(out_dir, exist_ok=True)
 
     loaded: dict[str, tuple] = {}
     records: list[dict] = []
     total = len(settings) * sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="accuracy", disable=not progress)
-    with open(os.path.join(out_dir, "samples.jsonl"), "w") as samples:
+    # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
+    with staged_outputs(out_dir) as out, open(out.path("samples.jsonl"), "w") as samples:
         for method, cr in settings:
             path = _checkpoint_for(checkpoints, method, cr)
             if path not in loaded:
@@ -206,22 +213,21 @@ def run_accuracy(
                         records.append(dict(method=method, cr=cr, budget=budget, benchmark=bench,
                                             id=problems[i]["id"], correct=correct[i]))
                     bar.update(len(group))
-    bar.close()
+        bar.close()
 
-    names = list(benchmarks)
-    rows = summarize(records, names)
-    table = format_table(rows, names)
-    checker = "math_verify" if math_verify_available() else "normalized string compare"
-    with open(os.path.join(out_dir, "accuracy.md"), "w") as f:
-        f.write(f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n")
-        f.write(f"Context length {context_len} (CR = 1 - B / {context_len}); benchmarks: "
-                f"{', '.join(f'{b} ({len(p)} problems)' for b, p in benchmarks.items())}; answers checked by "
-                f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}.\n\n")
-        f.write(table)
-    with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
-        json.dump(dict(rows=rows, records=records, context_len=context_len, n_rollouts=n_rollouts,
-                       checker=checker), f, indent=1)
-    plot_bars(rows, os.path.join(out_dir, "accuracy.png"))
+        names = list(benchmarks)
+        rows = summarize(records, names)
+        table = format_table(rows, names)
+        checker = "math_verify" if math_verify_available() else "normalized string compare"
+        write_text(out.path("accuracy.md"),
+                   f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n"
+                   f"Context length {context_len} (CR = 1 - B / {context_len}); benchmarks: "
+                   f"{', '.join(f'{b} ({len(p)} problems)' for b, p in benchmarks.items())}; answers checked by "
+                   f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}.\n\n"
+                   + table)
+        write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
+                                                              n_rollouts=n_rollouts, checker=checker), indent=1))
+        plot_bars(rows, out.path("accuracy.png"))
     return rows
 
 

@@ -80,6 +80,7 @@ def parse_demo_spec(source: str) -> DemoSpec:
         return DemoSpec(**fields)
     except ValueError as e:
         raise ValueError(f"{source!r}: {e}") from None
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
 def load_benchmark(source: str, *, split: str = "test", limit: int | None = None) -> list[dict]:
@@ -90,8 +91,12 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
     elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
         with open(source) as f:
             text = f.read()
-        rows = json.loads(text) if source.endswith(".json") and text.lstrip().startswith("[") else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
+        if not text.strip():
+            raise ValueError(f"benchmark {source!r} is empty (no JSON records)")
+        rows = _json_rows(source, text)
+    elif not os.path.exists(source) and (os.path.splitext(source)[1] in LOCAL_SUFFIXES
+                                         or source.startswith((".", "/", "~"))):
+        raise FileNotFoundError(f"benchmark {source!r}: no such file (a local path is never looked up on the hub)")
     else:
         import datasets  # heavy: only for non-JSONL sources
 
@@ -103,6 +108,8 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
         rows = [dict(r) for r in rows]
     problems = []
     for i, row in enumerate(rows[:limit] if limit else rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
         field = next((f for f in PROMPT_FIELDS if f in row), None)
         if field is None or "answer" not in row:
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
@@ -110,6 +117,25 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
     if not problems:
         raise ValueError(f"benchmark {source!r} has no problems")
     return problems
+
+
+def _json_rows(source: str, text: str) -> list:
+    """A JSON array, or JSON lines; a bad line is named by its number."""
+    if source.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"benchmark {source!r} line {e.lineno} is not valid JSON ({e.msg})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"benchmark {source!r} line {number} is not valid JSON ({e.msg}): "
+                             f"{line.strip()[:80]!r}") from None
+    return rows
 
 
 def benchmark_name(source: str) -> str:

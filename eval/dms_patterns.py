@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.outputs import staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from eval.recall import load_rows
 from kvpop_jax.checkpoint import checkpoint_tokenizer
@@ -102,10 +103,12 @@ def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int |
                     num_kv_heads=config.num_key_value_heads)
     result = DMSPatternsResult(ratio=ratio, ratio_median=np.median(ratio, axis=0), occupancy=occupancy,
                                eviction_rate=float(evict[..., :-1].mean()), settings=settings, files={})
-    out_dir = os.fspath(out_dir)
-    result.files["png"] = plot_eviction_ratio(result.ratio_median, os.path.join(out_dir, "dms_patterns.png"))
-    result.files["md"] = write_text(os.path.join(out_dir, "dms_patterns.md"), dms_patterns_markdown(result))
-    result.files["json"] = write_text(os.path.join(out_dir, "dms_patterns.json"), json.dumps(result.to_json(), indent=1))
+    with staged_outputs(out_dir) as out:  # the three files are replaced together or not at all
+        plot_eviction_ratio(result.ratio_median, out.path("dms_patterns.png"))
+        write_text(out.path("dms_patterns.md"), dms_patterns_markdown(result))
+        write_text(out.path("dms_patterns.json"), json.dumps(result.to_json(), indent=1))
+        result.files.update(png=out.final("dms_patterns.png"), md=out.final("dms_patterns.md"),
+                            json=out.final("dms_patterns.json"))
     return result
 
 

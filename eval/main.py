@@ -28,10 +28,11 @@ from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
 from eval.recall import run_recall
-from kvpop_jax import Qwen3Config, load_pretrained
+from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.generate import generate
-from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_jax.config import Qwen3Config
+from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -48,10 +49,11 @@ def cmd_generate(argv: Sequence[str]) -> None:
     parser.add_argument("--min_p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    config, params = load_pretrained(args.checkpoint)
+    config = Qwen3Config.from_hf(args.checkpoint)  # cheap: bad ids fail before the weights load
     tokenizer = None
     if args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.split(",")]
+        ids = parse_token_ids(args.prompt_ids, "--prompt_ids")
+        check_token_ids(ids, config.vocab_size, f"--prompt_ids (for {args.checkpoint})")
     else:
         try:
             tokenizer = load_tokenizer(args.checkpoint)
@@ -60,6 +62,7 @@ def cmd_generate(argv: Sequence[str]) -> None:
         ids = tokenizer(args.prompt)["input_ids"]
     if not ids:
         parser.error("the prompt is empty")
+    config, params = load_pretrained(args.checkpoint)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)
@@ -75,6 +78,17 @@ def cmd_generate(argv: Sequence[str]) -> None:
     print("generated ids:", out)
     if tokenizer is not None:
         print("generated text:", tokenizer.decode(out))
+
+
+def parse_token_ids(text: str, flag: str) -> list[int]:
+    """'1,5,9' -> [1, 5, 9]; anything else is a ValueError naming the flag and the bad item."""
+    ids = []
+    for item in text.split(","):
+        try:
+            ids.append(int(item.strip()))
+        except ValueError:
+            raise ValueError(f"{flag}: {item.strip()!r} is not an integer token id (want e.g. 1,5,9)") from None
+    return ids
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -151,11 +165,13 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     parser.add_argument("--last_n", type=int, default=112)
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
-    if Qwen3Config.from_hf(args.checkpoint).dms is not None:
+    config = Qwen3Config.from_hf(args.checkpoint)
+    if config.dms is not None:
         if args.data:
             data = args.data
         elif args.ids:
-            data = np.asarray([[int(t) for t in args.ids.split(",")]])
+            data = np.asarray([parse_token_ids(args.ids, "--ids")])
+            check_token_ids(data, config.vocab_size, f"--ids (for {args.checkpoint})")
         else:
             tokenizer = checkpoint_tokenizer(args.checkpoint)
             if tokenizer is None:
@@ -169,7 +185,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     if args.data:
         parser.error("--data is for DMS exports; pass --text, --text_file or --ids for a KVpop export")
     if args.ids:
-        source = [int(t) for t in args.ids.split(",")]
+        source = parse_token_ids(args.ids, "--ids")
     elif args.text_file:
         source = open(args.text_file).read()
     else:
@@ -199,11 +215,19 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
 }
 
 
+# What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]; got {argv}\n\n{__doc__}")
-    COMMANDS[argv[0]](argv[1:])
+    try:
+        COMMANDS[argv[0]](argv[1:])
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from eval.outputs import staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from eval.recall import policy_arrays
@@ -128,13 +129,13 @@ def run_patterns(
     )
     result = PatternsResult(kept=kept, counts=counts, positions=positions, labels=labels, mean_age=mean_age,
                             old_share=old_share, settings=settings, files={})
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    result.files["png"] = plot_retention(counts, labels, config.num_key_value_heads,
-                                         os.path.join(out_dir, "patterns.png"))
-    result.files["usage_png"] = plot_head_usage(mean_age, old_share, os.path.join(out_dir, "head_usage.png"))
-    result.files["md"] = write_text(os.path.join(out_dir, "patterns.md"), patterns_markdown(result))
-    result.files["json"] = write_text(os.path.join(out_dir, "patterns.json"), json.dumps(result.to_json(), indent=1))
+    with staged_outputs(out_dir) as out:  # the four files are replaced together or not at all
+        plot_retention(counts, labels, config.num_key_value_heads, out.path("patterns.png"))
+        plot_head_usage(mean_age, old_share, out.path("head_usage.png"))
+        result.files.update(png=out.final("patterns.png"), usage_png=out.final("head_usage.png"),
+                            md=out.final("patterns.md"), json=out.final("patterns.json"))
+        write_text(out.path("patterns.md"), patterns_markdown(result))
+        write_text(out.path("patterns.json"), json.dumps(result.to_json(), indent=1))
     return result
 
 

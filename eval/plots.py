@@ -7,6 +7,7 @@ helpers keep the look of those files the same across commands.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 from typing import Any, Sequence
 
@@ -18,6 +19,7 @@ matplotlib.use("Agg")  # headless: no display on CI or the GPU machine
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kvpop_jax import load_pretrained  # noqa: E402
+from kvpop_jax.fileio import atomic_write_bytes  # noqa: E402
 
 __all__ = [
     "format_number",
@@ -31,19 +33,23 @@ __all__ = [
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> str:
-    """Writes `fig` as a PNG (directories created) and closes it; returns the path."""
+    """Writes `fig` as a PNG (directories created; never a torn file) and closes it; returns the path."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> str:
+    """Writes `text` to `path` (directories created; never a torn file); returns the path."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    atomic_write_bytes(path, text.encode())
     return path
 
 

@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from eval.outputs import staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
-from kvpop_jax.documents import DocumentSpec, columns_and_first, open_dataset, render, text_spec, tokenize
+from kvpop_jax.documents import (DocumentSpec, checked_rows, columns_and_first, open_dataset, render, text_spec,
+                                 tokenize)
 from kvpop_jax.kvpop import kept_long_range
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 
@@ -84,10 +86,13 @@ def _read_jsonl_ids(path: str) -> list[list[int]] | None:
     when the first record holds text instead."""
     docs = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number} is not valid JSON ({e.msg}): {line.strip()[:80]!r}") from None
             if isinstance(rec, dict):
                 field = next((k for k in _ID_FIELDS if k in rec), None)
                 rec = rec[field] if field is not None else None
@@ -147,8 +152,11 @@ def _text_documents(spec: DocumentSpec, tokenizer, tokens: int) -> list[np.ndarr
     ds = open_dataset(spec)
     text = text_spec(spec, *columns_and_first(spec, ds))
     docs, total = [], 0
-    for example in ds:
-        (ids,) = tokenize([render(example, text, tokenizer)], tokenizer, text.chat)
+    for example in checked_rows(spec, ds):
+        rendered = render(example, text, tokenizer)
+        if rendered is None:  # no text in this row
+            continue
+        (ids,) = tokenize([rendered], tokenizer, text.chat)
         docs.append(ids)
         total += len(ids)
         if total >= tokens:
@@ -312,12 +320,12 @@ def run_recall(
     )
     result = RecallResult(recall=recall, hits=hits, totals=totals, query_positions=q_idx,
                           token_accuracy=token_accuracy, teacher=teacher_stats, settings=settings, files={})
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    result.files["png"] = plot_recall(recall, os.path.join(out_dir, "recall.png"),
-                                      title=f"Teacher top-k recall (s={kv.sinks}, w={kv.window}, k={kv.topk})")
-    result.files["md"] = write_text(os.path.join(out_dir, "recall.md"), recall_markdown(result))
-    result.files["json"] = write_text(os.path.join(out_dir, "recall.json"), json.dumps(result.to_json(), indent=1))
+    with staged_outputs(out_dir) as out:  # the three files are replaced together or not at all
+        plot_recall(recall, out.path("recall.png"),
+                    title=f"Teacher top-k recall (s={kv.sinks}, w={kv.window}, k={kv.topk})")
+        result.files.update(png=out.final("recall.png"), md=out.final("recall.md"), json=out.final("recall.json"))
+        write_text(out.path("recall.md"), recall_markdown(result))
+        write_text(out.path("recall.json"), json.dumps(result.to_json(), indent=1))
     return result
 
 

@@ -3,8 +3,10 @@
 `load_pretrained` reads a HF Qwen3 directory (one `model.safetensors` or shards listed
 in `model.safetensors.index.json`) one tensor at a time: each tensor is read from the
 memory-mapped file, transformed, cast and put on device before the next one is read,
-so an 8B model never needs two host copies. `save_pretrained` writes the inverse,
-atomically (temp file + rename), with an index when sharded. Pickles (`.bin`, `.pt`)
+so an 8B model never needs two host copies. `save_pretrained` writes the inverse (with an
+index when sharded) into a temporary sibling directory and swaps it in whole, so a killed
+export leaves the previous one loadable; it removes only files an export wrote (its manifest,
+`kvpop_export.json`) and keeps everything else in the directory. Pickles (`.bin`, `.pt`)
 are refused: nothing here ever runs code from a checkpoint.
 
 KVpop parameters (scorers, decay) live under `layers_{i}/self_attn/kvpop/...` and are
@@ -17,8 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,9 @@ from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save as safetensors_save_bytes
 
+from kvpop_jax import fileio
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.fileio import atomic_write_bytes  # noqa: F401  (its home before fileio.py)
 from kvpop_jax.modeling import RETROFIT_SUBTREES, abstract_params
 
 SINGLE_FILE = "model.safetensors"
@@ -226,21 +230,46 @@ def load_pretrained(
 # ---------------------------------------------------------------------------------------
 # Saving
 
+MANIFEST_FILE = "kvpop_export.json"  # the files an export wrote: the only ones a later export removes
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
-def atomic_write_bytes(filename: str, data: bytes) -> None:
-    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn file."""
-    directory = os.path.dirname(filename) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
+
+def check_params(config: Qwen3Config, params: dict) -> dict[str, Any]:
+    """The params flattened ("a/b/c" -> array), checked against `config`: the same leaves, the
+    config's shapes and a float dtype. Raises ValueError naming the first bad leaf (save_pretrained
+    also refuses non-finite values, checked as each tensor is converted)."""
+    flat = traverse_util.flatten_dict(dict(params), sep="/")
+    expected = traverse_util.flatten_dict(abstract_params(config), sep="/")
+    missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"the params do not match the config: missing {missing}, unexpected {unexpected}")
+    for name, want in expected.items():
+        value = flat[name]
+        if tuple(np.shape(value)) != tuple(want.shape):
+            raise ValueError(f"param {name!r} has shape {tuple(np.shape(value))}; the config needs {tuple(want.shape)}")
+        if np.dtype(value.dtype).name not in FLOAT_DTYPES:
+            raise ValueError(f"param {name!r} has dtype {np.dtype(value.dtype).name}; an export needs one of "
+                             f"{FLOAT_DTYPES}")
+    return flat
+
+
+def _library_files(path: str) -> set[str]:
+    """What an earlier export wrote into `path`: its manifest, or (exports without one) the
+    config, weights and index that the index names."""
+    manifest = os.path.join(path, MANIFEST_FILE)
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest) as f:
+                return set(json.load(f)["files"]) | {MANIFEST_FILE}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: fall back to the names only an export writes
+    owned = {"config.json", SINGLE_FILE, INDEX_FILE}
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, filename)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            owned |= set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return owned
 
 
 def save_pretrained(
@@ -249,16 +278,23 @@ def save_pretrained(
     path: str | os.PathLike,
     *,
     max_shard_bytes: int = 4 * 1024**3,
+    extra_files: Mapping[str, str] | None = None,
 ) -> None:
     """Writes params as a HF-compatible checkpoint (safetensors + config.json).
 
     Tied embeddings are written once (no `lm_head.weight`), as HF does. Tensors keep
     their dtype. With more than `max_shard_bytes` of weights the files are sharded
     `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json`.
+    `extra_files` (name -> source file, e.g. the tokenizer) are copied in with them.
+
+    Safe to point at an existing export: the params are checked against the config
+    (`check_params`) before anything is written; the export is written into a temporary
+    sibling directory and swapped in whole, so a killed save leaves the old one loadable.
+    Files the library wrote before (listed in `kvpop_export.json`) are replaced or removed;
+    every other file and folder in `path` is kept.
     """
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    flat = traverse_util.flatten_dict(params, sep="/")
+    path = os.path.realpath(os.fspath(path))
+    flat = check_params(config, params)
     names = name_map(config, flat)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -266,31 +302,54 @@ def save_pretrained(
     for hf_name in sorted(names):
         param_path, kind = names[hf_name]
         tensor = np.ascontiguousarray(TRANSFORMS[kind][1](np.asarray(jax.device_get(flat[param_path])), config))
+        bad = int(np.size(tensor) - np.count_nonzero(np.isfinite(tensor)))
+        if bad:
+            raise ValueError(f"param {param_path!r} has {bad} non-finite values; refusing to export it")
         if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][hf_name] = tensor
         size += tensor.nbytes
         total += tensor.nbytes
-    # Remove files of an earlier save so a re-save never mixes layouts.
-    for stale in os.listdir(path):
-        if stale == INDEX_FILE or (stale.startswith("model") and stale.endswith(".safetensors")):
-            os.unlink(os.path.join(path, stale))
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        atomic_write_bytes(os.path.join(path, SINGLE_FILE), safetensors_save_bytes(shards[0], metadata=metadata))
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            atomic_write_bytes(os.path.join(path, fn), safetensors_save_bytes(shard, metadata=metadata))
-            weight_map.update({n: fn for n in shard})
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        atomic_write_bytes(os.path.join(path, INDEX_FILE), json.dumps(index, indent=2).encode())
-    dtypes = {str(t.dtype) for shard in shards for t in shard.values()}
-    hf_config = config.to_hf()
-    hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
-    atomic_write_bytes(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2).encode())
+    extra_files = dict(extra_files or {})
+    for name, src in extra_files.items():
+        if os.path.basename(name) != name or not os.path.isfile(src):
+            raise ValueError(f"extra file {name!r}: need a plain file name and an existing source, got {src!r}")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"cannot export to {path!r}: it exists and is not a directory")
+
+    previous = _library_files(path) if os.path.isdir(path) else set()
+    with fileio.staged_directory(path) as stage:
+        metadata = {"format": "pt"}
+
+        def put(name: str, data: bytes) -> None:
+            fileio.write_synced(os.path.join(stage.path, name), data)
+            stage.written.add(name)
+
+        if len(shards) == 1:
+            put(SINGLE_FILE, safetensors_save_bytes(shards[0], metadata=metadata))
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                put(fn, safetensors_save_bytes(shard, metadata=metadata))
+                weight_map.update({n: fn for n in shard})
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            put(INDEX_FILE, json.dumps(index, indent=2).encode())
+        dtypes = {str(t.dtype) for shard in shards for t in shard.values()}
+        hf_config = config.to_hf()
+        hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+        put("config.json", json.dumps(hf_config, indent=2).encode())
+        for name, src in sorted(extra_files.items()):
+            with open(src, "rb") as f:
+                put(name, f.read())
+        put(MANIFEST_FILE, json.dumps({"format": 1, "files": sorted(stage.written)}, indent=1).encode())
+        stage.discard |= previous  # stale files of the previous export; everything else is carried over
+    kept = stage.kept
+    lookalikes = [f for f in kept if f.endswith((".safetensors", *PICKLE_SUFFIXES))]
+    if lookalikes:
+        warnings.warn(f"{path}: kept weight files this export did not write: {lookalikes} "
+                      f"(the export is {SINGLE_FILE if len(shards) == 1 else INDEX_FILE})", stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------

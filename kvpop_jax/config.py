@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def _require_positive(cls_name: str, **values: Any) -> None:
@@ -83,6 +85,7 @@ class Qwen3Config:
         A "kvpop" (or "dms") entry (written by `save_pretrained` for a retrofitted model) becomes
         `config.kvpop` (`config.dms`); transformers ignores it, so the file still loads there.
         """
+        where = "the config"
         if not isinstance(source, Mapping):
             path = os.fspath(source)
             if os.path.isdir(path):
@@ -94,7 +97,13 @@ class Qwen3Config:
                     source = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from e
+            where = f"config.json at {path!r}"
+            if not isinstance(source, Mapping):
+                raise ValueError(f"{where} is not a JSON object (got {type(source).__name__})")
         hf = dict(source)
+        for field in REQUIRED_HF_FIELDS:
+            if field not in hf:
+                raise ValueError(f"{where} lacks the required field {field!r}")
         model_type = hf.get("model_type", "qwen3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -223,6 +232,12 @@ class KVpopConfig:
     retention_loss_weight: float = 1.0
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
+        if self.retention_loss_weight < 0:
+            raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
         for name in ("sinks", "window", "topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

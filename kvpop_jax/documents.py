@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -100,11 +101,56 @@ def resolve_source(data: str) -> _Source:
     return _Source("files", data, formats.pop(), tuple(files))
 
 
+def first_json_error(files: Sequence[str]) -> str | None:
+    """Where the first of these JSON / JSON-lines files goes wrong: "FILE is empty" or "FILE line N is
+    not valid JSON (...)"; None when every record parses. Run after a reader failed, to name the spot."""
+    for fn in files:
+        blank, whole = True, False
+        with open(fn, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                blank = False
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    if _extension(fn) == ".json":
+                        whole = True  # perhaps one JSON document over many lines: parse it whole below
+                        break
+                    return f"{fn} line {number} is not valid JSON ({e.msg}): {line.strip()[:80]!r}"
+                if not isinstance(record, dict):
+                    return f"{fn} line {number} is not a JSON object: {line.strip()[:80]!r}"
+        if blank:
+            return f"{fn} is empty (no JSON records)"
+        if whole:
+            try:
+                with open(fn, encoding="utf-8", errors="replace") as f:
+                    json.load(f)
+            except json.JSONDecodeError as e:
+                return f"{fn} line {e.lineno} is not valid JSON ({e.msg})"
+    return None
+
+
+def read_error(config: DocumentSpec, error: Exception, source: _Source | None = None) -> ValueError:
+    """A ValueError saying which file (and line) could not be read, for an exception of the reader."""
+    source = source or resolve_source(config.data)
+    if source.builder == "json":
+        where = first_json_error(source.files)
+        if where is not None:
+            return ValueError(f"data={config.data}: {where}")
+    where = ", ".join(source.files) if source.files else source.location
+    return ValueError(f"data={config.data}: could not read {where}: {type(error).__name__}: {error}")
+
+
 def open_dataset(config: DocumentSpec, source: _Source | None = None):
     """A `datasets.Dataset` (read up front) or `IterableDataset` (streamed)."""
     import datasets
 
     source = source or resolve_source(config.data)
+    if source.builder == "json":  # an empty file is a StopIteration deep inside `datasets`
+        empty = [f for f in source.files if os.path.getsize(f) == 0]
+        if empty:
+            raise ValueError(f"data={config.data}: {empty[0]} is empty (no JSON records)")
     streaming = source.kind == "hub" if config.streaming is None else config.streaming
     splits = [s.strip() for s in config.split.split(",") if s.strip()]
     try:
@@ -127,9 +173,8 @@ def open_dataset(config: DocumentSpec, source: _Source | None = None):
         if len(parts) == 1:
             return parts[0]
         return datasets.interleave_datasets(parts, stopping_strategy="all_exhausted_without_replacement")
-    except Exception as e:  # datasets raises many types; the user needs the path and the cause
-        where = ", ".join(source.files) if source.files else source.location
-        raise ValueError(f"data={config.data}: could not read {where}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # datasets raises many types; the user needs the path (and line) and the cause
+        raise read_error(config, e, source) from e
 
 
 # --------------------------------------------------------------------------------- text
@@ -157,9 +202,13 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict) -> TextSpec
     return TextSpec(fields, chat=len(fields) == 1 and isinstance(first[fields[0]], list))
 
 
-def render(example: dict, spec: TextSpec, tokenizer) -> str:
+def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
+    """The example's text; None when its text fields are all null or empty (nothing to train on)."""
     if not spec.chat:
-        return "".join("" if example[f] is None else str(example[f]) for f in spec.fields)
+        parts = ["" if example[f] is None else str(example[f]) for f in spec.fields]
+        return "".join(parts) if any(parts) else None
+    if not example[spec.fields[0]]:
+        return None
     # Arrow gives every message every key seen in the column; drop the absent (None) ones.
     messages = [{k: v for k, v in m.items() if v is not None} for m in example[spec.fields[0]]]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -171,6 +220,8 @@ def tokenize(texts: list[str], tokenizer, chat: bool) -> list[np.ndarray]:
     """Token ids of each text, EOS-terminated, int32 [L]."""
     eos = tokenizer.eos_token_id
     out = []
+    if not texts:
+        return out
     for ids in tokenizer(texts, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]:
         if not ids or ids[-1] != eos:
             ids = list(ids) + [eos]
@@ -190,14 +241,30 @@ def chunks(iterable, size: int) -> Iterator[list]:
 
 
 def columns_and_first(config: DocumentSpec, ds) -> tuple[list[str], dict]:
-    first = next(iter(ds), None)
+    try:
+        first = next(iter(ds), None)
+    except Exception as e:  # a stream reads (and fails) only now
+        raise read_error(config, e) from e
     if first is None:
         raise ValueError(f"data={config.data}: the dataset is empty")
     return list(ds.column_names or first.keys()), first
 
 
+def checked_rows(config: DocumentSpec, ds) -> Iterator[dict]:
+    """The rows of `ds`; a reader error on the way (a stream's bad line) names the file and line."""
+    try:
+        yield from ds
+    except Exception as e:
+        raise read_error(config, e) from e
+
+
+def no_text_error(config: DocumentSpec, spec: TextSpec, rows: int) -> ValueError:
+    return ValueError(f"data={config.data}: the text field {'+'.join(spec.fields)!r} is null or empty in all "
+                      f"{rows} rows; nothing to train on (set text_field?)")
+
+
 def load_documents(config: DocumentSpec, tokenizer=None) -> Iterator[str]:
-    """The source's document texts in stored order (no shuffle, no filter), as they are tokenized."""
+    """The source's document texts in stored order (no shuffle, no filter; rows without text skipped)."""
     ds = open_dataset(config)
     spec = text_spec(config, *columns_and_first(config, ds))
-    return (render(example, spec, tokenizer) for example in ds)
+    return (t for t in (render(example, spec, tokenizer) for example in checked_rows(config, ds)) if t is not None)

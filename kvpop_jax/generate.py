@@ -27,7 +27,7 @@ from kvpop_jax import baselines, dms_cache
 from kvpop_jax import cache as cache_lib
 from kvpop_jax.baselines import BaselineConfig
 from kvpop_jax.config import Qwen3Config
-from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
 from kvpop_jax.sampling import SamplingConfig, sample
 
 CacheSpec = Union[str, BaselineConfig]
@@ -131,7 +131,7 @@ def generate(
     """Samples continuations of equal-length prompts.
 
     Args:
-      prompt_ids: int [B, P] (or a list of B equal-length lists).
+      prompt_ids: int [B, P] (or a list of B equal-length lists), ids in [0, vocab) (checked: ValueError).
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
     Returns:
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
@@ -140,6 +140,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompt_ids = _as_prompt_array(prompt_ids)
+    check_token_ids(prompt_ids, model.config.vocab_size, "prompt_ids")
     kind = resolve_cache(model.config, cache)
     rng = jax.random.key(0) if rng is None else rng
     eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)

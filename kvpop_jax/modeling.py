@@ -27,6 +27,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import sharding as shd
@@ -50,6 +51,21 @@ REMAT_POLICIES: dict[str, Any] = {
 KVPOP_SUBTREE = "kvpop"  # layers_{i}/self_attn/kvpop: the scorer and decay of a retrofitted layer
 RETROFIT_SUBTREES = (KVPOP_SUBTREE, DMS_SUBTREE)  # the new parameters of a retrofit (KVpop or DMS)
 DMS_RNG = "dms"  # the rng stream of DMS's relaxation noise: given, a DMS model trains (soft gates)
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "input_ids") -> None:
+    """Raises ValueError naming the first id outside [0, vocab_size). Host-side, so traced ids (under
+    jit) are not checked: there an id >= vocab embeds as NaN (JAX's out-of-bounds gather fill) and a
+    negative one wraps around, as numpy indexing does."""
+    try:
+        ids = np.asarray(ids)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced
+    if ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"{what} holds token id {int(ids[bad].flat[0])} outside the vocabulary [0, {vocab_size})")
 
 
 @flax.struct.dataclass
@@ -247,6 +263,10 @@ class Qwen3ForCausalLM(nn.Module):
     (a DenseCache), the new tokens are written at `cache.length` and attend to the whole
     cache; positions then default to `cache.length + arange(S)`.
 
+    Token ids must lie in [0, vocab): an eager `apply` raises ValueError otherwise; under `jit`
+    the check would need a device-to-host sync (or checkify) on every call, so there an id >= vocab
+    gives NaN logits and a negative one wraps around (`generate` and the CLIs check ids on the host).
+
     `return_hidden=True` stops before the head: the output then has `hidden` (the final
     normed hidden states [B, S, E]) and `logits=None`, so a caller can apply
     `logits_from_hidden` a sequence chunk at a time (training never holds `[B, S, V]`).
@@ -288,6 +308,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __call__(self, input_ids, positions=None, segment_ids=None, cache: Cache | None = None,
                  query_samples=None, return_policy: bool = False, return_hidden: bool = False):
         b, s = input_ids.shape
+        check_token_ids(input_ids, self.config.vocab_size)  # eager calls only; see check_token_ids
         if positions is None:
             start = 0 if cache is None else cache.length
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))

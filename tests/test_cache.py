@@ -103,3 +103,23 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
         np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
     state = cache.layers[0].scorer_state
     assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
+
+
+def test_wrong_batch_or_several_tokens_after_the_prefill_are_errors_not_logits(rng):
+    """Issue 13: a batch-1 cache fed 2 rows broadcast silently; a 3-token step after the prefill was off
+    by 0.22 from the parallel forward. Both are ValueErrors now, for the KVpop and the baseline caches."""
+    from kvpop_jax import baselines
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.modeling import abstract_params
+
+    config = dataclasses.replace(BASE, kvpop=KVpopConfig(sinks=1, window=3, topk=4, scorer="mlp"))
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_params(config))  # values do not matter
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 12)))
+    for model, cache in ((Qwen3ForCausalLM(config), init_cache(config, 1)),
+                         (Qwen3ForCausalLM(BASE), baselines.init_cache(BASE, BaselineConfig("tova", 8), 1))):
+        after_prefill = cache.replace(started=True, length=jnp.asarray(9, cache.length.dtype))  # as a prefill leaves it
+        for c in (cache, after_prefill):
+            with pytest.raises(ValueError, match="the cache holds 1 rows but the input has 2"):
+                model.apply({"params": params}, ids[:, 9:10], cache=c)
+        with pytest.raises(ValueError, match="decodes one token per call after the prefill, got 3 tokens"):
+            model.apply({"params": params}, ids[:1, 9:12], cache=after_prefill)

@@ -137,3 +137,122 @@ def test_corrupt_header_and_index(tmp_path, hf_checkpoint):
         json.dump({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}, f)
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors.*does not exist"):
         load_pretrained(path)
+
+
+# --- issue 13: exports are atomic, scoped to the library's own files, and validated first -----
+
+
+def _params_equal(a, b):
+    fa, fb = _flat(a), _flat(b)
+    return fa.keys() == fb.keys() and all(np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])) for k in fa)
+
+
+def _scaled(params, factor):
+    return jax.tree.map(lambda x: x * factor, params)
+
+
+@pytest.mark.filterwarnings("ignore:.*kept weight files")
+def test_resave_keeps_user_files_and_removes_only_its_own_stale_files(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    out = tmp_path / "export"
+    save_pretrained(config, params, out)  # single file
+    user = {"model-backup.safetensors": b"backup", "model_v1.safetensors": b"v1", "notes.txt": b"mine"}
+    for name, data in user.items():
+        (out / name).write_bytes(data)
+    (out / "runs").mkdir()
+    (out / "runs" / "log.txt").write_text("a user sub-folder")
+    with pytest.warns(UserWarning, match="model-backup.safetensors"):  # look-alike weights are kept, with a warning
+        save_pretrained(config, _scaled(params, 2.0), out, max_shard_bytes=20_000)  # now sharded
+    files = set(os.listdir(out))
+    assert "model.safetensors" not in files  # the first export's own file is stale: removed
+    assert "model.safetensors.index.json" in files and sum(f.startswith("model-0") for f in files) > 2
+    for name, data in user.items():
+        assert (out / name).read_bytes() == data, name
+    assert (out / "runs" / "log.txt").read_text() == "a user sub-folder"
+    assert _params_equal(load_pretrained(out)[1], _scaled(params, 2.0))
+    save_pretrained(config, params, out, extra_files={"tokenizer.json": str(out / "notes.txt")})  # back to one file
+    files = set(os.listdir(out))
+    assert "model.safetensors" in files and not any(f.startswith("model-0") for f in files)
+    assert "model.safetensors.index.json" not in files and {*user, "tokenizer.json"} <= files
+    save_pretrained(config, params, out)  # the tokenizer copied by the last export is its own: removed now
+    assert "tokenizer.json" not in os.listdir(out) and (out / "notes.txt").read_bytes() == b"mine"
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".export")]  # no temporaries left
+
+
+def test_a_killed_export_leaves_the_old_one_loadable(hf_checkpoint, tmp_path, monkeypatch):
+    from kvpop_jax import fileio
+
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    for shard_bytes in (4 * 1024**3, 20_000):  # single file, sharded
+        out = tmp_path / f"export_{shard_bytes}"
+        save_pretrained(config, params, out, max_shard_bytes=shard_bytes)
+        before = sorted(os.listdir(out))
+        real, calls = fileio.write_synced, []
+
+        def dies_on_third_file(filename, data):
+            calls.append(filename)
+            if len(calls) == 3:
+                raise KeyboardInterrupt("killed")  # what a SIGINT does; SIGKILL leaves only the temporary
+            return real(filename, data)
+
+        monkeypatch.setattr(fileio, "write_synced", dies_on_third_file)
+        with pytest.raises(KeyboardInterrupt):
+            save_pretrained(config, _scaled(params, 3.0), out, max_shard_bytes=shard_bytes)
+        monkeypatch.setattr(fileio, "write_synced", real)
+        assert sorted(os.listdir(out)) == before
+        assert _params_equal(load_pretrained(out)[1], params)
+    # a temporary left by a SIGKILLed export (its PID is gone) is cleaned up by the next export
+    stale = tmp_path / ".export_20000.tmp-999999999-deadbeef"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    save_pretrained(config, params, tmp_path / "export_20000")
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("break_params, message", [
+    (lambda f: f.pop("layers_1/mlp/up_proj/kernel"), r"missing \['layers_1/mlp/up_proj/kernel'\]"),
+    (lambda f: f.update({"layers_0/mlp/extra/kernel": np.ones(3, np.float32)}),
+     r"unexpected \['layers_0/mlp/extra/kernel'\]"),
+    (lambda f: f.update({"norm/scale": np.ones(5, np.float32)}), r"'norm/scale' has shape \(5,\).*\(64,\)"),
+    (lambda f: f.update({"norm/scale": np.ones(64, np.int32)}), r"'norm/scale' has dtype int32"),
+    (lambda f: f.update({"norm/scale": np.full(64, np.nan, np.float32)}), r"'norm/scale' has 64 non-finite"),
+])
+def test_save_validates_the_params_tree_before_writing(hf_checkpoint, tmp_path, break_params, message):
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    out = tmp_path / "export"
+    save_pretrained(config, params, out)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    flat = {k: np.asarray(v) for k, v in _flat(params).items()}
+    break_params(flat)
+    with pytest.raises(ValueError, match=message):
+        save_pretrained(config, traverse_util.unflatten_dict(flat, sep="/"), out)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    with pytest.raises(ValueError, match=message):
+        save_pretrained(config, traverse_util.unflatten_dict(flat, sep="/"), tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_config_json_that_is_not_an_object_or_lacks_a_field_names_file_and_field(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json.*is not a JSON object \(got list\)"):
+        Qwen3Config.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "num_attention_heads": 2}))
+    with pytest.raises(ValueError, match=r"config.json.*lacks the required field 'hidden_size'"):
+        Qwen3Config.from_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"config lacks the required field 'hidden_size'"):
+        Qwen3Config.from_hf({"vocab_size": 10})
+
+
+def test_resave_without_an_atomic_exchange_still_replaces_the_export(hf_checkpoint, tmp_path, monkeypatch):
+    from kvpop_jax import fileio
+
+    path, _ = hf_checkpoint("g2_untied")
+    config, params = load_pretrained(path)
+    save_pretrained(config, params, tmp_path / "export")
+    monkeypatch.setattr(fileio, "rename_exchange", lambda a, b: False)  # e.g. macOS: two renames
+    save_pretrained(config, _scaled(params, 2.0), tmp_path / "export")
+    assert _params_equal(load_pretrained(tmp_path / "export")[1], _scaled(params, 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["export", "hf_g2_untied_0"]

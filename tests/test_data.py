@@ -130,6 +130,37 @@ def test_unreadable_file_is_named(tmp_path):
         list(load_documents(config(tmp_path, path).documents))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_malformed_line_is_named_by_file_and_line_number(tmp_path, streaming):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "ab"}\n\n{"text": "cd"}\n{"text": "ef"\n{"text": "gh"}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl line 4 is not valid JSON"):
+        PackedBatchIterator(config(tmp_path, path, streaming=streaming), build_tokenizer())
+
+
+def test_empty_jsonl_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty.jsonl is empty"):
+        PackedBatchIterator(config(tmp_path, tmp_path / "empty.jsonl"), build_tokenizer())
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"blank.jsonl is empty"):
+        PackedBatchIterator(config(tmp_path, tmp_path / "blank.jsonl"), build_tokenizer())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_no_usable_text_names_file_and_field(tmp_path, streaming):
+    """Every `text` null or empty: no `<bos><eos>` rows to train on, an error naming the file and field."""
+    data = write_jsonl(tmp_path / "nulls.jsonl", [{"text": None}, {"text": ""}, {"text": None}])
+    with pytest.raises(ValueError, match=r"nulls.jsonl: the text field 'text' is null or empty in all 3 rows"):
+        next(PackedBatchIterator(config(tmp_path, data, streaming=streaming), build_tokenizer()))
+    # rows without text are skipped (and counted), never trained on
+    data = write_jsonl(tmp_path / "some.jsonl", [{"text": None}, {"text": "abc"}, {"text": ""}, {"text": "de"}])
+    batches = PackedBatchIterator(config(tmp_path, data, shuffle=False), build_tokenizer())
+    tok = batches.tokenizer
+    assert segments(take(batches, 1))[0][:7] == doc_ids(tok, "abc")
+    assert batches.stats == {"kept": 2, "no_text": 2}
+
+
 @pytest.mark.parametrize("field", ["auto", "prompt+missing"])
 def test_missing_text_field_lists_columns(tmp_path, field):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "question_id": 3}])
@@ -216,10 +247,11 @@ def test_length_filter(tmp_path, rng):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
     batches = PackedBatchIterator(config(tmp_path, data, shuffle=False, min_length=12, max_length=30),
                                   build_tokenizer())
-    lengths = np.array([len(t) + 2 for t in texts])  # <bos> + chars + <eos>
+    lengths = np.array([len(t) + 2 if t else 0 for t in texts])  # <bos> + chars + <eos>; "" has no text
     assert batches.stats == {k: v for k, v in dict(kept=int(((lengths >= 12) & (lengths <= 30)).sum()),
-                                                   too_short=int((lengths < 12).sum()),
-                                                   too_long=int((lengths > 30).sum())).items() if v}
+                                                   too_short=int(((lengths > 0) & (lengths < 12)).sum()),
+                                                   too_long=int((lengths > 30).sum()),
+                                                   no_text=int((lengths == 0).sum())).items() if v}
     seen = {tuple(p) for p in segments(take(batches, 20))}
     expected = {tuple(doc_ids(batches.tokenizer, t)) for t, n in zip(texts, lengths) if 12 <= n <= 30}
     assert seen == expected

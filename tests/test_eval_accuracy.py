@@ -6,14 +6,16 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.answers import extract_answer, is_correct, normalize_answer
+from eval.benchmarks import load_benchmark
 from eval.report import format_table, summarize
 from kvpop_jax import KVpopConfig, Qwen3Config, save_pretrained
 from kvpop_jax.config import DMSConfig
-from kvpop_jax.modeling import init_params, retrofit_params
+from kvpop_jax.modeling import abstract_params, init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -155,3 +157,102 @@ def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
                         sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"), progress=False)
     assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [("dense", None, None), ("dms", 0.5, 16)]
     assert "| 50% | 16 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
+
+
+def _dense_checkpoint(path):
+    from demo.atoms import VOCAB
+    from demo.tokenizer import save_tokenizer
+
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=VOCAB["<eos>"])
+    rng = np.random.default_rng(0)  # random weights without an (eager, slow) init pass
+    save_pretrained(config, jax.tree.map(lambda x: (0.1 * rng.normal(size=x.shape)).astype(x.dtype),
+                                         abstract_params(config)), path)
+    save_tokenizer(path)
+    return str(path), config
+
+
+def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(dict(problem=p, answer="3")) + "\n" for p in ("x3y5\nask x\n", "x3")))
+    calls = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):  # decoding is not the point here
+        calls.append(len(calls))
+        if fail_at is not None and len(calls) > fail_at:
+            raise RuntimeError("killed while decoding")
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    out = tmp_path / "out"
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=4,
+              sampling=SamplingConfig.greedy(), out_dir=str(out), progress=False)
+    fail_at = None
+    run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    assert set(before) == {"accuracy.md", "accuracy.json", "accuracy.png", "samples.jsonl"}
+    fail_at = len(calls) + 3  # the rerun dies after some samples are written
+    with pytest.raises(RuntimeError, match="killed while decoding"):
+        run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # no truncated samples, no temporaries
+    fail_at = None  # a method that cannot run: the same
+    with pytest.raises(ValueError, match="needs a KVpop or DMS checkpoint"):
+        run_accuracy(["dense", "kvpop-x"], {"dense": dense, "kvpop-x": dense}, str(bench), **kw)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
+def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
+    import datasets
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("contacted the hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="p", answer="1")) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"checkpoint of 'dense' 'runs/nope/export': no such directory"):
+        run_accuracy(["dense"], {"dense": "runs/nope/export"}, str(bench), out_dir=str(tmp_path / "o"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint of 'kvpop-mlp' .*/missing'"):
+        run_accuracy(["kvpop-mlp"], {"kvpop-mlp": str(tmp_path / "missing")}, str(bench), out_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"benchmark 'data/aime.jsonl': no such file"):
+        load_benchmark("data/aime.jsonl")
+    assert not (tmp_path / "o").exists()
+
+
+def test_benchmark_file_errors_name_file_and_line(tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n')
+    with pytest.raises(ValueError, match=r"benchmark '.*bench.jsonl' line 2 is not valid JSON"):
+        load_benchmark(str(bench))
+    bench.write_text("")
+    with pytest.raises(ValueError, match=r"bench.jsonl' is empty"):
+        load_benchmark(str(bench))
+    bench.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"row 0 is not a JSON object"):
+        load_benchmark(str(bench))
+
+
+def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, capsys):
+    from eval.main import main
+
+    dense, config = _dense_checkpoint(tmp_path / "dense")
+    bad = {"1,a,3": "error: --prompt_ids: 'a' is not an integer token id",
+           "1,5,500": f"error: --prompt_ids (for {dense}) holds token id 500 outside the vocabulary [0, "
+                      f"{config.vocab_size})",
+           "1,-5": f"error: --prompt_ids (for {dense}) holds token id -5 outside the vocabulary"}
+    for ids, message in bad.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--checkpoint", dense, "--prompt_ids", ids, "--max_new_tokens", "2"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["accuracy", "--checkpoints", f"dense={tmp_path / 'nope'}", "--benchmark", str(tmp_path / "b.jsonl"),
+              "--out_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: checkpoint of 'dense' '{tmp_path / 'nope'}': no such directory"

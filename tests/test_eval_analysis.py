@@ -179,6 +179,30 @@ def test_parse_lengths():
         parse_lengths("0")
 
 
+def test_a_failed_patterns_rerun_leaves_the_previous_report_whole(checkpoint, tmp_path, monkeypatch):
+    import eval.patterns as patterns
+
+    ids = np.random.default_rng(2).integers(0, BASE.vocab_size, size=60)
+    run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert set(before) == {"patterns.md", "patterns.png", "head_usage.png", "patterns.json"}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(patterns, "plot_head_usage", broken)  # after patterns.png is (re)drawn
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        run_patterns(checkpoint, ids[::-1].copy(), out_dir=tmp_path, last_n=30)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
+
+
+def test_token_id_jsonl_with_a_bad_line_names_file_and_line(tmp_path):
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5\n')
+    with pytest.raises(ValueError, match=r"ids.jsonl line 2 is not valid JSON"):
+        load_rows(str(path), seq_len=4, num_sequences=1)
+
+
 # --- DMS: the eviction-ratio heat map and bench decode rows ----------------------------------
 
 DMS = DMSConfig(window=4, budget=SEQ, gate_hidden=8, logit_offset=0.0)  # a pool as long as the rows: no overflow

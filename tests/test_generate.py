@@ -107,3 +107,17 @@ def test_streaming_with_large_budget_equals_dense_and_ragged_is_rejected(rng):
         generate(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cache must be one of"):
         generate(model, params, prompt, max_new_tokens=2, cache="paged")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(rng):
+    """Issue 13: ids >= vocab embedded as NaN (and negative ones wrapped): generate and an eager apply refuse them."""
+    from kvpop_jax.modeling import abstract_params
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_params(config))  # checked before use
+    model = Qwen3ForCausalLM(config)
+    for bad in (config.vocab_size, 500, -1):
+        with pytest.raises(ValueError, match=f"prompt_ids holds token id {bad} outside the vocabulary \\[0, 97\\)"):
+            generate(model, params, [[1, 5, bad]], max_new_tokens=2)
+        with pytest.raises(ValueError, match=f"input_ids holds token id {bad} outside the vocabulary"):
+            model.apply({"params": params}, jnp.asarray([[1, 5, bad]]))

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from kvpop_jax import load_pretrained
 from helpers import REPO, parse, tiny_flags, train_cmd, train_env
+from train import recipe
 from train.config import FlagError, load_model_config, variant_kvpop, variant_retrofit
 from train.recipe_report import check_targets, length_generalization, paper_ordering, scores_at
 
@@ -93,6 +95,18 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     assert 0.0 <= np.mean(recall["recall"]) <= 1.0
     assert os.path.getsize(os.path.join(out, "training.png")) > 1000
     assert os.path.getsize(os.path.join(out, "read_once", "accuracy.png")) > 1000
+
+    # Rerun after a crash (in process, no evaluation): a finished variant is skipped, one killed during its
+    # export resumes from its last checkpoint and exports; the run-folder lock and --overwrite rules allow it.
+    rerun = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+")
+    shutil.rmtree(os.path.join(run, "streamingllm+", "export"))
+    summary = recipe.run(parse(rerun))
+    assert list(summary["train_seconds"]) == ["streamingllm+"]
+    assert load_pretrained(os.path.join(run, "streamingllm+", "export"))[0].kvpop.topk == 0
+    assert len(open(os.path.join(run, "streamingllm+", "metrics.jsonl")).readlines()) == 3
+    shutil.rmtree(os.path.join(run, "streamingllm+", "export"))
+    with pytest.raises(FlagError, match="--noresume would start over in .*streamingllm\\+.*pass --overwrite"):
+        recipe.run(parse(rerun + ["--noresume"]))
 
 
 def test_target_reduce_flag_reaches_the_config(tmp_path, arch):

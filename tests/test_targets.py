@@ -154,8 +154,8 @@ def test_aggregation_and_normalization_of_given_log_mass(rng, aggregate, normali
     log_mass = rng.normal(size=(B, hkv * g, s)) * 3.0
     log_mass[..., s - window :] = -np.inf
 
-    def fake_log_mass(q_, k_, lse_, *, window, scale, reduce):
-        assert window == 4 and scale is None and reduce == "sum"
+    def fake_log_mass(q_, k_, lse_, *, window, scale, reduce, lookahead):
+        assert window == 4 and scale is None and reduce == "sum" and lookahead is None
         return jnp.asarray(log_mass, jnp.float32)
 
     got = targets.future_attention_target(

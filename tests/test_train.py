@@ -19,7 +19,7 @@ from train import optim
 from train.config import FlagError, OptimConfig, check_devices, load_model_config
 from train.configure import config_from_flags
 from train.flags import define_flags
-from train.loop import NonFiniteLossError, check_finite, host_batch
+from train.loop import DivergenceError, DivergenceGuard, NonFiniteLossError, check_finite, host_batch, train
 from train.teacher_cache import write_teacher_topk
 
 # ------------------------------------------------------------------------------ flags
@@ -29,7 +29,9 @@ def test_flags_map_onto_configs(tmp_path, arch):
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
     assert cfg.kvpop.budget == 36 and cfg.kvpop.scorer == "mlp"
     assert cfg.grad_accum == 2 and cfg.data.batch_size == 4 and cfg.data.seq_len == 128
-    assert cfg.data.data.endswith("data/demo_train_read_once_24x256.jsonl") and cfg.demo_examples == 24
+    assert cfg.data.data.endswith("data/demo_train_read_once_24x256_seed0.jsonl") and cfg.demo_examples == 24
+    # generated data cached in the run folder is keyed on what it depends on: a change regenerates it
+    assert parse(tiny_flags(str(tmp_path / "run"), arch, demo_seq_len=384)).data.data.endswith("_24x384_seed0.jsonl")
     assert cfg.optim.base_lr == 8e-5 and cfg.optim.new_lr == 1e-3 and cfg.optim.b2 == 0.95
     assert parse(tiny_flags(str(tmp_path / "run"), arch, compute_dtype="auto"), on_accelerator=True).compute_dtype \
         == "bfloat16"
@@ -47,10 +49,32 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(loss_chunk=100), "--loss_chunk"),
     (dict(gamma_min=0.9999999), "gamma_min"),
     (dict(steps=0), "--steps"),
+    # issue 13: every float flag is finite (NaN slips through `< 0`, inf through `> 0`), named
+    (dict(base_lr="nan"), "--base_lr=nan is not a finite number"),
+    (dict(new_lr="inf"), "--new_lr=inf is not a finite number"),
+    (dict(kl_temperature="inf"), "--kl_temperature=inf is not a finite number"),
+    (dict(loss_temperature="-inf"), "--loss_temperature=-inf is not a finite number"),
+    (dict(retention_loss_weight="nan"), "--retention_loss_weight=nan is not a finite number"),
+    (dict(gamma_min="nan"), "--gamma_min=nan is not a finite number"),
+    (dict(adam_eps="nan"), "--adam_eps=nan is not a finite number"),
+    (dict(divergence_factor="inf"), "--divergence_factor=inf is not a finite number"),
+    (dict(retention_loss_weight=-1), "--retention_loss_weight must be >= 0, got -1.0"),
+    (dict(weight_decay=-0.1), "--weight_decay must be a finite number >= 0"),
+    (dict(divergence_factor=0.5), "--divergence_factor must be 0 \\(off\\) or > 1"),
 ])
 def test_bad_flags_raise_clear_errors(tmp_path, arch, overrides, message):
     with pytest.raises(FlagError, match=message.replace("-", r"\-")):
         parse(tiny_flags(str(tmp_path / "run"), arch, **overrides))
+
+
+def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch):
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(open(arch).read())
+    for export_dir in (teacher, teacher / "export", str(teacher) + "/"):
+        with pytest.raises(FlagError, match="--export_dir=.* is --init_checkpoint=.* or inside it"):
+            parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=export_dir))
+    parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=str(teacher) + "-kvpop"))
 
 
 def test_removed_reset_attention_flag_is_rejected_by_name(tmp_path, arch):
@@ -215,9 +239,81 @@ def test_non_finite_loss_names_step_and_term():
         check_finite(7, {"kl": 1.0, "retention_loss": float("nan"), "loss": float("nan"), "grad_norm": 2.0})
     with pytest.raises(NonFiniteLossError, match=r"step 2: grad_norm is inf"):
         check_finite(2, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": float("inf")})
+    with pytest.raises(NonFiniteLossError, match=r"step 4: dms_loss is nan"):  # DMS's auxiliary loss
+        check_finite(4, {"kl": 1.0, "retention_loss": 0.0, "dms_loss": float("nan"), "loss": float("nan"),
+                         "grad_norm": 2.0})
 
 
-# ------------------------------------------------------------------------------ end to end
+def test_non_finite_updated_state_is_named_even_when_the_loss_is_finite():
+    ok = {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": 2.0}
+    check_finite(1, dict(ok, state_finite=1.0))
+    with pytest.raises(NonFiniteLossError, match=r"step 1: the updated parameters or optimizer state hold NaN/inf"):
+        check_finite(1, dict(ok, state_finite=0.0))
+
+
+def test_divergence_guard_names_step_and_term_after_its_warmup():
+    steps = [{"kl": 2.0, "retention_loss": 0.7, "loss": 2.7}, {"kl": 1.9, "retention_loss": 0.6, "loss": 2.5},
+             {"kl": 1.8, "retention_loss": 0.0, "loss": 1.8}]
+    guard = DivergenceGuard(100.0, 3)
+    guard.check(1, {"kl": 2.0, "retention_loss": 1e9, "loss": 1e9})  # no history yet: warm-up
+    guard = DivergenceGuard(100.0, 3, history=steps)
+    guard.check(4, {"kl": 150.0, "retention_loss": 0.9, "loss": 151.0})  # below 100 x the median
+    with pytest.raises(DivergenceError, match=r"step 5: retention_loss is 4e\+18, above 100 x its running median 0.6"):
+        guard.check(5, {"kl": 1.8, "retention_loss": 4e18, "loss": 4e18})
+    DivergenceGuard(0.0, 3, history=steps).check(5, {"kl": 1e30, "retention_loss": 1e30, "loss": 1e30})  # off
+    zero = DivergenceGuard(100.0, 2, history=[{"kl": 1.0, "retention_loss": 0.0, "loss": 1.0}] * 3)
+    zero.check(4, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5})  # a term that was 0 (StreamingLLM+) is not judged
+
+
+# ------------------------------------------------------------------------------ end to end (in process)
+
+
+def _steps(run_dir):
+    path = os.path.join(run_dir, "checkpoints")
+    return sorted(int(s) for s in os.listdir(path) if s.isdigit()) if os.path.isdir(path) else []
+
+
+def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metrics_line(tmp_path, arch):
+    run = str(tmp_path / "run")
+    train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2)))
+    saved_config = open(os.path.join(run, "train_config.json")).read()
+    for overrides, message in ((dict(topk=24), "--topk 16 -> 24"), (dict(scorer="mlstm"), "--scorer 'mlp' -> 'mlstm'"),
+                               (dict(demo_seq_len=384), "--demo_seq_len 256 -> 384")):
+        with pytest.raises(FlagError, match=f"cannot resume {run}/checkpoints/2: {message}"):
+            train(parse(tiny_flags(run, arch, steps=3, **overrides)))
+        assert open(os.path.join(run, "train_config.json")).read() == saved_config  # not overwritten
+    with pytest.raises(FlagError, match="--kl_topk=100000 exceeds the model's vocab_size 128"):  # before compiling
+        train(parse(tiny_flags(run, arch, steps=3, kl_topk=100000)))
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "loss": 2.6')  # a kill mid-write
+    # the same flags resume (nothing left to train: no second compile; the subprocess test resumes mid-run)
+    out = train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, log_every=2)))
+    assert out["resumed_from"] == 2 and _steps(run) == [2]
+    assert [m["step"] for m in _metrics(run)] == [1, 2]  # the torn line is gone
+    assert all(m["state_finite"] == 1.0 for m in _metrics(run))
+    assert json.load(open(os.path.join(run, "train_config.json")))["log_every"] == 2  # rewritten after the restore
+
+
+def test_non_finite_updated_state_aborts_without_saving_or_exporting(tmp_path, arch):
+    """The issue's --base_lr=nan --steps=1: the loss of step 1 is finite, the updated weights are not."""
+    run = str(tmp_path / "run")
+    cfg = parse(tiny_flags(run, arch, steps=1, checkpoint_every=1))
+    object.__setattr__(cfg.optim, "base_lr", float("nan"))  # what the flags now refuse, e.g. from a library caller
+    with pytest.raises(NonFiniteLossError, match="step 1: the updated parameters or optimizer state hold NaN/inf"):
+        train(cfg)
+    assert _steps(run) == [] and not os.path.exists(os.path.join(run, "export"))
+
+
+def test_divergence_stops_the_run_naming_step_and_term(tmp_path, arch):
+    """The issue's --new_lr=1e6: the loss climbs to 4e18 while staying finite."""
+    run = str(tmp_path / "run")
+    with pytest.raises(DivergenceError, match=r"step 3: retention_loss is .*, above 100 x its running median"):
+        train(parse(tiny_flags(run, arch, new_lr=1e6, steps=8, checkpoint_every=4, divergence_warmup=2)))
+    assert _steps(run) == [] and not os.path.exists(os.path.join(run, "export"))
+    assert [m["step"] for m in _metrics(run)] == [1, 2]
+
+
+# ------------------------------------------------------------------------------ end to end (subprocesses)
 
 
 def _metrics(run_dir):

@@ -6,6 +6,7 @@ Built only by `train/configure.py` from the flags; every error is a `FlagError` 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -43,9 +44,10 @@ class OptimConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise FlagError(f"--steps must be >= 1, got {self.steps}")
-        for name in ("base_lr", "new_lr", "new_lr_final", "weight_decay", "clip_norm"):
-            if getattr(self, name) < 0:
-                raise FlagError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("base_lr", "new_lr", "new_lr_final", "weight_decay", "clip_norm", "eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise FlagError(f"--{'adam_eps' if name == 'eps' else name} must be a finite number >= 0, got {value}")
         if not 0 <= self.warmup_steps:
             raise FlagError(f"--warmup_steps must be >= 0, got {self.warmup_steps}")
         for name in ("b1", "b2"):
@@ -157,6 +159,9 @@ class TrainConfig:
     dry_run: bool
     variants: tuple[str, ...] = ()
     evaluation: EvalConfig | None = None
+    overwrite: bool = False  # start over in a run_dir that holds a run (train/run_dir.py)
+    divergence_factor: float = 100.0  # stop when a loss term exceeds this x its running median (0: off)
+    divergence_warmup: int = 3  # steps of history before the divergence guard checks
     retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)
     dms: DMSConfig | None = None  # the DMS settings (memory-matched to `kvpop`), when a run or variant needs them
 
@@ -220,7 +225,10 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         sources.append(os.path.join(cfg.init_checkpoint, "config.json"))
     if not sources:
         raise FlagError("no architecture: pass --init_checkpoint (a HF directory or random:NAME) or --model_config")
-    configs = [Qwen3Config.from_hf(s) for s in sources]
+    try:
+        configs = [Qwen3Config.from_hf(s) for s in sources]
+    except (ValueError, FileNotFoundError) as e:  # not an object, a missing field, ...: named, one line
+        raise FlagError(f"--init_checkpoint/--model_config: {e}") from e
     base = [dataclasses.replace(c, kvpop=None, dms=None) for c in configs]
     for src, c in zip(sources[1:], base[1:]):
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731
@@ -228,6 +236,16 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         if arch(c) != arch(base[0]):
             raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures")
     return base[-1]
+
+
+def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
+    """The export must not land on (or inside) the init checkpoint: it would replace the model it starts from."""
+    if not init_checkpoint or init_checkpoint.startswith("random:"):
+        return
+    init, export = os.path.realpath(init_checkpoint), os.path.realpath(export_dir)
+    if export == init or export.startswith(init.rstrip(os.sep) + os.sep):
+        raise FlagError(f"--export_dir={export_dir} is --init_checkpoint={init_checkpoint} or inside it: the export "
+                        "would overwrite the model the run starts from; choose another --export_dir")
 
 
 def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -12,7 +13,7 @@ from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
-                          resolve_model_config, variant_dms, variant_kvpop)
+                          check_export_dir, resolve_model_config, variant_dms, variant_kvpop)
 
 
 def _resolve_dtype(name: str, on_accelerator: bool) -> str:
@@ -26,6 +27,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     if on_accelerator is None:
         on_accelerator = jax.default_backend() != "cpu"
     f = fv
+    check_float_flags(f)
     if not f.run_dir:
         raise FlagError("--run_dir is required")
     if not f.init_checkpoint and not (f.dry_run and f.model_config):
@@ -55,7 +57,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
         )
     except ValueError as e:
-        raise FlagError(f"bad KVpop flags: {e}") from e
+        raise FlagError(f"bad KVpop flags: {str(e).replace('KVpopConfig.', '--')}") from e
     try:
         kvpop.check_sequence_length(f.seq_len)
     except ValueError as e:
@@ -73,6 +75,9 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise FlagError(f"--teacher_logits_dir={f.teacher_logits_dir}: no such directory")
     if f.checkpoint_every < 1 or f.keep_checkpoints < 1 or f.log_every < 1:
         raise FlagError("--checkpoint_every, --keep_checkpoints and --log_every must be >= 1")
+    if f.divergence_factor < 0 or (0 < f.divergence_factor <= 1) or f.divergence_warmup < 1:
+        raise FlagError(f"--divergence_factor must be 0 (off) or > 1 and --divergence_warmup >= 1, got "
+                        f"{f.divergence_factor}, {f.divergence_warmup}")
     if f.mesh_data == 0 or f.mesh_fsdp == 0 or f.mesh_tensor == 0:
         raise FlagError("mesh axes (--mesh_data/--mesh_fsdp/--mesh_tensor) must be >= 1 or -1")
 
@@ -119,8 +124,9 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             demo_examples = -1
         if demo_examples < 1:
             raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
+        # The name holds what the traces depend on, so a changed flag regenerates them instead of reusing.
         data_path = os.path.join(run_dir, "data", f"demo_train_{'+'.join(demo_tasks)}_{demo_examples}x{f.demo_seq_len}"
-                                                  ".jsonl")
+                                                  f"_seed{f.seed}.jsonl")
     elif not f.dry_run:
         try:
             resolve_source(data_path)
@@ -142,6 +148,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise
     except ValueError as e:
         raise FlagError(f"bad data flags: {e}") from e
+    export_dir = f.export_dir or os.path.join(run_dir, "export")
+    check_export_dir(export_dir, f.init_checkpoint)
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,
@@ -153,10 +161,19 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         param_dtype=f.param_dtype, compute_dtype=_resolve_dtype(f.compute_dtype, on_accelerator),
         remat=f.remat, loss_chunk=f.loss_chunk, checkpoint_every=checkpoint_every,
         keep_checkpoints=f.keep_checkpoints, async_checkpointing=f.async_checkpointing, resume=f.resume,
-        export=f.export, export_dir=f.export_dir or os.path.join(run_dir, "export"), log_every=f.log_every,
+        export=f.export, export_dir=export_dir, log_every=f.log_every,
         tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
+        overwrite=f.overwrite, divergence_factor=f.divergence_factor, divergence_warmup=f.divergence_warmup,
         retrofit=f.retrofit, dms=dms,
     )
+
+
+def check_float_flags(fv: flags.FlagValues) -> None:
+    """Every float flag is a finite number: NaN passes `x < 0` style checks, inf passes `x > 0`."""
+    for name in sorted(fv):
+        flag = fv[name]
+        if flag.flag_type() == "float" and flag.value is not None and not math.isfinite(flag.value):
+            raise FlagError(f"--{name}={flag.value} is not a finite number")
 
 
 def _head_dim(f) -> int:

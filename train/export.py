@@ -12,7 +12,6 @@ the optimizer state).
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import jax
@@ -27,18 +26,17 @@ from train import checkpointing
 from train.config import DTYPES
 
 
-def copy_tokenizer(source_dir: str | None, out: str) -> None:
-    """Copies tokenizer files (if any) from source_dir to out."""
+def tokenizer_files(source_dir: str | None) -> dict[str, str]:
+    """name -> path of the tokenizer files in `source_dir` (none when it is not a directory)."""
     if not source_dir or not os.path.isdir(source_dir):
-        return
-    for name in TOKENIZER_FILES:
-        src = os.path.join(source_dir, name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out, name))
+        return {}
+    return {name: os.path.join(source_dir, name) for name in TOKENIZER_FILES
+            if os.path.isfile(os.path.join(source_dir, name))}
 
 
 def export_params(config: Qwen3Config, params, out: str, *, dtype=None, tokenizer_dir: str | None = None) -> None:
-    """save_pretrained(config, params) (+ tokenizer), gathering sharded arrays to the host."""
+    """save_pretrained(config, params) with the tokenizer, gathering sharded arrays to the host (atomic: a
+    killed export leaves the previous one)."""
     if jax.process_count() > 1:
         params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
@@ -46,8 +44,7 @@ def export_params(config: Qwen3Config, params, out: str, *, dtype=None, tokenize
     params = jax.device_get(params)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
-    save_pretrained(config, params, out)
-    copy_tokenizer(tokenizer_dir, out)
+    save_pretrained(config, params, out, extra_files=tokenizer_files(tokenizer_dir))
 
 
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) -> tuple[Qwen3Config, int]:
@@ -86,7 +83,7 @@ def main(argv):
         raise app.UsageError("--checkpoint and --out are required")
     try:
         config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"exported step {step} ({config.num_hidden_layers} layers, kvpop={config.kvpop is not None}) to {FLAGS.out}")

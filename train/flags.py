@@ -12,7 +12,7 @@ Model sources (`--init_checkpoint`):
 
 Data (`--data`): a hub dataset name, a local jsonl/parquet/arrow file, directory or glob
 (see `kvpop_jax/documents.py`), or `demo:N` = N generated demo-task traces (`demo/task.py`)
-written to RUN_DIR/data/demo_train.jsonl.
+written to RUN_DIR/data/demo_train_{N}x{demo_seq_len}_seed{seed}.jsonl.
 """
 
 from __future__ import annotations
@@ -142,10 +142,19 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("checkpoint_every", 500, "Save a checkpoint every N steps (and at the end).", **d)
     flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (older ones deleted).", **d)
     flags.DEFINE_bool("async_checkpointing", True, "Write checkpoints in the background.", **d)
-    flags.DEFINE_bool("resume", True, "Resume from the latest checkpoint in run_dir/checkpoints.", **d)
+    flags.DEFINE_bool("resume", True,
+                      "Resume from the latest checkpoint in run_dir/checkpoints (refused if a budget, scorer, "
+                      "width, sequence length or model flag changed since).", **d)
+    flags.DEFINE_bool("overwrite", False,
+                      "Start over in a run_dir that holds a run: delete its checkpoints, metrics.jsonl, tb/ and "
+                      "train_config.json first (without it, --noresume there is refused).", **d)
     flags.DEFINE_bool("export", True, "Export HF-style safetensors to --export_dir at the end.", **d)
     flags.DEFINE_string("export_dir", None, "Export directory (default: run_dir/export).", **d)
     flags.DEFINE_integer("log_every", 1, "Write metrics every N steps.", **d)
+    flags.DEFINE_float("divergence_factor", 100.0,
+                       "Stop (without saving) when kl, retention_loss or loss exceeds this multiple of its running "
+                       "median (0: off).", **d)
+    flags.DEFINE_integer("divergence_warmup", 3, "Steps of history the divergence guard needs before it checks.", **d)
     flags.DEFINE_bool("tensorboard", True, "Also write TensorBoard events to run_dir/tb.", **d)
     flags.DEFINE_bool("progress", True, "tqdm progress bar.", **d)
     # --- recipe: several retrofits of one teacher, then the demo comparison (train/recipe.py)

@@ -1,11 +1,15 @@
 """The training loop of `python -m train.main`: restore or init, step, log, checkpoint, export.
 
 Resumes from the latest checkpoint in RUN_DIR/checkpoints with the same flags and reproduces
-the same losses (params, optimizer, RNG and data-iterator state are saved).
+the same losses (params, optimizer, RNG and data-iterator state are saved). The run folder is
+locked and checked first (`train/run_dir.py`). A step whose loss terms or updated state hold
+NaN/inf (`check_finite`), or whose loss jumps above `--divergence_factor` x its running median
+(`DivergenceGuard`), stops the run before that state is saved or exported.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -15,25 +19,39 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
+from kvpop_jax.fileio import atomic_write_bytes
 from train import optim
 from train import step as st
 from train.checkpointing import Checkpointer
-from train.config import FlagError, TrainConfig, load_model_config
+from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
-from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, prepare_data,
+from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_run_dir, prepare_run_dir,
+                           read_metrics)
+from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, next_rows, prepare_data,
                          prepare_init_checkpoint, run_tokenizer, step_config, to_global, with_shardings)
 from train.teacher_cache import read_teacher_topk
 
-CHECKED_TERMS = ("kl", "retention_loss", "loss", "grad_norm")
+CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
+# Not dms_loss: it starts at 0 and grows with its target by design, a "divergence" to a median guard.
+GUARDED_TERMS = ("kl", "retention_loss", "loss")
 BATCH_KEYS = ("input_ids", "positions", "loss_mask")
 
 
-class NonFiniteLossError(FloatingPointError):
+class TrainingAborted(RuntimeError):
+    """The run stopped itself before saving a bad state (exit code 3 of train.main)."""
+
+
+class NonFiniteLossError(TrainingAborted, FloatingPointError):
+    pass
+
+
+class DivergenceError(TrainingAborted):
     pass
 
 
@@ -47,20 +65,16 @@ def host_batch(cfg: TrainConfig, rows: dict[str, np.ndarray], step: int) -> dict
 
 
 class MetricsLog:
-    """metrics.jsonl (truncated to the resumed step on restart) and TensorBoard."""
+    """metrics.jsonl (cut back to the resumed step on restart, a torn last line dropped) and TensorBoard."""
 
     def __init__(self, cfg: TrainConfig, start_step: int):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        self.path = os.path.join(cfg.run_dir, METRICS_FILE)
         self.writer = None
+        self.records = read_metrics(self.path, start_step)
         if not self.enabled:
             return
-        kept = []
-        if os.path.isfile(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
             self.writer = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
 
@@ -79,26 +93,76 @@ class MetricsLog:
 
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:
-    for name in CHECKED_TERMS:
+    """Raises NonFiniteLossError naming the step and the first NaN/inf loss term, or (state_finite
+    = 0) the updated parameters / optimizer state; called before the step's state is kept."""
+    checked = [k for k in CHECKED_TERMS if k in metrics]  # the train step reports them all
+    terms = ", ".join(f"{k}={metrics[k]}" for k in checked)
+    for name in checked:
         value = metrics[name]
         if not math.isfinite(value):
-            terms = ", ".join(f"{k}={metrics[k]}" for k in CHECKED_TERMS)
             raise NonFiniteLossError(f"step {step}: {name} is {value} ({terms}); aborting without saving")
+    if metrics.get("state_finite", 1.0) != 1.0:
+        raise NonFiniteLossError(f"step {step}: the updated parameters or optimizer state hold NaN/inf ({terms}); "
+                                 "aborting without saving")
+
+
+class DivergenceGuard:
+    """Stops a run whose kl, retention_loss or loss exceeds `factor` x its running median (the last
+    `window` steps) once `warmup` steps are known; factor 0 turns it off. Seeded from the records
+    of a resumed run, so a resume judges like the uninterrupted run."""
+
+    def __init__(self, factor: float, warmup: int, history=(), window: int = 100):
+        self.factor, self.warmup = factor, warmup
+        self.history = {t: collections.deque(maxlen=window) for t in GUARDED_TERMS}
+        for record in history:
+            self.add(record)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for t in GUARDED_TERMS:
+            if t in metrics and math.isfinite(metrics[t]):
+                self.history[t].append(metrics[t])
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        """Raises DivergenceError naming the step and the term, else records the step."""
+        for t in GUARDED_TERMS if self.factor > 0 else ():
+            seen = self.history[t]
+            median = float(np.median(seen)) if len(seen) >= self.warmup else 0.0
+            if median > 0 and metrics[t] > self.factor * median:
+                raise DivergenceError(
+                    f"step {step}: {t} is {metrics[t]:.4g}, above {self.factor:g} x its running median {median:.4g} "
+                    f"(--divergence_factor); the run diverged, aborting without saving (lower the learning rates)")
+        self.add(metrics)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Runs (or resumes) training; returns a summary dict."""
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict."""
+    with lock_run_dir(cfg.run_dir):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
+    check_export_dir(cfg.export_dir, cfg.init_checkpoint)
+    prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("run folder prepared")
     mesh = build_mesh(cfg)
     init_dir = prepare_init_checkpoint(cfg)
     model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
     sc = step_config(cfg, model_config)
     kv_config = sc.model
     tx = optim.make_optimizer(cfg.optim)
-    if jax.process_index() == 0:
-        with open(os.path.join(cfg.run_dir, "train_config.json"), "w") as f:
-            json.dump(cfg.to_json(), f, indent=2, default=str)
+    ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
+                        async_save=cfg.async_checkpointing)
+    try:
+        latest = ckpt.latest_step() if cfg.resume else None
+        if latest is not None:  # before compiling or restoring: a changed shape must not reach orbax
+            check_resume(ckpt.restore_meta(latest), cfg, model_config, f"{cfg.checkpoint_dir}/{latest}")
+        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest)
+    finally:
+        ckpt.close()
 
+
+def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
     abstract_state = abstract_train_state(cfg, model_config, tx)
     abstract_teacher = None if cfg.teacher_logits_dir else modeling.abstract_params(model_config, sc.teacher_dtype)
     batch_like = abstract_batch(cfg, model_config)
@@ -109,21 +173,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise FlagError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab is {model_config.vocab_size}")
     batches = prepare_data(cfg, tokenizer)
 
-    ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
-                        async_save=cfg.async_checkpointing)
-    latest = ckpt.latest_step() if cfg.resume else None
     base = teacher = None
     if latest is None or abstract_teacher is not None:
         # Base weights, placed shard by shard: the student's start and (cast) the frozen teacher.
         base_sh = shd.param_shardings(modeling.abstract_params(model_config, sc.param_dtype), mesh)
-        _, base = load_pretrained(init_dir, sc.param_dtype, config=model_config, shardings=base_sh)
+        try:
+            _, base = load_pretrained(init_dir, sc.param_dtype, config=model_config, shardings=base_sh)
+        except (ValueError, FileNotFoundError) as e:
+            raise FlagError(f"--init_checkpoint={cfg.init_checkpoint}: {e}") from e
     if abstract_teacher is not None:
         teacher = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(sc.teacher_dtype), p),
                           out_shardings=teacher_sh)(base)
     if latest is not None:
         del base
         state, data_state, _ = ckpt.restore(latest, with_shardings(abstract_state, state_sh))
-        batches.restore(data_state)
+        try:
+            batches.restore(data_state)
+        except ValueError as e:
+            raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} (the data flags changed; rerun with "
+                            "the old ones, or start over with --overwrite)") from e
         info(f"resumed from {cfg.checkpoint_dir}/{latest}")
     else:
         params = modeling.retrofit_params(kv_config, base, jax.random.PRNGKey(cfg.seed))
@@ -131,10 +199,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         state = jax.jit(lambda p: st.init_state(p, tx, cfg.seed), out_shardings=state_sh)(params)
         del params
     start = int(jax.device_get(state.step))
+    run_json = json.loads(json.dumps(cfg.to_json(), default=str))
+    if jax.process_index() == 0:  # only now: a refused or failed resume leaves the old one in place
+        atomic_write_bytes(os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE), json.dumps(run_json, indent=2).encode())
     meta = {"model_config": kv_config.to_hf(), "param_dtype": cfg.param_dtype, "tokenizer_dir": tokenizer_dir,
-            "train_config": json.loads(json.dumps(cfg.to_json(), default=str))}
+            "train_config": run_json}
 
     log = MetricsLog(cfg, start)
+    guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
                disable=not cfg.progress or jax.process_index() != 0, dynamic_ncols=True)
@@ -142,10 +214,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            batch = to_global(host_batch(cfg, next(batches), step), batch_sh)
+            batch = to_global(host_batch(cfg, next_rows(batches), step), batch_sh)
             state, metrics = step_fn(state, teacher, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            check_finite(step + 1, metrics)
+            check_finite(step + 1, metrics)  # both before the state can be saved
+            guard.check(step + 1, metrics)
             dt = time.perf_counter() - t0
             metrics["tokens_per_s"] = tokens_per_step / dt
             metrics["step_time_s"] = dt
@@ -162,7 +235,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     finally:
         bar.close()
         log.close()
-        ckpt.close()
     if cfg.export:
         export_params(kv_config, state.params, cfg.export_dir, tokenizer_dir=tokenizer_dir)
         info(f"exported to {cfg.export_dir}")

@@ -26,7 +26,7 @@ from train.config import FlagError
 from train.configure import config_from_flags
 from train.dry_run import dry_run
 from train.flags import define_flags
-from train.loop import NonFiniteLossError, train
+from train.loop import TrainingAborted, train
 from train.teacher_cache import write_teacher_logits
 
 FLAGS = flags.FLAGS
@@ -51,7 +51,7 @@ def main(argv):
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except NonFiniteLossError as e:
+    except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
 

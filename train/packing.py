@@ -58,8 +58,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvpop_jax.checkpoint import load_tokenizer
-from kvpop_jax.documents import (DocumentSpec, TextSpec, chunks, columns_and_first, open_dataset, render, text_spec,
-                                 tokenize)
+from kvpop_jax.documents import (DocumentSpec, TextSpec, checked_rows, chunks, columns_and_first, no_text_error,
+                                 open_dataset, render, text_spec, tokenize)
 
 _TOKENIZE_CHUNK = 256
 _STATE_VERSION = 1
@@ -135,13 +135,18 @@ class _InMemoryDocuments:
         self.stats = Counter()
         bar = tqdm(total=len(ds), desc="tokenizing", unit="doc", disable=config.process_index != 0)
         for chunk in chunks(ds, _TOKENIZE_CHUNK):
-            for ids in tokenize([render(e, spec, tokenizer) for e in chunk], tokenizer, spec.chat):
+            texts = [t for t in (render(e, spec, tokenizer) for e in chunk) if t is not None]
+            if len(texts) < len(chunk):
+                self.stats["no_text"] += len(chunk) - len(texts)
+            for ids in tokenize(texts, tokenizer, spec.chat):
                 verdict = _length_verdict(config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
                     self.tokens.append(ids)
             bar.update(len(chunk))
         bar.close()
+        if not self.tokens and self.stats["no_text"] == len(ds):
+            raise no_text_error(config.documents, spec, len(ds))
         if not self.tokens:
             raise ValueError(f"data={config.data}: no document has between {config.min_length} and "
                              f"{config.length_limit} tokens ({dict(self.stats)})")
@@ -170,13 +175,20 @@ class _StreamedDocuments:
             ds = ds.shuffle(seed=_epoch_seed(self.config.seed, epoch), buffer_size=self.config.shuffle_buffer)
         if start:
             ds = ds.skip(start)
-        for chunk in chunks(enumerate(ds, start), _TOKENIZE_CHUNK):
-            texts = [render(e, self.spec, self.tokenizer) for _, e in chunk]
-            for (i, _), ids in zip(chunk, tokenize(texts, self.tokenizer, self.spec.chat)):
+        rows = with_text = 0
+        for chunk in chunks(enumerate(checked_rows(self.config.documents, ds), start), _TOKENIZE_CHUNK):
+            texts = [(i, render(e, self.spec, self.tokenizer)) for i, e in chunk]
+            texts = [(i, t) for i, t in texts if t is not None]
+            rows, with_text = rows + len(chunk), with_text + len(texts)
+            if len(texts) < len(chunk):
+                self.stats["no_text"] += len(chunk) - len(texts)
+            for (i, _), ids in zip(texts, tokenize([t for _, t in texts], self.tokenizer, self.spec.chat)):
                 verdict = _length_verdict(self.config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
                     yield i, ids
+        if start == 0 and rows and not with_text:
+            raise no_text_error(self.config.documents, self.spec, rows)
 
 
 def _length_verdict(config: DataConfig, n_tokens: int) -> str:

@@ -44,6 +44,7 @@ from kvpop_jax.sampling import SamplingConfig
 from train.config import TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
+from train.run_dir import checkpoint_steps, lock_run_dir
 from train.setup import info, prepare_init_checkpoint, run_tokenizer
 
 
@@ -68,16 +69,21 @@ def describe(cfg: TrainConfig) -> str:
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Trains every variant (or the single run of the flags), then evaluates if asked."""
+    """Trains every variant (or the single run of the flags), then evaluates if asked; holds RUN_DIR's
+    lock throughout (each variant's run also locks RUN_DIR/NAME)."""
+    with lock_run_dir(cfg.run_dir):
+        return _run(cfg)
+
+
+def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
-    os.makedirs(cfg.run_dir, exist_ok=True)
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times = {}, {}
     for name in cfg.variants:
         vcfg = variant_config(cfg, name, init_dir, tokenizer_dir)
         exports[name] = vcfg.export_dir
-        if finished(vcfg):
+        if finished(vcfg) and not cfg.overwrite:  # a rerun after a crash skips what is done
             info(f"[{name}] already trained: {vcfg.export_dir}")
             continue
         info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
@@ -99,8 +105,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def finished(cfg: TrainConfig) -> bool:
     """Whether a run's last checkpoint is its final step and its export is written."""
-    steps = [int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit()] if os.path.isdir(cfg.checkpoint_dir) else []
-    return max(steps, default=-1) >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
+    return max(checkpoint_steps(cfg), default=-1) >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
 
 
 def oracle_rates(spec: DemoSpec, budgets: dict[float, int], sinks: int, window: int) -> dict[float, dict[str, float]]:

@@ -24,6 +24,9 @@ from train.packing import PackedBatchIterator
 
 
 def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
+    """The step's static config; checks what needs the model (before anything compiles)."""
+    if cfg.kvpop.kl_topk > model_config.vocab_size:
+        raise FlagError(f"--kl_topk={cfg.kvpop.kl_topk} exceeds the model's vocab_size {model_config.vocab_size}")
     return st.StepConfig(
         model=cfg.model_retrofit(model_config),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
@@ -110,7 +113,18 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
             os.replace(tmp, data_config.data)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")
-    return PackedBatchIterator(data_config, tokenizer)
+    try:
+        return PackedBatchIterator(data_config, tokenizer)
+    except ValueError as e:  # no usable text, a bad line, an empty file: named, one line at the CLI
+        raise FlagError(f"--data: {e}") from e
+
+
+def next_rows(batches: PackedBatchIterator) -> dict[str, np.ndarray]:
+    """The next packed batch; a data error met on the way (a stream's bad line) is a FlagError."""
+    try:
+        return next(batches)
+    except ValueError as e:
+        raise FlagError(f"--data: {e}") from e
 
 
 def to_global(batch: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:

@@ -194,8 +194,9 @@ def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None)
 
     batch: dict of arrays `[A, b, S]` (input_ids, positions, loss_mask; plus
     teacher_values / teacher_indices `[A, b, S, K]` when precomputed). Metrics are means
-    over micro-batches (tokens: the sum), plus grad_norm (before clipping) and the LRs
-    applied at this step. Deterministic in (state, batch): query samples use
+    over micro-batches (tokens: the sum), plus grad_norm (before clipping), the LRs
+    applied at this step and state_finite (1.0 iff the updated params and optimizer state
+    hold no NaN/inf: the loop never keeps or saves a state that does). Deterministic in (state, batch): query samples use
     fold_in(state.rng, step, micro-batch).
     """
     loss_fn = make_loss_fn(sc)
@@ -225,10 +226,17 @@ def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None)
             metrics.update(optim.learning_rates(sc.optim, state.step))
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            metrics["state_finite"] = all_finite((params, opt_state))
             new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
             return new_state, metrics
 
     return train_step
+
+
+def all_finite(tree) -> jax.Array:
+    """1.0 if every float leaf of `tree` is finite, else 0.0 (one fused reduction per leaf)."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)).astype(jnp.float32) if checks else jnp.ones((), jnp.float32)
 
 
 def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:

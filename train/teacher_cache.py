@@ -19,7 +19,7 @@ from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config
-from train.setup import build_mesh, prepare_data, prepare_init_checkpoint, run_tokenizer, step_config
+from train.setup import build_mesh, next_rows, prepare_data, prepare_init_checkpoint, run_tokenizer, step_config
 
 
 def teacher_file(directory: str, step: int) -> str:
@@ -74,7 +74,7 @@ def write_teacher_logits(cfg: TrainConfig) -> int:
     batches = prepare_data(cfg, tokenizer)
     b = cfg.micro_batch
     for step in tqdm(range(cfg.steps), desc="teacher top-k", disable=not cfg.progress):
-        rows = next(batches)
+        rows = next_rows(batches)
         if os.path.isfile(teacher_file(cfg.teacher_logits_dir, step)):
             continue
         parts = []  # one micro-batch at a time, as the train step runs the teacher

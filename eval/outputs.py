@@ -1,0 +1,61 @@
+"""Report files that change together or not at all.
+
+    with staged_outputs(out_dir) as out:
+        with open(out.path("samples.jsonl"), "w") as f: ...   # written under a temporary name
+        write_text(out.path("accuracy.md"), table)
+    # only here, after the block succeeded, are the temporaries renamed to their names
+
+A failed rerun into an old `out_dir` (an exception, a kill) leaves the previous report whole:
+no truncated samples.jsonl next to an accuracy.md of another run. Temporaries are named
+`.tmp-PID-NAME` (same extension, so matplotlib picks the format) and removed on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from kvpop_jax.fileio import fsync_dir
+
+
+class StagedOutputs:
+    """Temporary paths for the final files of one report in `out_dir` (created)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.out_dir = os.fspath(out_dir)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.staged: dict[str, str] = {}  # final path -> temporary path
+
+    def path(self, name: str) -> str:
+        """Where to write the file `name` of the report now (renamed to out_dir/name at the end)."""
+        final = os.path.join(self.out_dir, name)
+        if final not in self.staged:
+            self.staged[final] = os.path.join(self.out_dir, f".tmp-{os.getpid()}-{name}")
+        return self.staged[final]
+
+    def final(self, name: str) -> str:
+        return os.path.join(self.out_dir, name)
+
+    def commit(self) -> None:
+        for final, tmp in self.staged.items():
+            if os.path.exists(tmp):
+                os.replace(tmp, final)
+        fsync_dir(self.out_dir)
+
+    def discard(self) -> None:
+        for tmp in self.staged.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def staged_outputs(out_dir: str | os.PathLike) -> Iterator[StagedOutputs]:
+    """Yields a StagedOutputs; renames its files into place if the block succeeds, else deletes them."""
+    stage = StagedOutputs(out_dir)
+    try:
+        yield stage
+    except BaseException:
+        stage.discard()
+        raise
+    stage.commit()

@@ -1,0 +1,169 @@
+"""Files a crash never leaves half-written: atomic file writes and whole-directory swaps.
+
+`atomic_write_bytes` replaces one file (synced temporary + `os.replace`). `staged_directory`
+builds a directory's new contents in a temporary sibling and swaps it in at the end
+(`renameat2(RENAME_EXCHANGE)` on Linux; two renames elsewhere), carrying over every entry
+of the old directory its writer did not own: a process killed at any point leaves either
+the old directory or the new one, never a mix. `pid_alive` tells stale owners (of a
+temporary, or of a lock file) from live ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from typing import Iterator
+
+TMP_MARK = ".tmp-"  # temporary directories: `.{name}.tmp-{pid}-{random}` next to `name`
+
+
+def write_synced(filename: str, data: bytes) -> None:
+    """Writes and fsyncs one file (inside a staged directory, so it is never seen torn)."""
+    with open(filename, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(filename: str, data: bytes) -> None:
+    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn file."""
+    directory = os.path.dirname(filename) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # someone else's process
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def fsync_dir(path: str) -> None:
+    """Makes renames inside `path` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_dead_temporaries(path: str) -> None:
+    """Temporaries of `staged_directory(path)` whose process is gone (killed before its swap)."""
+    parent, name = os.path.split(path)
+    prefix = f".{name}{TMP_MARK}"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):].split("-", 1)[0] if entry.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+    return dst
+
+
+def rename_exchange(a: str, b: str) -> bool:
+    """Atomically swaps two existing paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+@dataclasses.dataclass
+class Stage:
+    """A directory being built: write into `path`, list what you wrote in `written`, and name in
+    `discard` the old directory's entries that are yours to drop. After the swap, `kept` lists
+    the old entries carried over."""
+
+    path: str
+    written: set[str] = dataclasses.field(default_factory=set)
+    discard: set[str] = dataclasses.field(default_factory=set)
+    kept: list[str] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | os.PathLike) -> Iterator[Stage]:
+    """Yields a Stage in a temporary sibling of `path`; on a normal exit, every entry of the old
+    `path` neither written nor discarded is hard-linked (or copied) in, and the stage replaces
+    `path` in one rename. On an exception the stage is deleted and `path` is untouched."""
+    path = os.path.realpath(os.fspath(path))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path!r} exists and is not a directory")
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    remove_dead_temporaries(path)
+    stage = Stage(os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    os.mkdir(stage.path)
+    try:
+        yield stage
+        if os.path.isdir(path):
+            shutil.copymode(path, stage.path)
+            for entry in sorted(os.listdir(path)):
+                if entry in stage.written or entry in stage.discard:
+                    continue
+                src, dst = os.path.join(path, entry), os.path.join(stage.path, entry)
+                if os.path.isdir(src) and not os.path.islink(src):
+                    shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(src, dst)
+                stage.kept.append(entry)
+        fsync_dir(stage.path)
+        old = _swap_in(stage.path, path)
+    except BaseException:
+        shutil.rmtree(stage.path, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _swap_in(tmp: str, path: str) -> str | None:
+    """Makes directory `tmp` the directory `path`; returns where the old one now is (or None)."""
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+        return None
+    if rename_exchange(tmp, path):
+        return tmp
+    # No atomic exchange: two renames; in between, the old directory is whole under `old`.
+    old = tmp + ".old"
+    os.rename(path, old)
+    os.rename(tmp, path)
+    return old

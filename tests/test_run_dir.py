@@ -1,0 +1,157 @@
+"""train/run_dir.py: a run folder is owned (lock), started over only with --overwrite, resumed only
+with the settings that shaped it, and its metrics survive a torn last line (issue 13)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
+from kvpop_jax.config import Qwen3Config
+from train.config import FlagError
+from train.loop import train
+from train.run_dir import LOCK_FILE, check_resume, lock_run_dir, prepare_run_dir, read_metrics
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"%d\\n" % os.getpid())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold_lock(run_dir):
+    """Another process holding RUN_DIR's lock the way train.main does (flock + its PID)."""
+    os.makedirs(run_dir, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, os.path.join(run_dir, LOCK_FILE)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_lock_refuses_a_live_owner_at_once_and_takes_over_a_dead_ones(tmp_path):
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    with open(os.path.join(run, LOCK_FILE), "w") as f:
+        f.write("999999999\n")  # left by a killed run: no process holds the lock any more
+    with lock_run_dir(run):
+        assert open(os.path.join(run, LOCK_FILE)).read().strip() == str(os.getpid())
+        with lock_run_dir(run):  # reentrant: the recipe holds RUN_DIR while a run in it locks it too
+            pass
+    holder = _hold_lock(run)
+    try:
+        with pytest.raises(FlagError, match=f"run folder {run} in use by PID {holder.pid}"):
+            with lock_run_dir(run):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    with lock_run_dir(run):  # free again once the holder is gone
+        pass
+
+
+def test_two_runs_into_one_folder_the_second_fails_at_once_with_one_line(tmp_path, arch):
+    run = str(tmp_path / "run")
+    holder = _hold_lock(run)
+    try:
+        proc = subprocess.run(train_cmd(tiny_flags(run, arch)), cwd=REPO, env=train_env(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: run folder {run} in use by PID {holder.pid} (lock {os.path.realpath(run)}/{LOCK_FILE}); wait "
+        "for that run, or stop it, or choose another --run_dir")
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(os.path.join(run, "checkpoints"))
+
+
+def _fake_run(run_dir):
+    """A run folder as a killed run leaves it: a checkpoint step, metrics, a config and an export."""
+    os.makedirs(os.path.join(run_dir, "checkpoints", "2"))
+    os.makedirs(os.path.join(run_dir, "export"))
+    files = {"metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n', "train_config.json": "{}",
+             "export/config.json": "{}", "data/mine.jsonl": "{}"}
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(run_dir, name)), exist_ok=True)
+        with open(os.path.join(run_dir, name), "w") as f:
+            f.write(text)
+    return files
+
+
+def test_starting_over_an_existing_run_needs_overwrite(tmp_path, arch):
+    run = str(tmp_path / "run")
+    files = _fake_run(run)
+    with pytest.raises(FlagError, match=r"--noresume would start over in .*checkpoints \(steps 2\); pass --overwrite"):
+        train(parse(tiny_flags(run, arch, resume=False)))
+    for name, text in files.items():  # nothing touched
+        assert open(os.path.join(run, name)).read() == text
+    assert os.path.isdir(os.path.join(run, "checkpoints", "2"))
+    prepare_run_dir(parse(tiny_flags(run, arch, resume=True)))  # resuming is what a rerun does: allowed
+    prepare_run_dir(parse(tiny_flags(run, arch, resume=False, overwrite=True)))
+    left = sorted(os.listdir(run))
+    assert left == ["data", "export", "run.lock"], left  # the run's outputs are gone; inputs and the export stay until replaced
+    prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # nothing left to lose
+
+
+def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, arch):
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
+    model = Qwen3Config.from_hf(arch)
+    saved = {"train_config": json.loads(json.dumps(cfg.to_json(), default=str)),
+             "model_config": dataclasses.replace(model, kvpop=cfg.kvpop).to_hf()}
+    check_resume(saved, cfg, model, "ckpt/2")
+    # learning rates, loss weights and the step count may change on resume (deliberately)
+    check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, base_lr=1e-5, steps=80,
+                                         retention_loss_weight=0.5)), model, "ckpt/2")
+    for overrides, message in ((dict(topk=24), "--topk 16 -> 24"), (dict(scorer="mlstm"), "--scorer 'mlp' -> 'mlstm'"),
+                               (dict(window=8, topk=24), "--window 16 -> 8; --topk 16 -> 24"),
+                               (dict(scorer_hidden=8), "--scorer_hidden 64 -> 8"),
+                               (dict(seq_len=256, max_length=256), "--seq_len 128 -> 256"),
+                               (dict(demo_seq_len=512), "--demo_seq_len 256 -> 512"),
+                               (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'")):
+        with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):
+            check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, **overrides)), model, "ckpt/2")
+    with pytest.raises(FlagError, match="--retrofit 'kvpop' -> 'dms'"):
+        check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms")), model, "ckpt/2")
+    dms = parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms"))
+    dms_saved = {"train_config": json.loads(json.dumps(dms.to_json(), default=str))}
+    check_resume(dms_saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms", dms_temperature=0.5)),
+                 model, "ckpt/2")  # the relaxation's temperature may change, the gates' shape and target not
+    with pytest.raises(FlagError, match=r"--dms_window 16 -> 8; dms.target_eviction 0.82\d* -> 0.76\d*\. A res"):
+        check_resume(dms_saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms", dms_window=8)),
+                     model, "ckpt/2")
+    wider = Qwen3Config.from_hf(dict(TINY_ARCH, hidden_size=64))
+    with pytest.raises(FlagError, match=r"the model's hidden_size \(--init_checkpoint/--model_config\) 32 -> 64"):
+        check_resume(saved, cfg, wider, "ckpt/2")
+
+
+def test_metrics_torn_last_line_is_dropped_and_a_bad_middle_line_named(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert read_metrics(str(path), 2) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    assert "dropping its torn last line 3" in capsys.readouterr().err
+    assert read_metrics(str(path), 1) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "loss": 2.0}\nnot json\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(FlagError, match=r"metrics.jsonl line 2 is not a metrics record"):
+        read_metrics(str(path), 3)
+    assert read_metrics(str(tmp_path / "missing.jsonl"), 3) == []
+
+
+def test_every_kvpop_flag_named_by_the_resume_check_exists():
+    from absl import flags
+
+    from train.flags import define_flags
+    from train.run_dir import KVPOP_FLAGS, RESUME_KVPOP_FIELDS
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    assert [f for f in KVPOP_FLAGS if f not in fv] == []
+    assert set(KVPOP_FLAGS) <= set(RESUME_KVPOP_FIELDS)

@@ -1,0 +1,178 @@
+"""A run folder belongs to one run: a lock, an explicit `--overwrite`, and a resume that keeps its shapes.
+
+    with lock_run_dir(cfg.run_dir):      # "run folder ... in use by PID 1234" if another process holds it
+        prepare_run_dir(cfg)             # --overwrite clears it; --noresume over a run is refused
+        check_resume(saved, cfg, model)  # a changed budget/scorer/width/seq_len/model is refused by flag
+
+The lock is `RUN_DIR/run.lock`: an exclusive `flock` (released by the kernel when its process dies,
+so a stale lock of a dead PID is simply taken over) holding the owner's PID for the message. It is
+reentrant within a process (the recipe holds RUN_DIR while each variant holds RUN_DIR/NAME).
+
+`read_metrics` reads RUN_DIR/metrics.jsonl for a resume: a torn last line (a kill mid-write) is
+dropped; a bad line before the last is an error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import shutil
+import sys
+from typing import Any, Iterator
+
+import jax
+
+from kvpop_jax.config import Qwen3Config
+from train.config import FlagError, TrainConfig
+
+LOCK_FILE = "run.lock"
+METRICS_FILE = "metrics.jsonl"
+TRAIN_CONFIG_FILE = "train_config.json"
+# What a run writes into its folder and --overwrite deletes (init/, data/ and tokenizer/ are inputs).
+RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tb", TRAIN_CONFIG_FILE)
+
+# Settings a resumed run must keep: the KVpop fields that shape the parameters or the policy
+# (flag name, or the field for those without a flag), the sequence length, batch and dtype.
+RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map",
+                       "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_chunk", "mlstm_gate_softcap",
+                       "delayed_readout", "gamma_min", "gamma_max", "decay_step", "eps", "aggregate",
+                       "count_normalize", "normalizer", "target_reduce", "target_lookahead")
+KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map", "mlstm_value",
+               "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
+               "normalizer", "target_reduce", "target_lookahead")
+RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "retrofit")
+# A DMS run (--retrofit=dms) also keeps the DMS fields that shape its gates or its eviction target.
+RESUME_DMS_FIELDS = ("window", "budget", "target_eviction", "gate_hidden", "logit_scale", "logit_offset")
+DMS_FLAGS = {"window": "--dms_window", "logit_scale": "--dms_logit_scale", "logit_offset": "--dms_logit_offset"}
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+               "attention_bias")
+
+_held: dict[str, list] = {}  # lock path -> [fd, depth]
+
+
+@contextlib.contextmanager
+def lock_run_dir(run_dir: str) -> Iterator[None]:
+    """Holds RUN_DIR/run.lock (creating RUN_DIR) or raises FlagError naming the PID that holds it.
+    Only process 0 of a multi-host run locks (the others share its folder)."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+    if jax.process_index() != 0:
+        yield
+        return
+    if path in _held:
+        _held[path][1] += 1
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            with open(path) as f:
+                owner = f.read().strip() or "?"
+            raise FlagError(f"run folder {run_dir} in use by PID {owner} (lock {path}); wait for that run, "
+                            "or stop it, or choose another --run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        _held[path][1] -= 1
+        if not _held[path][1]:
+            fd, _ = _held.pop(path)
+            os.close(fd)  # releases the flock; the file stays (unlinking it would race a waiting locker)
+
+
+def checkpoint_steps(cfg: TrainConfig) -> list[int]:
+    """Step directories under RUN_DIR/checkpoints (orbax's layout), without opening orbax."""
+    if not os.path.isdir(cfg.checkpoint_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit())
+
+
+def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
+    """--overwrite deletes the run's outputs (where `delete`: process 0); without it, --noresume over
+    a run is refused."""
+    steps = checkpoint_steps(cfg)
+    metrics = os.path.join(cfg.run_dir, METRICS_FILE)
+    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    if cfg.overwrite:
+        for name in RUN_OUTPUTS if delete else ():
+            path = os.path.join(cfg.run_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+        return
+    if not cfg.resume and (steps or logged):
+        what = f"checkpoints (steps {', '.join(map(str, steps))})" if steps else f"a {METRICS_FILE}"
+        raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {what}; pass "
+                        "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
+
+
+def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Config, where: str) -> None:
+    """Refuses to resume a checkpoint (its meta: `saved`) under changed shape- or policy-relevant settings."""
+    old_run = saved.get("train_config") or {}
+    changes = []
+    old_kvpop = old_run.get("kvpop") or {}
+    new_kvpop = dataclasses.asdict(cfg.kvpop)
+    for field in RESUME_KVPOP_FIELDS:
+        if field in old_kvpop and old_kvpop[field] != new_kvpop[field]:
+            name = f"--{field}" if field in KVPOP_FLAGS else f"kvpop.{field}"
+            changes.append(f"{name} {old_kvpop[field]!r} -> {new_kvpop[field]!r}")
+    old_dms, new_dms = old_run.get("dms") or {}, dataclasses.asdict(cfg.dms) if cfg.dms is not None else {}
+    for field in RESUME_DMS_FIELDS if cfg.retrofit == "dms" else ():
+        if field in old_dms and old_dms[field] != new_dms[field]:
+            changes.append(f"{DMS_FLAGS.get(field, f'dms.{field}')} {old_dms[field]!r} -> {new_dms[field]!r}")
+    new_run = json.loads(json.dumps(cfg.to_json(), default=str))
+    for field in RESUME_RUN_FIELDS:
+        if field in old_run and old_run[field] != new_run[field]:
+            name = "--data=demo:N" if field == "demo_examples" else f"--{field}"
+            changes.append(f"{name} {old_run[field]!r} -> {new_run[field]!r}")
+    if saved.get("model_config"):
+        old_arch = Qwen3Config.from_hf(saved["model_config"])
+        for field in ARCH_FIELDS:
+            a, b = getattr(old_arch, field), getattr(model_config, field)
+            if a != b:
+                changes.append(f"the model's {field} (--init_checkpoint/--model_config) {a!r} -> {b!r}")
+    if changes:
+        raise FlagError(f"cannot resume {where}: {'; '.join(changes)}. A resumed run keeps its budget, scorer, "
+                        "widths, sequence length and model: rerun with the old values, or start over with "
+                        "--overwrite (or another --run_dir)")
+
+
+def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl up to `upto_step` (the resumed step). A torn last line is
+    dropped (with a note); any other line that is not a JSON record is an error naming it."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            if number == len(lines):
+                print(f"{path}: dropping its torn last line {number} ({line[:60]!r})", file=sys.stderr)
+                break
+            raise FlagError(f"{path} line {number} is not a metrics record ({e}): {line[:80]!r}; fix or delete "
+                            "that line to resume") from None
+        if step <= upto_step:
+            records.append(record)
+    return records
+
+
+__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics"]
