@@ -7,9 +7,11 @@ k = B − s − w, Qwen3-4B-like heads: Hq = 32, Hkv = 8, D = 128, batch 1):
   * the transposed future-LSE pass (`targets.future_attention_log_mass`);
   * the running top-k cutoff (`policy.running_topk_cutoff`);
 
-each by its XLA reference and its Pallas kernel (the dispatchers' "xla" and "pallas"), beside `jax.nn.dot_product_attention`
-(dense causal; forward or forward + backward to match the row). Pallas kernels run only
-on GPU; on other back ends their cells read "n/a (<backend>)". The table is printed and
+each by its XLA reference and its Pallas (Triton) kernel (the dispatchers' "xla" and "pallas"),
+the attention rows also by the Mosaic GPU forward ("mosaic_gpu": Hopper, bf16/f16; its
+backward is the XLA reference's), beside dense causal `jax.nn.dot_product_attention` (XLA's
+implementation, and cuDNN's on GPU; forward or forward + backward to match the row). Kernels
+run only on GPU; elsewhere their cells read "n/a (<backend>)". The table is printed and
 appended, with the command, date, device and versions, to a markdown file.
 
 `python -m eval.bench_kernels --seq_lens 1024,2048 --budgets 512,1024` runs it directly.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import time
@@ -32,6 +35,7 @@ from eval.bench_common import default_command
 from kvpop_jax.attention import kvpop_attention
 from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
 from kvpop_jax.targets import future_attention_log_mass
+from pallas_kernels.compat import is_hopper_or_later
 
 GPU_SEQ_LENS = (4096, 16384)
 GPU_BUDGETS = (2048, 4096)
@@ -97,6 +101,7 @@ def run_bench_kernels(
     iters: int = 3,
     warmup: int = 1,
     pallas: bool | None = None,
+    mosaic: bool | None = None,
     seed: int = 0,
     command: str | None = None,
 ) -> str:
@@ -112,6 +117,8 @@ def run_bench_kernels(
       dtype: "bfloat16" or "float32"; None: bfloat16 on GPU, float32 elsewhere.
       iters, warmup: timed calls (median reported) and untimed calls before them.
       pallas: time the Pallas kernels; None: only on GPU (they need Triton).
+      mosaic: time the Mosaic GPU attention forward; None: only on a Hopper (or later) GPU
+        with a bf16/f16 dtype.
       seed: input RNG seed.
       command: the command line to record; default reconstructed from sys.argv.
 
@@ -127,18 +134,24 @@ def run_bench_kernels(
             raise ValueError(f"budget {budget} is below s + w = {sinks + window}")
     dtype = jnp.dtype(dtype or ("bfloat16" if on_gpu else "float32"))
     run_pallas = on_gpu if pallas is None else pallas
+    half = dtype in (jnp.bfloat16, jnp.float16)
+    run_mosaic = (is_hopper_or_later(jax.devices()[0]) and half) if mosaic is None else mosaic
     na = f"n/a ({backend.upper()})"
+    na_mosaic = na if not on_gpu else "n/a (needs Hopper, bf16)"
     policy = dict(sinks=sinks, window=window)
 
     rows = []
     for seq in seq_lens:
         q, k, v, scores = _inputs(seed, seq, batch, num_q_heads, num_kv_heads, head_dim, dtype)
         ranks = ranks_from_priority(static_priority(scores, jnp.float32(-1e-3)))
-        dense = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        dense_ms = {
-            "fwd": _guarded(jax.jit(dense), (q, k, v), iters, warmup),
-            "fwd+bwd": _guarded(_grad_of_sum(dense), (q, k, v), iters, warmup),
-        }
+        dense_ms = {}
+        for impl in ("xla", "cudnn"):
+            if impl == "cudnn" and not on_gpu:
+                dense_ms[impl, "fwd"] = dense_ms[impl, "fwd+bwd"] = na
+                continue
+            dense = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+            dense_ms[impl, "fwd"] = _guarded(jax.jit(dense), (q, k, v), iters, warmup)
+            dense_ms[impl, "fwd+bwd"] = _guarded(_grad_of_sum(dense), (q, k, v), iters, warmup)
         for budget in budgets:
             topk = budget - sinks - window
             cut = running_topk_cutoff(ranks, topk=topk, implementation="xla", **policy)
@@ -147,30 +160,36 @@ def run_bench_kernels(
             def attend(impl):
                 return lambda q, k, v: kvpop_attention(q, k, v, ranks, cut, implementation=impl, **policy)[0]
 
-            cases = [  # name, xla fn, pallas fn, args, dense column
-                ("sparse attention fwd", jax.jit(attend("xla")), jax.jit(attend("pallas")), (q, k, v), "fwd"),
+            cases = [  # name, xla fn, pallas fn, mosaic fn, args, dense column
+                ("sparse attention fwd", jax.jit(attend("xla")), jax.jit(attend("pallas")),
+                 jax.jit(attend("mosaic_gpu")), (q, k, v), "fwd"),
                 ("sparse attention fwd+bwd", _grad_of_sum(attend("xla")), _grad_of_sum(attend("pallas")),
-                 (q, k, v), "fwd+bwd"),
+                 _grad_of_sum(attend("mosaic_gpu")), (q, k, v), "fwd+bwd"),
                 ("future LSE", jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
                                                                                     implementation="xla")),
                  jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
-                                                                     implementation="pallas")), (q, k, lse), "fwd"),
+                                                                     implementation="pallas")), None,
+                 (q, k, lse), "fwd"),
                 ("top-k cutoff", jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="xla", **policy)),
-                 jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="pallas", **policy)),
+                 jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="pallas", **policy)), None,
                  (ranks,), None),
             ]
-            for name, xla_fn, pallas_fn, args, dense_key in cases:
+            for name, xla_fn, pallas_fn, mosaic_fn, args, dense_key in cases:
                 xla_ms = _guarded(xla_fn, args, iters, warmup)
                 pallas_ms = _guarded(pallas_fn, args, iters, warmup) if run_pallas else na
+                if mosaic_fn is None:
+                    mosaic_ms = "—"
+                else:
+                    mosaic_ms = _guarded(mosaic_fn, args, iters, warmup) if run_mosaic else na_mosaic
                 speedup = (
                     f"{xla_ms / pallas_ms:.1f}x"
                     if isinstance(xla_ms, float) and isinstance(pallas_ms, float)
                     else "—"
                 )
-                dense_cell = dense_ms[dense_key] if dense_key else "—"
-                rows.append((name, seq, budget, topk, xla_ms, pallas_ms, dense_cell, speedup))
-                print(f"  {name:26s} S={seq:6d} B={budget:5d}: xla {_fmt(xla_ms)}, pallas {_fmt(pallas_ms)}",
-                      flush=True)
+                dense_cells = [dense_ms[impl, dense_key] if dense_key else "—" for impl in ("xla", "cudnn")]
+                rows.append((name, seq, budget, topk, xla_ms, pallas_ms, mosaic_ms, *dense_cells, speedup))
+                print(f"  {name:26s} S={seq:6d} B={budget:5d}: xla {_fmt(xla_ms)}, pallas {_fmt(pallas_ms)}, "
+                      f"mosaic {_fmt(mosaic_ms)}", flush=True)
 
     device = jax.devices()[0]
     header = [
@@ -181,15 +200,16 @@ def run_bench_kernels(
         f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
         f"- shape: batch {batch}, Hq {num_q_heads}, Hkv {num_kv_heads}, D {head_dim}, {dtype.name}; "
         f"s = {sinks}, w = {window}, k = B − s − w; median of {iters} calls after {max(warmup, 1)} warm-up",
-        "- dense = `jax.nn.dot_product_attention(is_causal=True)` (default implementation), "
-        "forward or forward + backward as the row; times in ms",
+        "- dense = `jax.nn.dot_product_attention(is_causal=True)` with `implementation=\"xla\"` / "
+        "`\"cudnn\"`, forward or forward + backward as the row; Mosaic GPU fwd+bwd = its forward + the "
+        "XLA reference's backward; times in ms",
         "",
-        "| op | S | B | k | XLA reference | Pallas | dense | Pallas vs XLA |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | S | B | k | XLA reference | Pallas (Triton) | Mosaic GPU | dense XLA | dense cuDNN | Pallas vs XLA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | " + " | ".join(_fmt(x) for x in r[4:]) + " |" for r in rows]
     report = "\n".join(header + table) + "\n"
-    print(report)
+    print(report, flush=True)
     if out_md:
         new_file = not os.path.exists(out_md)
         with open(out_md, "a", encoding="utf-8") as f:

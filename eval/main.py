@@ -8,6 +8,7 @@ Commands (each prints its own `--help`):
                   DMS export the per-head eviction ratio heat map and occupancy (App. H, Fig. 8)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
+  bench gpu       on a GPU node: kernel tests, kernels, decode, the 8B recipe's dry run, tokens/s and MFU
   diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
 Every command that produces results writes a markdown table and PNG plots to --out_dir.
@@ -16,6 +17,7 @@ Every command that produces results writes a markdown table and PNG plots to --o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import bench_decode, bench_kernels, diagnose
+from eval import bench_decode, bench_gpu, bench_kernels, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
@@ -33,6 +35,7 @@ from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.generate import generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
+from kvpop_jax.runtime import report_backend
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -195,10 +198,11 @@ def cmd_patterns(argv: Sequence[str]) -> None:
 
 
 def cmd_bench(argv: Sequence[str]) -> None:
-    """Benchmarks: kernels, decode."""
+    """Benchmarks: kernels, decode, gpu (all of a GPU node's first measurements in one run)."""
     benches: dict[str, Callable[[Sequence[str]], None]] = {
         "kernels": bench_kernels.main,
         "decode": bench_decode.main,
+        "gpu": bench_gpu.main,
     }
     if not argv or argv[0] not in benches:
         raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")
@@ -223,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]; got {argv}\n\n{__doc__}")
+    if argv[:2] == ["bench", "gpu"]:  # it shares the GPUs with its subprocesses: no preallocation
+        for name, value in bench_gpu.PARENT_ENV.items():
+            os.environ.setdefault(name, value)
+    report_backend()
     try:
         COMMANDS[argv[0]](argv[1:])
     except USER_ERRORS as e:

@@ -6,8 +6,9 @@ and returns `(out [B, S, Hq, D], lse [B, Hq, S])` with the natural-log log-sum-e
 the attention logits of each query (float32).
 
 `kvpop_attention` is the model's masked attention: it dispatches (`dispatch.Op`) to the
-blockwise XLA reference or a Pallas kernel (`pallas_kernels.sparse_attention`, or its
-compacted-key-list variant) behind the reference's signature.
+blockwise XLA reference or a Pallas kernel (`pallas_kernels.sparse_attention`, its
+compacted-key-list variant, or the Hopper-only Mosaic GPU forward
+`pallas_kernels.mosaic_attention`) behind the reference's signature.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
 from pallas_kernels.common import NEG_INF, check_attention_args
 from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
+from pallas_kernels.compat import mosaic_gpu_interpret_unavailable
+from pallas_kernels.mosaic_attention import kvpop_attention_mosaic, mosaic_rejects
 from pallas_kernels.sparse_attention import kvpop_attention_pallas
 
 
@@ -244,6 +247,49 @@ def _pallas(kernel, interpret: bool, with_topk: bool) -> Callable:
     return run
 
 
+def _with_reference_backward(forward: Callable) -> Callable:
+    """A forward-only kernel with the reference's signature, made differentiable: its
+    cotangents are those of `kvpop_attention_reference` (XLA, recomputing the forward)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+    def run(q, k, v, ranks, cutoffs, sinks, window, scale):
+        return forward(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale)
+
+    def run_fwd(q, k, v, ranks, cutoffs, sinks, window, scale):
+        return run(q, k, v, ranks, cutoffs, sinks, window, scale), (q, k, v, ranks, cutoffs)
+
+    def run_bwd(sinks, window, scale, residuals, cotangents):
+        q, k, v, ranks, cutoffs = residuals
+        reference = functools.partial(kvpop_attention_reference, ranks=ranks, cutoffs=cutoffs, sinks=sinks,
+                                      window=window, scale=scale)
+        _, pullback = jax.vjp(lambda q, k, v: reference(q, k, v), q, k, v)
+        return (*pullback(cotangents), None, None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _mosaic(interpret: bool) -> Callable:
+    """The Mosaic GPU forward with the reference's backward, in shard_map under a mesh."""
+    differentiable = _with_reference_backward(functools.partial(kvpop_attention_mosaic, interpret=interpret))
+
+    def run(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+        del topk
+        fn = shd.shard_kernel(lambda *a: differentiable(*a, sinks, window, scale),
+                              ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"))
+        return fn(q, k, v, ranks, cutoffs)
+
+    return run
+
+
+def _mosaic_rejects(interpret: bool) -> Callable[..., str | None]:
+    def rejects(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+        del k, v, ranks, cutoffs, sinks, window, scale, topk
+        return (mosaic_gpu_interpret_unavailable() if interpret else None) or mosaic_rejects(q)
+
+    return rejects
+
+
 KVPOP_ATTENTION = Op(
     "kvpop_attention", "KVPOP_ATTENTION_IMPL",
     {
@@ -254,6 +300,10 @@ KVPOP_ATTENTION = Op(
         "pallas_interpret": Backend(_pallas(kvpop_attention_pallas, True, False)),
         "pallas_compacted_interpret": Backend(_pallas(kvpop_attention_pallas_compacted, True, True),
                                               rejects=_compacted_rejects),
+        # Forward only (gradients by the XLA reference), Hopper only, not yet tuned: never chosen
+        # automatically; KVPOP_ATTENTION_IMPL=mosaic_gpu selects it.
+        "mosaic_gpu": Backend(_mosaic(False), platforms=("gpu",), rejects=_mosaic_rejects(False)),
+        "mosaic_gpu_interpret": Backend(_mosaic(True), rejects=_mosaic_rejects(True)),
     },
     auto=("pallas_compacted", "pallas", "xla"),
 )
@@ -265,7 +315,9 @@ def kvpop_attention(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: 
 
     implementation: one of `KVPOP_ATTENTION.implementations` — "xla"
     (`kvpop_attention_reference`), "pallas" (`kvpop_attention_pallas`), "pallas_compacted"
-    (compacted key lists; needs `topk`), or their "_interpret" twins (CPU tests). None reads
+    (compacted key lists; needs `topk`), "mosaic_gpu" (`kvpop_attention_mosaic`: Hopper,
+    bf16/f16, forward kernel with the reference's backward; never picked automatically), or
+    their "_interpret" twins (CPU tests; Mosaic GPU's needs jax >= 0.12). None reads
     `$KVPOP_ATTENTION_IMPL`, else picks automatically: on GPU the compacted kernel where its
     tile count is lower, else the block-skipping kernel; the XLA reference elsewhere. Under an
     active mesh the kernels run in shard_map over batch and heads.

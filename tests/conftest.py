@@ -3,7 +3,8 @@
 import os
 import zlib
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("KVPOP_KERNEL_TESTS") != "native":  # native: the kernel tests on a GPU (bench gpu)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import json  # noqa: E402

@@ -1,15 +1,26 @@
 """Helpers shared by the tests (fixtures live in conftest.py): tiny configs and checkpoints,
-numpy brute forces of the KVpop mask, kernel-test constants, and train.main command lines."""
+numpy brute forces of the KVpop mask, kernel-test constants, the kernels at the recipes' shapes,
+and train.main command lines."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from kvpop_jax.config import Qwen3Config
+from pallas_kernels.compacted_attention import kvpop_attention_pallas_compacted
+from pallas_kernels.compat import TRITON_TARGETS  # noqa: F401  (re-exported for the kernel tests)
+from pallas_kernels.future_lse import future_attention_log_mass_pallas
+from pallas_kernels.mosaic_attention import kvpop_attention_mosaic
+from pallas_kernels.sparse_attention import kvpop_attention_pallas
+from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas
+from train.config import resolve_model_config
 from train.configure import config_from_flags
 from train.flags import define_flags
 
@@ -114,7 +125,79 @@ def random_qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
 # --- Pallas kernels ------------------------------------------------------------------------
 
 SMALL_BLOCKS = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "triton_kernel_call_ffi")
+# `python -m eval.main bench gpu` sets KVPOP_KERNEL_TESTS=native: the kernel tests then run the kernels
+# compiled on the GPU instead of in interpret mode, and skip what holds only on CPU.
+NATIVE_KERNELS = os.environ.get("KVPOP_KERNEL_TESTS") == "native"
+INTERPRET = not NATIVE_KERNELS
+CPU_ONLY_REASON = "checks CPU behaviour (interpret mode, the CPU default back end)"
+
+
+def kernel_backend(name: str) -> str:
+    """A dispatcher back-end name run the way the kernel tests run: "pallas" or "pallas_interpret"."""
+    return name if NATIVE_KERNELS else f"{name}_interpret"
+
+
+# --- GPU readiness: the kernels at the paper recipes' shapes (tests/test_gpu_readiness.py,
+# benchmarks/h100_compile_report.py) ------------------------------------------------------
+
+H100_TARGET_CONFIG = os.path.join(REPO, "tests", "data", "h100_target_config.txtpb")  # an H100 SXM (XLA's text)
+RECIPES = ("qwen3_4b_cr75", "qwen3_8b_cr88")  # both models, both k (4032, 2016)
+
+
+@functools.cache
+def recipe_shapes(name: str) -> dict:
+    """S, s, w, k from the recipe's flagfile; heads and D from its model config."""
+    cwd = os.getcwd()
+    os.chdir(REPO)  # nested flagfile paths are relative to the working directory
+    try:
+        cfg = parse([f"--flagfile=configs/{name}.flags", "--run_dir=/tmp/unused", "--dry_run"], on_accelerator=True)
+    finally:
+        os.chdir(cwd)
+    model = Qwen3Config.from_hf(resolve_model_config(cfg.model_config))
+    return dict(seq=cfg.seq_len, hq=model.num_attention_heads, hkv=model.num_key_value_heads, d=model.head_dim,
+                sinks=cfg.kvpop.sinks, window=cfg.kvpop.window, topk=cfg.kvpop.topk,
+                dtype=jnp.dtype(cfg.compute_dtype))
+
+
+def _with_vjp(attention):
+    """forward + backward of an attention function of (q, k, v, ranks, cutoffs)."""
+
+    def fn(q, k, v, ranks, cutoffs):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: attention(q, k, v, ranks, cutoffs), q, k, v)
+        return pullback((out, jnp.ones_like(lse)))
+
+    return fn
+
+
+def kernel_case(kernel: str, recipe: str):
+    """(function, abstract args, kernel names its lowering must contain) at the recipe's shapes."""
+    r = recipe_shapes(recipe)
+    seq, hq, hkv, d, dt = r["seq"], r["hq"], r["hkv"], r["d"], r["dtype"]
+    spec = jax.ShapeDtypeStruct
+    q, kv = spec((1, seq, hq, d), dt), spec((1, seq, hkv, d), dt)
+    ints = spec((1, hkv, seq), jnp.int32)
+    policy = dict(sinks=r["sinks"], window=r["window"])
+    if kernel == "sparse_attention":
+        fn = _with_vjp(functools.partial(kvpop_attention_pallas, **policy))
+        return fn, (q, kv, kv, ints, ints), {"kvpop_sparse_attention_fwd", "kvpop_sparse_attention_dq",
+                                             "kvpop_sparse_attention_dkdv"}
+    if kernel == "compacted_attention":
+        fn = _with_vjp(functools.partial(kvpop_attention_pallas_compacted, topk=r["topk"], **policy))
+        return fn, (q, kv, kv, ints, ints), {"kvpop_compacted_attention_fwd", "kvpop_compacted_attention_dq",
+                                             "kvpop_sparse_attention_dkdv"}
+    if kernel == "future_lse":
+        fn = functools.partial(future_attention_log_mass_pallas, window=r["window"])
+        return fn, (q, kv, spec((1, hq, seq), jnp.float32)), {"kvpop_future_lse"}
+    if kernel == "topk_cutoff":
+        fn = functools.partial(running_topk_cutoff_pallas, topk=r["topk"], **policy)
+        return fn, (ints,), {"kvpop_topk_cutoff"}
+    if kernel == "mosaic_attention":
+        fn = functools.partial(kvpop_attention_mosaic, **policy)
+        return fn, (q, kv, kv, ints, ints), {"kvpop_mosaic_attention_fwd"}
+    raise ValueError(kernel)
+
+
+KERNELS = ("sparse_attention", "compacted_attention", "future_lse", "topk_cutoff", "mosaic_attention")
 
 
 def assert_close(got, want, tol):

@@ -21,7 +21,7 @@ ALLOWED = {
 }
 # Heavy optional dependencies a function may import when (and only when) it needs them.
 LAZY_OK = {"datasets", "transformers", "tokenizers", "torch", "matplotlib", "math_verify"}
-KERNEL_DEPS = {"jax", "__future__", "dataclasses", "functools", "numbers", "math"}
+KERNEL_DEPS = {"jax", "__future__", "contextlib", "dataclasses", "functools", "inspect", "numbers", "math"}
 
 
 def modules() -> dict[str, str]:

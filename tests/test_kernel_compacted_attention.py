@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import SMALL_BLOCKS, TRITON_TARGETS, assert_close, random_qkv, random_ranks, running_cutoffs_np
+from helpers import (INTERPRET, SMALL_BLOCKS, TRITON_TARGETS, assert_close, kernel_backend, random_qkv, random_ranks,
+                     running_cutoffs_np)
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax.attention import kvpop_attention_reference
 from pallas_kernels.compacted_attention import (
     kvpop_attention_pallas_compacted as compacted_sparse_attention,
@@ -63,7 +65,7 @@ def test_forward_matches_reference(rng, seq, hq, hkv, d, dtype, mode, sinks, win
         assert int(counts.max()) > topk + 16
     ranks, cut = jnp.asarray(ranks), jnp.asarray(cut)
     kw = dict(sinks=sinks, window=window)
-    out, lse = compacted_sparse_attention(q, k, v, ranks, cut, interpret=True, topk=topk, **SMALL_BLOCKS, **kw)
+    out, lse = compacted_sparse_attention(q, k, v, ranks, cut, interpret=INTERPRET, topk=topk, **SMALL_BLOCKS, **kw)
     want_out, want_lse = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert_close(out, want_out, tol)
@@ -83,13 +85,15 @@ def test_dispatcher_selects_compacted_kernel_by_name_and_work_model(rng):
     cut = jnp.asarray(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))
     ranks = jnp.asarray(ranks)
     kw = dict(sinks=sinks, window=window)
-    out, lse = kvpop_attention(q, k, v, ranks, cut, topk=topk, implementation="pallas_compacted_interpret", **kw)
+    backend = kernel_backend("pallas_compacted")
+    out, lse = kvpop_attention(q, k, v, ranks, cut, topk=topk, implementation=backend, **kw)
     want_out, want_lse = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
     assert_close(out, want_out, 1e-5)
     assert_close(lse, want_lse, 1e-5)
     with pytest.raises(ValueError, match="needs topk"):
-        kvpop_attention(q, k, v, ranks, cut, implementation="pallas_compacted_interpret", **kw)
-    assert KVPOP_ATTENTION.select(None, q, k, v, ranks, cut, topk=topk, **kw) == "xla"  # CPU: the reference
+        kvpop_attention(q, k, v, ranks, cut, implementation=backend, **kw)
+    if jax.default_backend() == "cpu":  # the automatic choice there is the reference
+        assert KVPOP_ATTENTION.select(None, q, k, v, ranks, cut, topk=topk, **kw) == "xla"
 
 
 def test_gradients_match_reference(rng):
@@ -108,7 +112,8 @@ def test_gradients_match_reference(rng):
 
         return f
 
-    kernel = lambda *a: compacted_sparse_attention(*a, interpret=True, topk=topk, **SMALL_BLOCKS, **kw)  # noqa: E731
+    kernel = lambda *a: compacted_sparse_attention(  # noqa: E731
+        *a, interpret=INTERPRET, topk=topk, **SMALL_BLOCKS, **kw)
     got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss(lambda *a: kvpop_attention_reference(*a, **kw)), argnums=(0, 1, 2))(q, k, v)
     for g_got, g_want in zip(got, want):
@@ -144,9 +149,8 @@ def test_lowers_for_cuda():
         (out, lse), pullback = jax.vjp(lambda q, k, v: forward(q, k, v, ranks, cut), q, k, v)
         return pullback((out, jnp.ones_like(lse)))
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
     backward = {"compacted_attention_fwd", "compacted_attention_dq", "sparse_attention_dkdv"}
     for fn, kernels in ((forward, {"compacted_attention_fwd"}), (vjp, backward)):
-        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        text = export_for_cuda(fn, *args).mlir_module()
         assert set(re.findall(r"custom_call @([^(\s]+)\(", text)) <= set(TRITON_TARGETS)
         assert kernels <= set(re.findall(r'name = "kvpop_(\w+)"', text))

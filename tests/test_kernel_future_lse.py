@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TRITON_TARGETS
+from helpers import CPU_ONLY_REASON, INTERPRET, NATIVE_KERNELS, TRITON_TARGETS, kernel_backend
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax import targets
 from pallas_kernels.future_lse import future_attention_log_mass_pallas as future_lse
 
@@ -53,7 +54,7 @@ CASES = [
 @pytest.mark.parametrize("seq, hq, hkv, d, dtype, window, lse_kind, blocks", CASES)
 def test_kernel_matches_references(rng, seq, hq, hkv, d, dtype, window, lse_kind, blocks):
     q, k, lse = random_inputs(rng, seq, hq, hkv, d, dtype, lse_kind)
-    got = future_lse(q, k, lse, window=window, interpret=True, **blocks)
+    got = future_lse(q, k, lse, window=window, interpret=INTERPRET, **blocks)
     assert got.shape == (2, hq, seq) and got.dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert_log_mass_close(got, targets.future_attention_log_mass_dense(q, k, lse, window=window), tol)
@@ -64,12 +65,13 @@ def test_kernel_matches_references(rng, seq, hq, hkv, d, dtype, window, lse_kind
 def test_kernel_max_reduction_matches_references(rng, seq, window):
     """reduce="max": the strongest single future read, by the kernel and both references."""
     q, k, lse = random_inputs(rng, seq, 4, 2, 16, jnp.float32, "random")
-    got = future_lse(q, k, lse, window=window, reduce="max", interpret=True, block_k=16, block_q=16)
+    got = future_lse(q, k, lse, window=window, reduce="max", interpret=INTERPRET, block_k=16, block_q=16)
     want = targets.future_attention_log_mass_dense(q, k, lse, window=window, reduce="max")
     assert_log_mass_close(got, want, 1e-5)
     assert_log_mass_close(got, targets.future_attention_log_mass_reference(q, k, lse, window=window, reduce="max",
                                                                            block_size=16), 1e-5)
-    via = targets.future_attention_log_mass(q, k, lse, window=window, reduce="max", implementation="pallas_interpret")
+    via = targets.future_attention_log_mass(q, k, lse, window=window, reduce="max",
+                                            implementation=kernel_backend("pallas"))
     assert_log_mass_close(via, want, 1e-5)
 
 
@@ -88,7 +90,7 @@ def test_scale_and_log_mass_of_dense_lse(rng):
     seq, hq, hkv, d, scale = 37, 2, 1, 16, 0.37
     q, k, _ = random_inputs(rng, seq, hq, hkv, d, jnp.float32, "dense")
     lse = targets.dense_lse(q, k, scale=scale)
-    got = future_lse(q, k, lse, window=0, scale=scale, interpret=True, block_k=16, block_q=16)
+    got = future_lse(q, k, lse, window=0, scale=scale, interpret=INTERPRET, block_k=16, block_q=16)
     want = targets.future_attention_log_mass_dense(q, k, lse, window=0, scale=scale)
     assert_log_mass_close(got, want, 1e-5)
     # Σ_t m̄_t = Σ_d Σ_{t<=d} p(d, t) = S, a check independent of both implementations.
@@ -99,13 +101,14 @@ def test_target_through_dispatcher(rng):
     """`future_attention_target` with the kernel as `log_mass_fn` equals the default path."""
     q, k, lse = random_inputs(rng, 45, 4, 2, 16, jnp.float32, "dense")
     kw = dict(window=6, eps=1e-6)
-    fn = functools.partial(targets.future_attention_log_mass, implementation="pallas_interpret")
+    fn = functools.partial(targets.future_attention_log_mass, implementation=kernel_backend("pallas"))
     for aggregate in ("max", "mean"):
         got = targets.future_attention_target(q, k, lse, aggregate=aggregate, log_mass_fn=fn, **kw)
         want = targets.future_attention_target(q, k, lse, aggregate=aggregate, **kw)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(NATIVE_KERNELS, reason=CPU_ONLY_REASON)
 def test_dispatcher_choice(rng, monkeypatch):
     """xla on CPU by default; `$KVPOP_FUTURE_LSE_IMPL` and `implementation` pick the kernel."""
     calls = []
@@ -150,8 +153,7 @@ def test_lowers_for_cuda(seq, hq, hkv, d, dtype):
         jax.ShapeDtypeStruct((2, hq, seq), jnp.float32),
     )
     fn = functools.partial(targets.future_attention_log_mass, window=32, implementation="pallas")
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+    exported = export_for_cuda(fn, *args)
     text = exported.mlir_module()
     targets_called = set(re.findall(r"custom_call @([^(\s]+)\(", text))
     assert targets_called and targets_called <= set(TRITON_TARGETS), targets_called

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax.attention import kvpop_attention, kvpop_attention_reference
 from pallas_kernels import sparse_attention as sa
-from helpers import (SMALL_BLOCKS, TRITON_TARGETS, assert_close, kvpop_mask_np, random_qkv, random_ranks,
-                     running_cutoffs_np)
+from helpers import (INTERPRET, SMALL_BLOCKS, TRITON_TARGETS, assert_close, kernel_backend, kvpop_mask_np, random_qkv,
+                     random_ranks, running_cutoffs_np)
 from pallas_kernels.sparse_attention import kvpop_attention_pallas as sparse_attention
 
 def make_cutoffs(rng, ranks, mode, *, sinks, window, topk):
@@ -46,7 +47,7 @@ FORWARD_CASES = [
 def test_forward_matches_reference(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk, blocks):
     q, k, v, ranks, cut = inputs(rng, seq, hq, hkv, d, dtype, mode, sinks, window, topk)
     kw = dict(sinks=sinks, window=window)
-    out, lse = sparse_attention(q, k, v, ranks, cut, interpret=True, **blocks, **kw)
+    out, lse = sparse_attention(q, k, v, ranks, cut, interpret=INTERPRET, **blocks, **kw)
     want_out, want_lse = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -76,7 +77,7 @@ def test_gradients_match_reference(rng, seq, hq, hkv, d, dtype, mode, sinks, win
 
         return f
 
-    kernel = lambda *a: sparse_attention(*a, interpret=True, **blocks, **kw)  # noqa: E731
+    kernel = lambda *a: sparse_attention(*a, interpret=INTERPRET, **blocks, **kw)  # noqa: E731
     reference = lambda *a: kvpop_attention_reference(*a, **kw)  # noqa: E731
     got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
@@ -110,7 +111,7 @@ def test_tile_skipping_is_sound_and_used(rng):
 def test_dispatcher_runs_kernel(rng):
     q, k, v, ranks, cut = inputs(rng, 30, 2, 1, 16, jnp.float32, "topk", 1, 4, 3)
     kw = dict(sinks=1, window=4)
-    got = kvpop_attention(q, k, v, ranks, cut, implementation="pallas_interpret", **kw)
+    got = kvpop_attention(q, k, v, ranks, cut, implementation=kernel_backend("pallas"), **kw)
     want = kvpop_attention_reference(q, k, v, ranks, cut, **kw)
     assert_close(got[0], want[0], 1e-5)
     assert_close(got[1], want[1], 1e-5)
@@ -135,9 +136,8 @@ def test_lowers_for_cuda(hq, hkv, d, dtype):
         (out, lse), pullback = jax.vjp(lambda q, k, v: forward(q, k, v, ranks, cut), q, k, v)
         return pullback((out, jnp.ones_like(lse)))
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
     for fn, kernels in ((forward, {"fwd"}), (vjp, {"fwd", "dq", "dkdv"})):
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        exported = export_for_cuda(fn, *args)
         text = exported.mlir_module()
         targets = set(re.findall(r"custom_call @([^(\s]+)\(", text))
         assert targets and targets <= set(TRITON_TARGETS), targets

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TRITON_TARGETS, random_ranks, running_cutoffs_np
+from helpers import CPU_ONLY_REASON, INTERPRET, NATIVE_KERNELS, TRITON_TARGETS, random_ranks, running_cutoffs_np
+from pallas_kernels.compat import export_for_cuda
 from kvpop_jax import policy
 from kvpop_jax.policy import running_topk_cutoff_reference as running_topk_cutoff
 from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas as topk_cutoff
@@ -17,7 +18,7 @@ running_topk_cutoff_auto = policy.running_topk_cutoff  # the dispatcher
 
 def check(ranks, *, sinks, window, topk, **kernel_kw):
     ranks = np.asarray(ranks, np.int32)
-    got = topk_cutoff(jnp.asarray(ranks), sinks=sinks, window=window, topk=topk, interpret=True, **kernel_kw)
+    got = topk_cutoff(jnp.asarray(ranks), sinks=sinks, window=window, topk=topk, interpret=INTERPRET, **kernel_kw)
     want = running_topk_cutoff(jnp.asarray(ranks), sinks=sinks, window=window, topk=topk)
     assert got.shape == ranks.shape and got.dtype == jnp.int32
     np.testing.assert_array_equal(got, want)
@@ -60,6 +61,7 @@ def test_any_leading_dims(rng):
     check(ranks[0, 0], sinks=2, window=3, topk=5, block=16)
 
 
+@pytest.mark.skipif(NATIVE_KERNELS, reason=CPU_ONLY_REASON)
 def test_dispatcher_choice(rng, monkeypatch):
     """xla on CPU by default; `$KVPOP_CUTOFF_IMPL` and `implementation` pick the kernel."""
     calls = []
@@ -94,10 +96,7 @@ def test_rejects_bad_arguments():
 def test_lowers_for_cuda(shape, topk):
     """The kernel lowers through Pallas' Triton path for CUDA on a CPU-only machine."""
     fn = lambda r: running_topk_cutoff_auto(r, sinks=4, window=32, topk=topk, implementation="pallas")  # noqa: E731
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_TARGETS]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-        jax.ShapeDtypeStruct(shape, jnp.int32)
-    )
+    exported = export_for_cuda(fn, jax.ShapeDtypeStruct(shape, jnp.int32))
     text = exported.mlir_module()
     targets_called = set(re.findall(r"custom_call @([^(\s]+)\(", text))
     assert targets_called and targets_called <= set(TRITON_TARGETS), targets_called

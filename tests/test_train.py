@@ -335,6 +335,7 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
     full = subprocess.run(train_cmd([f"--flagfile={flagfile}", f"--run_dir={full_dir}"]), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-4000:]
+    assert " on cpu: " in full.stdout and "WARNING" not in full.stderr  # start-up line; float32 is CPU work
 
     # start the same run, kill -9 it once checkpoint 2 is on disk, restart with the same flags
     proc = subprocess.Popen(train_cmd([f"--flagfile={flagfile}", f"--run_dir={killed_dir}"]), cwd=REPO, env=env,

@@ -231,8 +231,9 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         raise FlagError(f"--init_checkpoint/--model_config: {e}") from e
     base = [dataclasses.replace(c, kvpop=None, dms=None) for c in configs]
     for src, c in zip(sources[1:], base[1:]):
+        # the same architecture up to special tokens and the documented context (a valid placeholder: 1)
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731
-                                             max_position_embeddings=0)
+                                             max_position_embeddings=1)
         if arch(c) != arch(base[0]):
             raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures")
     return base[-1]

@@ -21,6 +21,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from kvpop_jax import sharding as shd
+from kvpop_jax.runtime import gpu_workload_reasons, report_backend
 from train import recipe
 from train.config import FlagError
 from train.configure import config_from_flags
@@ -40,6 +41,10 @@ def main(argv):
     try:
         shd.maybe_initialize_distributed(FLAGS.distributed)  # before anything touches a device
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
+        # the flag as given: "auto" means float32 on CPU, an explicit bfloat16 means a GPU recipe
+        reasons = gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len)
+        report_backend(reasons, what="this dry run (it compiles for this machine's devices)" if cfg.dry_run
+                       else "this training run")
         if cfg.dry_run:
             dry_run(cfg)
         elif cfg.write_teacher_logits:

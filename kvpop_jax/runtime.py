@@ -1,0 +1,62 @@
+"""Which JAX this process runs on: the start-up line of `train.main` and `eval.main`, and the
+loud warning when a GPU-sized job is about to run on CPU.
+
+`pip install -e .` installs the CPU build of jaxlib everywhere, also on a GPU node; there a
+recipe silently trains on CPU. The start-up line names the backend and the devices, and
+`report_backend(gpu_reasons=...)` prints a warning box on stderr when the job is GPU-sized
+(bf16 compute, or S >= `GPU_SEQ_LEN`) but JAX sees only a CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import TextIO
+
+import jax
+import jaxlib
+
+GPU_SEQ_LEN = 8192  # sequences this long are GPU work (the paper's recipes use 16384)
+GPU_INSTALL = 'pip install -e ".[cuda12]"'
+
+
+def gpu_workload_reasons(*, compute_dtype: str | None = None, seq_len: int | None = None) -> list[str]:
+    """Why a job is GPU-sized: bf16 compute (the recipes' GPU precision) or long sequences."""
+    reasons = []
+    if compute_dtype == "bfloat16":
+        reasons.append("bfloat16 compute")
+    if seq_len is not None and seq_len >= GPU_SEQ_LEN:
+        reasons.append(f"sequences of {seq_len} tokens (>= {GPU_SEQ_LEN})")
+    return reasons
+
+
+def backend_line() -> str:
+    """One line: jax/jaxlib versions, the default backend and the devices it sees."""
+    devices = jax.devices()
+    kinds = ", ".join(f"{n} x {kind}" for kind, n in Counter(d.device_kind for d in devices).items())
+    line = f"jax {jax.__version__} (jaxlib {jaxlib.__version__}) on {jax.default_backend()}: {kinds}"
+    if jax.process_count() > 1:
+        line += f"; process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all"
+    return line
+
+
+def report_backend(gpu_reasons: list[str] | tuple[str, ...] = (), *, what: str = "this job",
+                   out: TextIO | None = None, err: TextIO | None = None) -> bool:
+    """Prints `backend_line()` to `out`; warns on `err` if `gpu_reasons` and there is no GPU.
+
+    Returns whether it warned.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    print(backend_line(), file=out, flush=True)
+    if not gpu_reasons or jax.default_backend() != "cpu":
+        return False
+    bar = "!" * 100
+    print("\n".join([
+        bar,
+        f"WARNING: {what} is GPU work ({'; '.join(gpu_reasons)}) but JAX sees only a CPU.",
+        f"  It will run on CPU, very slowly. On a CUDA GPU node, install the CUDA build of jax: {GPU_INSTALL}",
+        "  (check with: python -c 'import jax; print(jax.devices())'). Set JAX_PLATFORMS=cuda to fail instead.",
+        bar,
+    ]), file=err, flush=True)
+    return True

@@ -1,0 +1,42 @@
+"""The start-up line and the GPU-work-on-CPU warning (kvpop_jax/runtime.py, train.main)."""
+
+import io
+import subprocess
+
+import jax
+
+from helpers import REPO, tiny_flags, train_cmd, train_env
+from kvpop_jax.runtime import GPU_INSTALL, backend_line, gpu_workload_reasons, report_backend
+
+
+def test_gpu_workload_reasons():
+    assert gpu_workload_reasons(compute_dtype="float32", seq_len=1024) == []
+    assert gpu_workload_reasons(compute_dtype="auto", seq_len=8191) == []
+    reasons = gpu_workload_reasons(compute_dtype="bfloat16", seq_len=16384)
+    assert reasons == ["bfloat16 compute", "sequences of 16384 tokens (>= 8192)"]
+
+
+def test_backend_line_names_versions_backend_and_devices():
+    line = backend_line()
+    assert line.startswith(f"jax {jax.__version__} (jaxlib ")
+    assert f"on {jax.default_backend()}: {jax.device_count()} x {jax.devices()[0].device_kind}" in line
+
+
+def test_report_warns_on_stderr_only_for_gpu_work_on_cpu():
+    out, err = io.StringIO(), io.StringIO()
+    assert not report_backend([], out=out, err=err)
+    assert out.getvalue() == backend_line() + "\n" and err.getvalue() == ""
+    out, err = io.StringIO(), io.StringIO()
+    assert report_backend(["bfloat16 compute"], what="this training run", out=out, err=err)  # tests run on CPU
+    assert "WARNING: this training run is GPU work (bfloat16 compute) but JAX sees only a CPU" in err.getvalue()
+    assert GPU_INSTALL in err.getvalue() and out.getvalue() == backend_line() + "\n"
+
+
+def test_train_main_prints_the_backend_and_warns_for_a_gpu_recipe_on_cpu(tmp_path, arch):
+    argv = tiny_flags(str(tmp_path / "run"), arch, compute_dtype="bfloat16", dry_run=True)
+    proc = subprocess.run(train_cmd(argv), cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"jax {jax.__version__} (jaxlib" in proc.stdout and " on cpu: " in proc.stdout
+    assert "WARNING: this dry run" in proc.stderr and "bfloat16 compute" in proc.stderr
+    assert "per-device bytes" in proc.stdout  # and it still ran

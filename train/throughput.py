@@ -1,0 +1,161 @@
+"""`python -m train.throughput --flagfile=configs/qwen3_8b_cr88.flags --num_layers=4`: tokens/s and MFU.
+
+Times the real train step (`train/step.py`: teacher forward, KVpop student forward + backward,
+retention and KL losses, AdamW) of a randomly initialized model with a recipe's settings, on
+random token ids, with no data pipeline, checkpoints or disk I/O. `--num_layers` cuts the
+architecture's depth (e.g. 4 layers of Qwen3-8B's width) so a few steps fit in a minute.
+The first step compiles; the median of the others is reported.
+
+MFU = model FLOPs per step / step time / (peak bf16 FLOP/s x devices), counting per token the
+student's forward + backward (6N) and the teacher's forward (2N), N = matmul parameters
+(lm_head included, embedding lookup not), plus dense causal attention: 4·L·Hq·D·S/2 per
+forward (QKᵀ and PV over S/2 keys on average), x3 for the student and x1 for the teacher,
+8·L·Hq·D·S in all. Rematerialization, the scorers and the target pass are not counted (they are
+overhead, not model work). Peak: `PEAK_BF16_FLOPS` by device kind; unknown kinds (and CPUs)
+report no MFU.
+
+    python -m train.throughput --flagfile=configs/qwen3_8b_cr88.flags --init_checkpoint=random:qwen3_8b \
+        --data=demo:1 --run_dir=/tmp/throughput --num_layers=4 --global_batch=8 --micro_batch=8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from kvpop_jax import modeling
+from kvpop_jax.config import Qwen3Config
+from kvpop_jax.runtime import report_backend
+from train import optim
+from train import step as st
+from train.config import FlagError, TrainConfig, load_model_config
+from train.configure import config_from_flags
+from train.flags import define_flags
+from train.setup import abstract_batch, abstract_train_state, build_mesh, step_config, to_global
+
+# Dense bf16 tensor-core peak per device (vendor datasheets, SXM parts), matched by substring.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "B200": 2250e12, "A100": 312e12}
+
+FLAGS = flags.FLAGS
+
+
+def define_throughput_flags(fv: flags.FlagValues) -> None:
+    """train.main's flags plus this command's own (declared when run, so that importing is free)."""
+    define_flags(fv)
+    flags.DEFINE_integer("num_layers", 0, "Use this many layers of the architecture (0: all).", flag_values=fv)
+    flags.DEFINE_integer("timed_steps", 3, "Steps timed after the compiling one.", flag_values=fv)
+    flags.DEFINE_string("json_out", None, "Also write the result as JSON here.", flag_values=fv)
+
+
+def matmul_params(config: Qwen3Config) -> int:
+    """N: weights a token multiplies with (q/k/v/o, MLP, lm_head), per the Qwen3 architecture."""
+    h, d = config.hidden_size, config.head_dim
+    attention = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    mlp = 3 * h * config.intermediate_size
+    return config.num_hidden_layers * (attention + mlp) + h * config.vocab_size
+
+
+def model_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
+    """Student forward + backward and teacher forward, causal attention (see the module docstring)."""
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len / 2
+    return 8 * matmul_params(config) + 4 * attention  # (6N + 3·attn) + (2N + attn)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in device_kind:
+            return flops
+    return None
+
+
+def _random_batch(cfg: TrainConfig, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    shape = (cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, vocab, shape, dtype=np.int32),
+            "positions": np.broadcast_to(np.arange(cfg.seq_len, dtype=np.int32), shape).copy(),
+            "loss_mask": np.ones(shape, np.float32)}
+
+
+def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: int = 3) -> dict:
+    """Runs 1 + timed_steps train steps of a random model; returns tokens/s, MFU and the setup."""
+    if cfg.teacher_logits_dir:
+        raise FlagError("the throughput run computes the teacher on the fly: drop --teacher_logits_dir")
+    model_config = load_model_config(cfg)
+    if num_layers:
+        model_config = dataclasses.replace(model_config, num_hidden_layers=num_layers)
+    mesh = build_mesh(cfg)
+    sc = step_config(cfg, model_config)
+    tx = optim.make_optimizer(cfg.optim)
+    abstract_state = abstract_train_state(cfg, model_config, tx)
+    abstract_teacher = modeling.abstract_params(model_config, sc.teacher_dtype)
+    batch_like = abstract_batch(cfg, model_config)
+    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(sc, tx, mesh, abstract_state, abstract_teacher,
+                                                                batch_like)
+
+    def init(key):
+        base = modeling.init_params(model_config, key)
+        params = modeling.retrofit_params(sc.model, base, jax.random.fold_in(key, 1))
+        params = jax.tree.map(lambda x: x.astype(sc.param_dtype), params)
+        teacher = jax.tree.map(lambda x: x.astype(sc.teacher_dtype), base)
+        return st.init_state(params, tx, cfg.seed), teacher
+
+    state, teacher = jax.jit(init, out_shardings=(state_sh, teacher_sh))(jax.random.PRNGKey(cfg.seed))
+    del abstract_state, abstract_teacher
+    times = []
+    for i in range(1 + timed_steps):
+        batch = to_global(_random_batch(cfg, model_config.vocab_size, cfg.seed + i), batch_sh)
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, teacher, batch)
+        metrics = jax.device_get(metrics)
+        times.append(time.perf_counter() - t0)
+    if not all(np.isfinite(float(metrics[k])) for k in ("loss", "kl", "retention_loss")):
+        raise FloatingPointError(f"non-finite loss in the throughput run: {metrics}")
+    step_s = statistics.median(times[1:]) if timed_steps else times[0]
+    tokens = cfg.global_batch * cfg.seq_len
+    device = jax.devices()[0]
+    peak = peak_flops(device.device_kind)
+    flops = model_flops_per_token(model_config, cfg.seq_len) * tokens
+    return {
+        "device_kind": device.device_kind, "platform": device.platform, "devices": mesh.size,
+        "layers": model_config.num_hidden_layers, "hidden": model_config.hidden_size,
+        "heads": f"{model_config.num_attention_heads}/{model_config.num_key_value_heads}x{model_config.head_dim}",
+        "vocab": model_config.vocab_size, "params_matmul": matmul_params(model_config),
+        "seq_len": cfg.seq_len, "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
+        "budget": f"s={cfg.kvpop.sinks} w={cfg.kvpop.window} k={cfg.kvpop.topk}", "scorer": cfg.kvpop.scorer,
+        "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
+        "compile_and_first_step_s": times[0], "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_device": tokens / step_s / mesh.size, "model_tflops_per_step": flops / 1e12,
+        "mfu": None if peak is None else flops / step_s / (peak * mesh.size),
+        "loss": float(metrics["loss"]),
+    }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    try:
+        cfg = config_from_flags(FLAGS, on_accelerator=None)
+        report_backend()
+        result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps)
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    mfu = "n/a (unknown peak)" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
+    print(f"throughput: {result['tokens_per_s']:.0f} tokens/s ({result['tokens_per_s_per_device']:.0f} per device), "
+          f"step {result['step_s']:.3f} s, MFU {mfu}")
+    print(json.dumps(result))
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    define_throughput_flags(FLAGS)
+    app.run(main)
