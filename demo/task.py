@@ -38,7 +38,8 @@ Two tasks (`TASKS`, `make_config(task=...)`):
 - "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
   One decisive read among ~900 later queries: the paper's mean future-attention target barely
   singles a fact out (BENCHMARKS.md), a harder benchmark kept beside the main one.
-- "reuse" (the main task): like a reasoning trace that comes back to earlier results, each
+- "reuse" (designed as the main task; the shipped teacher does not solve it yet, dense 0.08 in
+  BENCHMARKS.md, so the demo's table leads with read_once): like a reasoning trace that comes back to earlier results, each
   marked fact is recalled `n_reuse` times on lines `q=4` (its value predictable only by looking
   the fact up), the first recall at least `reuse_gap` of the prompt after the fact and the last
   at least `final_gap` before the question. A recall reads the fact without binding it again

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from eval import bench_torch
 from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
@@ -62,7 +63,7 @@ from kvpop_jax.dms import matched_gate_hidden
 from kvpop_jax.modeling import RETROFIT_SUBTREES, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("dense", "kvpop", "dms") + baselines.BOUNDED_METHODS
+METHODS = ("dense", "kvpop", "dms") + baselines.BOUNDED_METHODS + bench_torch.METHODS
 
 
 def tiny_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
@@ -120,8 +121,8 @@ def _dense_state(config: Qwen3Config, batch: int, length, capacity: int, dtype, 
     reps = -(-capacity // block)
 
     def fill(k):
-        small = jax.random.normal(k, (batch, block, config.num_key_value_heads, config.head_dim), dtype)
-        return jnp.tile(small, (1, reps, 1, 1))[:, :capacity]
+        small = jax.random.normal(k, (batch, config.num_key_value_heads, block, config.head_dim), dtype)
+        return jnp.tile(small, (1, 1, reps, 1))[:, :, :capacity]
 
     keys = jax.random.split(key, 2 * config.num_hidden_layers)
     layers = tuple(DenseLayerCache(k=fill(keys[2 * i]), v=fill(keys[2 * i + 1]))
@@ -256,7 +257,7 @@ def run_bench_decode(
     command = command or default_command()
     config, params, dense_config, dense_params = _models(checkpoint, model_config, kvpop, dtype, seed)
     kv = config.kvpop
-    if kv is None and config.dms is None and any(m != "dense" for m in methods):
+    if kv is None and config.dms is None and any(m not in ("dense", "torch-dense") for m in methods):
         raise ValueError("the bounded methods need a budget: pass kvpop=KVpopConfig(...) for a dense checkpoint")
     if kv is None and "kvpop" in methods:
         raise ValueError("method kvpop needs a KVpop model (the checkpoint is a DMS export)")
@@ -280,7 +281,9 @@ def run_bench_decode(
         dms_params = params if config.dms is not None else jax.tree.map(
             lambda x: x.astype(dtype), retrofit_params(dms_model.config, dense_params, jax.random.key(seed + 2)))
 
-    # Bounded methods first, dense last: the device's peak is a process-lifetime peak.
+    # Bounded methods first, dense last: the device's peak is a process-lifetime peak (torch rows: own allocator).
+    torch_methods = [m for m in methods if m in bench_torch.METHODS]
+    methods = [m for m in methods if m not in bench_torch.METHODS]
     order = [m for m in methods if m != "dense"] + [m for m in methods if m == "dense"]
     rows: list[BenchRow] = []
     bar = tqdm(total=len(order) * len(lengths), desc="bench decode", unit="point", disable=not progress)
@@ -310,6 +313,13 @@ def run_bench_decode(
             gc.collect()
             bar.update()
     bar.close()
+    notes = []
+    if torch_methods:
+        torch_rows, note = bench_torch.run_torch_rows(
+            torch_methods, config, params, lengths=lengths, batch=batch, warmup=warmup, steps=steps,
+            dtype_name=jnp.dtype(dtype).name, seed=seed)
+        rows += [BenchRow(**r) for r in torch_rows]
+        notes.append(note)
 
     info = dict(
         command=command, date=timestamp(), device=device_description(), batch=batch, warmup=warmup, steps=steps,
@@ -319,7 +329,10 @@ def run_bench_decode(
                                                                         budget=kv.budget, scorer=kv.scorer))),
         dms=None if dms_model is None else dict(window=dms_config.window, budget=dms_config.budget,
                                                  gate_hidden=dms_config.gate_hidden),
+        notes=notes,
     )
+    for note in notes:
+        print(note)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     png = plot_bench(rows, os.path.join(out_dir, "bench_decode.png"), on_cpu=info["device"]["platform"] == "cpu")
@@ -392,6 +405,7 @@ def bench_markdown(rows: Sequence[BenchRow], info: dict, png: str, relative_to: 
         f"steps after compile + {info['warmup']} warmup steps; cache MiB = bytes of the cache pytree; "
         + ("RSS = VmRSS of the process after the steps." if on_cpu else
            "device memory from `memory_stats()` (peak is process-lifetime; dense runs last)."),
+        *[f"- {note}" for note in info.get("notes", ())],
         "",
         markdown_table(["method", "length", "ms/token (median)", "ms/token (p90)", "cache MiB", *mem_cols,
                         "first step s (compile)"], table, digits=2),

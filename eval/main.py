@@ -8,6 +8,7 @@ Commands (each prints its own `--help`):
                   DMS export the per-head eviction ratio heat map and occupancy (App. H, Fig. 8)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
+  bench train     a training step per variant and each KVpop layer part, as ratios to dense
   bench gpu       on a GPU node: kernel tests, kernels, decode, the 8B recipe's dry run, tokens/s and MFU
   diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import bench_decode, bench_gpu, bench_kernels, diagnose
+from eval import bench_decode, bench_gpu, bench_kernels, bench_train, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
@@ -198,10 +199,11 @@ def cmd_patterns(argv: Sequence[str]) -> None:
 
 
 def cmd_bench(argv: Sequence[str]) -> None:
-    """Benchmarks: kernels, decode, gpu (all of a GPU node's first measurements in one run)."""
+    """Benchmarks: kernels, decode, train, gpu (all of a GPU node's first measurements in one run)."""
     benches: dict[str, Callable[[Sequence[str]], None]] = {
         "kernels": bench_kernels.main,
         "decode": bench_decode.main,
+        "train": bench_train.main,
         "gpu": bench_gpu.main,
     }
     if not argv or argv[0] not in benches:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
+from kvpop_jax.gathered_attention import keys_per_query, kvpop_attention_gathered
 from pallas_kernels.common import NEG_INF, check_attention_args
 from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
 from pallas_kernels.compat import mosaic_gpu_interpret_unavailable
@@ -236,6 +237,25 @@ def _compacted_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, 
     return compacted_is_cheaper(q.shape[1], sinks=sinks, window=window, topk=topk)
 
 
+def _gathered(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    """`kvpop_attention_gathered`, falling back to the reference where a key list overflows."""
+    return kvpop_attention_gathered(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
+                                    fallback=kvpop_attention_reference)
+
+
+GATHERED_MARGIN = 0.6  # the gathered path wins when it scores fewer than this share of the reference's keys
+
+
+def _gathered_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
+    """Static cost model: keys scored per query, gathered lists vs all S (the reference).
+
+    The margin pays for the gathers, the list building and the scatter-adds of the backward.
+    """
+    del k, v, ranks, cutoffs, scale
+    s = q.shape[1]
+    return keys_per_query(s, sinks=sinks, window=window, topk=topk) < GATHERED_MARGIN * s
+
+
 def _pallas(kernel, interpret: bool, with_topk: bool) -> Callable:
     """A masked-attention kernel under the dispatcher's signature, in shard_map under a mesh."""
 
@@ -294,6 +314,7 @@ KVPOP_ATTENTION = Op(
     "kvpop_attention", "KVPOP_ATTENTION_IMPL",
     {
         "xla": Backend(kvpop_attention_reference),
+        "xla_sparse": Backend(_gathered, rejects=_compacted_rejects, preferred=_gathered_preferred),
         "pallas": Backend(_pallas(kvpop_attention_pallas, False, False), platforms=("gpu",)),
         "pallas_compacted": Backend(_pallas(kvpop_attention_pallas_compacted, False, True), platforms=("gpu",),
                                     rejects=_compacted_rejects, preferred=_compacted_preferred),
@@ -305,7 +326,7 @@ KVPOP_ATTENTION = Op(
         "mosaic_gpu": Backend(_mosaic(False), platforms=("gpu",), rejects=_mosaic_rejects(False)),
         "mosaic_gpu_interpret": Backend(_mosaic(True), rejects=_mosaic_rejects(True)),
     },
-    auto=("pallas_compacted", "pallas", "xla"),
+    auto=("pallas_compacted", "pallas", "xla_sparse", "xla"),
 )
 
 
@@ -314,13 +335,16 @@ def kvpop_attention(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: 
     """KVpop-masked attention on the back end `KVPOP_ATTENTION` picks (contract of the reference).
 
     implementation: one of `KVPOP_ATTENTION.implementations` — "xla"
-    (`kvpop_attention_reference`), "pallas" (`kvpop_attention_pallas`), "pallas_compacted"
-    (compacted key lists; needs `topk`), "mosaic_gpu" (`kvpop_attention_mosaic`: Hopper,
-    bf16/f16, forward kernel with the reference's backward; never picked automatically), or
-    their "_interpret" twins (CPU tests; Mosaic GPU's needs jax >= 0.12). None reads
-    `$KVPOP_ATTENTION_IMPL`, else picks automatically: on GPU the compacted kernel where its
-    tile count is lower, else the block-skipping kernel; the XLA reference elsewhere. Under an
-    active mesh the kernels run in shard_map over batch and heads.
+    (`kvpop_attention_reference`, O(S²)), "xla_sparse" (`kvpop_attention_gathered`: plain XLA
+    over gathered per-block key lists, O(S·(B + block)); needs `topk`), "pallas"
+    (`kvpop_attention_pallas`), "pallas_compacted" (compacted key lists; needs `topk`),
+    "mosaic_gpu" (`kvpop_attention_mosaic`: Hopper, bf16/f16, forward kernel with the
+    reference's backward; never picked automatically), or their "_interpret" twins (CPU tests;
+    Mosaic GPU's needs jax >= 0.12). None reads `$KVPOP_ATTENTION_IMPL`, else picks
+    automatically: on GPU the compacted kernel where its tile count is lower, else the
+    block-skipping kernel; elsewhere "xla_sparse" where it scores fewer than
+    `GATHERED_MARGIN` x S keys per query, else the reference. Under an active mesh the kernels
+    run in shard_map over batch and heads.
     """
     return KVPOP_ATTENTION(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
                            implementation=implementation)

@@ -86,9 +86,90 @@ def one_token(q: jax.Array, kind: str) -> None:
 # ------------------------------------------------------------------------------- dense
 
 
+DECODE_CHUNK = 2048  # cache slots per step of the decode attention's loop over the filled prefix
+DECODE_MAX_QUERIES = 16  # new tokens up to which the dense cache attends with `prefix_attention`
+
+
+def prefix_attention(q, k_cache, v_cache, k_new, v_new, *, q_positions, length, scale: float | None = None,
+                     chunk: int = DECODE_CHUNK):
+    """A few new tokens against the filled prefix of a head-major cache plus themselves (a decode step).
+
+    q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, T, D], slot t holding position t, slots < length
+    filled; k_new, v_new [B, S, Hkv, D] the new tokens' (positions length + i, not yet in the
+    cache); q_positions int [B, S]; key position p is visible to query s iff p <= q_positions[s].
+
+    The cache is read as it is before this step's write (its own layout, no transpose), so the
+    in-place write of the new tokens never forces a copy of it. While at most half the
+    capacity is filled, an online softmax visits only the ceil(length / chunk) chunks holding
+    filled slots (each sliced out, a copy); past that one pass over all T slots is cheaper.
+    Forward only (the chunk loop is a while loop). Returns out [B, S, Hq, D] in q's dtype.
+    """
+    b, s, hq, d = q.shape
+    h, t = k_cache.shape[1:3]
+    g = hq // h
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, s, h, g, d).transpose(0, 2, 3, 1, 4).reshape(b, h, g * s, d).astype(k_cache.dtype)
+    q_pos = jnp.tile(q_positions.astype(jnp.int32), (1, g))[:, None, :, None]  # [B, 1, G*S, 1]
+
+    def partial(k_c, v_c, visible):
+        """Softmax pieces (max, sum, unnormalized out) over keys k_c/v_c [B, H, C, D]."""
+        logits = jnp.einsum("bhmd,bhcd->bhmc", qg, k_c.astype(qg.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible, logits * scale, NEG_INF)
+        m = logits.max(-1)
+        p = jnp.exp(logits - m[..., None])
+        out = jnp.einsum("bhmc,bhcd->bhmd", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
+        return m, p.sum(-1), out
+
+    def merge(a, b_):
+        m = jnp.maximum(a[0], b_[0])
+        wa, wb = jnp.exp(a[0] - m), jnp.exp(b_[0] - m)
+        return m, a[1] * wa + b_[1] * wb, a[2] * wa[..., None] + b_[2] * wb[..., None]
+
+    new_pos = length + jnp.arange(s, dtype=jnp.int32)
+    new = partial(jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype), new_pos <= q_pos)
+
+    def whole():
+        pos = jnp.arange(t, dtype=jnp.int32)
+        return partial(k_cache, v_cache, (pos < length) & (pos <= q_pos))
+
+    c = min(chunk, t)
+
+    def chunked():
+        def chunk_step(i, carry):
+            start = jnp.minimum(i * c, t - c)  # the last chunk may overlap the one before: masked
+            pos = start + jnp.arange(c, dtype=jnp.int32)
+            visible = (pos >= i * c) & (pos < length) & (pos <= q_pos)
+            k_c = jax.lax.dynamic_slice_in_dim(k_cache, start, c, axis=2)
+            v_c = jax.lax.dynamic_slice_in_dim(v_cache, start, c, axis=2)
+            return merge(carry, partial(k_c, v_c, visible))
+
+        init = (jnp.full((b, h, g * s), NEG_INF, jnp.float32), jnp.zeros((b, h, g * s), jnp.float32),
+                jnp.zeros((b, h, g * s, d), jnp.float32))
+        return jax.lax.fori_loop(0, (length + c - 1) // c, chunk_step, init)
+
+    cached = whole() if 2 * c > t else jax.lax.cond(2 * length <= t, chunked, whole)
+    _, l, acc = merge(cached, new)
+    out = (acc / l[..., None]).reshape(b, h, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    return out.astype(q.dtype)
+
+
+def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
+    """x, plus an exact zero computed from `dependency`: orders a cache's in-place write after
+    this step's reads of it (`dependency` = what the reads produced).
+
+    Without a data dependency XLA (CPU) may schedule the write first and then copies a
+    loop-carried cache twice per decode step (in `generate`'s while loop) to keep the old
+    values readable. `z − z` is not folded for floats; non-finite z contributes 0 too.
+    """
+    z = dependency.reshape(-1)[0].astype(jnp.float32)
+    zero = z - z
+    return x + jnp.where(jnp.isfinite(zero), zero, 0.0).astype(x.dtype)
+
+
 @flax.struct.dataclass
 class DenseLayerCache:
-    """k, v: [B, T, Hkv, D], slot i holds the token at position i (T = max cache length)."""
+    """k, v: [B, Hkv, T, D] (head-major, like the bounded caches and torch's): slot i holds the
+    token at position i; T = max cache length."""
 
     k: jax.Array
     v: jax.Array
@@ -101,21 +182,27 @@ class DenseLayerCache:
         if policy is not None:
             raise ValueError("a KVpop model decodes with its bounded cache (kvpop_jax.cache.init_cache), "
                              "not a dense one")
-        b, t = self.k.shape[:2]
-        cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), length, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), length, axis=1)
-        slots = jnp.arange(t, dtype=jnp.int32)
-        kv_valid = jnp.broadcast_to(slots < length + q.shape[1], (b, t))
-        out, _ = attn_lib.dense_attention(
-            q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-            q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)), kv_valid=kv_valid,
-        )
+        b, _, t, _ = self.k.shape
+        s = q.shape[1]
+        if s <= DECODE_MAX_QUERIES:  # reads the cache before the write below
+            out = prefix_attention(q, self.k, self.v, k, v, q_positions=positions, length=length)
+            k, v = after(k, out), after(v, out)
+        # Written in place (a donated or loop-carried cache is updated, not copied).
+        cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, jnp.swapaxes(k, 1, 2).astype(self.k.dtype), length, 2)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, jnp.swapaxes(v, 1, 2).astype(self.v.dtype), length, 2)
+        if s > DECODE_MAX_QUERIES:  # a prompt: the blockwise dense attention over the cache, transposed once
+            slots = jnp.arange(t, dtype=jnp.int32)
+            out, _ = attn_lib.dense_attention(
+                q, jnp.swapaxes(cache_k, 1, 2).astype(q.dtype), jnp.swapaxes(cache_v, 1, 2).astype(q.dtype),
+                q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)),
+                kv_valid=jnp.broadcast_to(slots < length + s, (b, t)),
+            )
         return out, DenseLayerCache(cache_k, cache_v)
 
 
 def init_dense_cache(config: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-    """An empty dense cache of `max_len` slots per layer (it holds every token)."""
-    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    """An empty dense cache of `max_len` slots per layer (it holds every token): k, v [B, Hkv, T, D]."""
+    shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
     layer = DenseLayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
 
@@ -189,14 +276,15 @@ def ring_slot(t: jax.Array, kv: KVpopConfig) -> jax.Array:
 
 def write_slot(cache: KVpopLayerCache, slot, k, v, pos, priority, enable) -> KVpopLayerCache:
     """Writes one token per (batch, head) at `slot` ([B, H] ints) where `enable` ([B, H])."""
-    n = cache.pos.shape[-1]
-    onehot = (jnp.arange(n) == slot[..., None]) & enable[..., None]  # [B, H, N]
-    return cache.replace(
-        k=jnp.where(onehot[..., None], k[:, :, None].astype(cache.k.dtype), cache.k),
-        v=jnp.where(onehot[..., None], v[:, :, None].astype(cache.v.dtype), cache.v),
-        pos=jnp.where(onehot, pos[..., None], cache.pos),
-        priority=jnp.where(onehot, priority[..., None], cache.priority),
-    )
+    b, h = slot.shape
+    at = (jnp.arange(b)[:, None], jnp.arange(h)[None, :], slot)  # one slot per (batch, head): a scatter, in place
+
+    def put(x, new):
+        keep = enable.reshape(enable.shape + (1,) * (new.ndim - 2))
+        return x.at[at].set(jnp.where(keep, new.astype(x.dtype), x[at]))
+
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v), pos=put(cache.pos, pos),
+                         priority=put(cache.priority, priority))
 
 
 def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig) -> KVpopLayerCache:

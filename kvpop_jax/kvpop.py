@@ -191,7 +191,7 @@ def retention_objective(
     t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
     t_ranks = policy.ranks_from_priority(t_priority)
     t_cutoffs = policy.running_topk_cutoff(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
-    boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
+    boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk, cutoffs=t_cutoffs)
     loss, metrics = losses.retention_loss(
         scores, log_gamma, target, boundary, q_idx,
         temperature=c.loss_temperature, margin_weighting=c.margin_weighting, omega_min=c.omega_min,

@@ -276,12 +276,43 @@ class Boundary(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("sinks", "window", "topk"))
-def teacher_boundary(ranks, *, sinks: int, window: int, topk: int) -> Boundary:
+def kth_rank_from_cutoffs(ranks, cutoffs, *, sinks: int, window: int, topk: int) -> jax.Array:
+    """`running_kth_rank` from the running top-k cutoffs of the same ranks, in O(S), without a scan.
+
+    The two differ only where |E(q)| <= k: there τ_q = S, while the k-th smallest rank is S
+    for |E(q)| < k and, for |E(q)| = k, the largest rank in E(q) (a running max over keys).
+
+    Args:
+      ranks: int [..., S]; cutoffs: int [..., S], `running_topk_cutoff(ranks, ...)` (any back end).
+
+    Returns:
+      int32 [..., S], equal to `running_kth_rank(ranks, sinks=..., window=..., topk=...)`.
+    """
+    check_budget(sinks, window, topk)
+    ranks = check_ranks(ranks)
+    cutoffs = jnp.asarray(cutoffs, jnp.int32)
+    if cutoffs.shape != ranks.shape:
+        raise ValueError(f"cutoffs shape {cutoffs.shape} must equal ranks shape {ranks.shape}")
+    if topk == 0:
+        return jnp.full(ranks.shape, -1, jnp.int32)
+    s = ranks.shape[-1]
+    counts = _eligible_count(s, sinks, window)
+    t = jnp.arange(s)
+    running_max = lax.cummax(jnp.where(t >= sinks, ranks, -1), axis=ranks.ndim - 1)  # max rank of [s, t]
+    max_eligible = jnp.take(running_max, jnp.clip(t - window, 0, s - 1), axis=-1)  # max rank of E(q)
+    return jnp.where(counts < topk, s, jnp.where(counts == topk, max_eligible, cutoffs))
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "window", "topk"))
+def teacher_boundary(ranks, *, sinks: int, window: int, topk: int, cutoffs=None) -> Boundary:
     """Boundary label and token for the retention loss (Eq. 6–7) from teacher ranks.
 
     Args:
       ranks: int [..., S], ranks from the target priorities (stop-gradient).
       sinks, window, topk: Python ints s >= 0, w >= 1, k >= 0.
+      cutoffs: optional int [..., S], the running top-k cutoffs of `ranks` when the caller
+        has them already (`running_topk_cutoff`, any back end): the boundary then costs
+        O(S) instead of a second Fenwick scan (`kth_rank_from_cutoffs`).
 
     Returns:
       Boundary of [..., S] arrays. Where valid, y = +1 iff rank(t_new) < rank(t_bnd),
@@ -289,9 +320,12 @@ def teacher_boundary(ranks, *, sinks: int, window: int, topk: int) -> Boundary:
     """
     ranks = check_ranks(ranks)
     s = ranks.shape[-1]
-    kth = running_kth_rank(ranks, sinks=sinks, window=window, topk=topk)
     counts = _eligible_count(s, sinks, window)
-    cutoffs = jnp.where(counts <= topk, s, kth)
+    if cutoffs is None:
+        kth = running_kth_rank(ranks, sinks=sinks, window=window, topk=topk)
+        cutoffs = jnp.where(counts <= topk, s, kth)
+    else:
+        kth = kth_rank_from_cutoffs(ranks, cutoffs, sinks=sinks, window=window, topk=topk)
     kth_prev = jnp.concatenate([jnp.full_like(kth[..., :1], s), kth[..., :-1]], axis=-1)
     q = jnp.arange(s, dtype=jnp.int32)
     t_new = jnp.broadcast_to(jnp.clip(q - window, 0, s - 1), ranks.shape)

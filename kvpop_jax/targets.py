@@ -40,6 +40,7 @@ from pallas_kernels.common import NEG_INF, check_log_mass_args
 from pallas_kernels.future_lse import future_attention_log_mass_pallas
 
 LogMassFn = Callable[..., jax.Array]
+LOG_MASS_BLOCK = 128  # query (reference) or key (banded) positions per loop step
 
 
 def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
@@ -58,7 +59,7 @@ def future_attention_log_mass_reference(
     *,
     window: int,
     scale: float | None = None,
-    block_size: int = 128,
+    block_size: int = LOG_MASS_BLOCK,
     reduce: str = "sum",
     lookahead: int | None = None,
 ) -> jax.Array:
@@ -112,6 +113,72 @@ def future_attention_log_mass_reference(
     (m, l), _ = jax.lax.scan(step, init, (q_blocks, lse_blocks, starts))
     # l > 0 exactly when key t has a future query; m is then the largest future logit.
     log_mass = jnp.where(l > 0, (m + jnp.log(jnp.where(l > 0, l, 1.0))) if reduce == "sum" else m, -jnp.inf)
+    return log_mass.reshape(b, hq, s)
+
+
+def future_attention_log_mass_banded(
+    q: jax.Array,
+    k: jax.Array,
+    lse: jax.Array,
+    *,
+    window: int,
+    scale: float | None = None,
+    block_size: int = LOG_MASS_BLOCK,
+    reduce: str = "sum",
+    lookahead: int | None = None,
+) -> jax.Array:
+    """`future_attention_log_mass_reference` visiting only the query blocks a key block can see.
+
+    Same arguments and result. The keys own the work (Appendix D.2's transposed pass, the
+    shape of a flash-attention dK/dV loop): key block [t0, t1] runs over the query blocks
+    holding d in [t0 + w, t1 + w + L] only, so the pass does about half the reference's
+    work without a lookahead (the future triangle, not the square) and O(S · (L + 2 · block))
+    with one. The masks are evaluated exactly as in the reference.
+    """
+    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
+    horizon = s if lookahead is None else window + lookahead  # d - t <= horizon
+    blk, nblk, pad = _blocks(s, block_size)
+
+    q_h = jnp.pad(q.reshape(b, s, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).transpose(0, 2, 3, 1, 4)
+    lse_h = jnp.pad(lse.astype(jnp.float32).reshape(b, hkv, g, s), ((0, 0), (0, 0), (0, 0), (0, pad)))
+    k_blocks = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nblk, blk, hkv, d).transpose(1, 0, 3, 2, 4)
+    starts = jnp.arange(nblk, dtype=jnp.int32) * blk
+
+    def key_block(xs):
+        k_b, t0 = xs  # [B, Hkv, blk, D]
+        t_pos = t0 + jnp.arange(blk, dtype=jnp.int32)
+
+        def query_block(i, carry):
+            m, l = carry  # [B, Hkv, G, blk] over the block's keys
+            d0 = i * blk
+            q_b = jax.lax.dynamic_slice_in_dim(q_h, d0, blk, axis=3)
+            lse_b = jax.lax.dynamic_slice_in_dim(lse_h, d0, blk, axis=3)
+            logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_b, q_b, preferred_element_type=jnp.float32)
+            logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33
+            d_pos = d0 + jnp.arange(blk, dtype=jnp.int32)
+            ahead = d_pos[None, :] - t_pos[:, None]
+            future = (ahead >= window) & (ahead <= horizon) & (d_pos[None, :] < s)
+            logits = jnp.where(future, logits, -jnp.inf)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            if reduce == "max":
+                return m_new, l
+            return m_new, l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
+
+        first = (t0 + window) // blk
+        last = jnp.minimum(nblk - 1, (t0 + blk - 1 + horizon) // blk)
+        init = (jnp.full((b, hkv, g, blk), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, blk), jnp.float32))
+        return jax.lax.fori_loop(first, last + 1, query_block, init)
+
+    m, l = jax.lax.map(key_block, (k_blocks, starts))  # [N, B, Hkv, G, blk]
+    m, l = (x.transpose(1, 2, 3, 0, 4).reshape(b, hkv, g, nblk * blk)[..., :s] for x in (m, l))
+    if reduce == "max":
+        return jnp.where(m > NEG_INF, m, -jnp.inf).reshape(b, hq, s)
+    log_mass = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     return log_mass.reshape(b, hq, s)
 
 
@@ -205,14 +272,21 @@ def _pallas(interpret: bool):
     return run
 
 
+def _banded_preferred(q, k, lse, *, window, scale=None, reduce="sum", lookahead=None):
+    """More than one block of queries: then the banded pass skips work (the masked triangle)."""
+    del k, lse, window, scale, reduce, lookahead
+    return q.shape[1] > LOG_MASS_BLOCK
+
+
 FUTURE_ATTENTION_LOG_MASS = Op(
     "future_attention_log_mass", "KVPOP_FUTURE_LSE_IMPL",
     {
         "xla": Backend(future_attention_log_mass_reference),
+        "xla_sparse": Backend(future_attention_log_mass_banded, preferred=_banded_preferred),
         "pallas": Backend(_pallas(False), platforms=("gpu",)),
         "pallas_interpret": Backend(_pallas(True)),
     },
-    auto=("pallas", "xla"),
+    auto=("pallas", "xla_sparse", "xla"),
 )
 
 
@@ -220,9 +294,10 @@ def future_attention_log_mass(q, k, lse, *, window: int, scale: float | None = N
                               lookahead: int | None = None, implementation: str | None = None) -> jax.Array:
     """log m̄_t (Eq. 31) on the back end `FUTURE_ATTENTION_LOG_MASS` picks (contract of the reference).
 
-    implementation: "xla" (`future_attention_log_mass_reference`), "pallas"
+    implementation: "xla" (`future_attention_log_mass_reference`), "xla_sparse"
+    (`future_attention_log_mass_banded`: only the query blocks a key block can see), "pallas"
     (`pallas_kernels.future_lse`) or "pallas_interpret". None reads `$KVPOP_FUTURE_LSE_IMPL`,
-    else picks the kernel on GPU and the XLA pass elsewhere. Under an active mesh the kernel
+    else picks the kernel on GPU and the banded XLA pass elsewhere. Under an active mesh the kernel
     runs in shard_map over batch and heads. `reduce` ("sum" | "max") and `lookahead` (L) are
     part of the contract.
     """

@@ -94,6 +94,31 @@ tokens, lengths = generate(kv_model, kv_params, prompt_ids, max_new_tokens=40, s
 kv_text = tokenizer.decode(np.asarray(tokens[0, : int(lengths[0])]), skip_special_tokens=True)
 print(kv_text)
 print("extracted:", demo_task.extract_answer(kv_text), "| correct:", demo_task.score(kv_text, example["answer"]))"""),
+    ("md", """## The same export in PyTorch `transformers`
+
+`kvpop_torch` (`pip install -e ".[torch]"`) serves a KVpop export with `transformers`'
+`generate` and a bounded `KVpopCache` (same slots, same evictions), without JAX: greedy
+decoding gives the tokens above."""),
+    ("code", """try:
+    import torch, kvpop_torch
+except ImportError:
+    print("PyTorch side skipped: pip install -e '.[torch]'")
+else:
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest
+    export_dir = KVPOP
+    if not os.path.isdir(export_dir):  # the untrained retrofit above, exported
+        from kvpop_jax import save_pretrained
+        export_dir = os.path.join(OUT, "kvpop-export")
+        save_pretrained(kv_config, kv_params, export_dir)
+    pt_model, make_cache = kvpop_torch.load(export_dir)
+    pt_cache = make_cache()
+    with torch.no_grad():
+        out = pt_model.generate(torch.tensor(np.asarray(prompt_ids)), cache=pt_cache, max_new_tokens=40,
+                                do_sample=False, eos_token_id=list(eos), pad_token_id=0)
+    pt_text = tokenizer.decode(out[0, prompt_ids.shape[1]:].tolist(), skip_special_tokens=True)
+    print(pt_text)
+    print("same as JAX:", pt_text == kv_text, f"| cache: {pt_cache.nbytes:,} bytes, {len(pt_cache.layers)} layers x "
+          f"{tuple(pt_cache.layers[0].keys.shape)} slots")"""),
     ("md", "## Cache memory: constant for KVpop, linear for dense"),
     ("code", """total = prompt_ids.shape[1] + 40
 dense_bytes = init_dense_cache(config, 1, total).nbytes

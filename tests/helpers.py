@@ -4,6 +4,7 @@ and train.main command lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from kvpop_jax import save_pretrained
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.modeling import abstract_params
 from pallas_kernels.compacted_attention import kvpop_attention_pallas_compacted
 from pallas_kernels.compat import TRITON_TARGETS  # noqa: F401  (re-exported for the kernel tests)
 from pallas_kernels.future_lse import future_attention_log_mass_pallas
@@ -64,6 +67,30 @@ def make_hf_checkpoint(path, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.save_pretrained(path)
     return model
+
+
+def kvpop_export(path, base, kvpop, rng):
+    """A random KVpop model saved as an export (kvpop_jax.save_pretrained) -> (config, params).
+
+    Drawn with numpy on the parameter shapes (nothing to compile): weights ~ N(0, 1/hidden),
+    norm scales near 1, and every KVpop parameter ~ N(0, 1) (their own init zeroes the scorers'
+    final projections: all scores equal, eviction by recency only).
+    """
+    config = dataclasses.replace(base, kvpop=kvpop)
+
+    def draw(key_path, leaf):
+        name = jax.tree_util.keystr(key_path)
+        if "kvpop" in name:
+            x = rng.normal(size=leaf.shape)
+        elif "scale" in name:
+            x = 1.0 + 0.3 * rng.normal(size=leaf.shape)
+        else:
+            x = rng.normal(size=leaf.shape) / np.sqrt(base.hidden_size)
+        return jnp.asarray(x, leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(draw, abstract_params(config))
+    save_pretrained(config, params, path)
+    return config, params
 
 
 # --- numpy brute force (independent of kvpop_jax.policy) ---------------------------------

@@ -9,7 +9,8 @@ import pytest
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig, Qwen3Config
-from kvpop_jax.cache import init_cache
+from kvpop_jax.attention import dense_attention_reference
+from kvpop_jax.cache import init_cache, prefix_attention
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
 BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -105,6 +106,32 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
     assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
 
 
+@pytest.mark.parametrize("capacity, chunk, new", [(37, 4, 1), (37, 8, 3), (64, 16, 1), (20, 2048, 2)])
+def test_dense_decode_attention_matches_dense_reference(rng, capacity, chunk, new):
+    """`prefix_attention` (chunk loop over the filled prefix, or one pass over the capacity, plus
+    the new tokens) == the dense reference over cache + new tokens, at every fill level; no slot
+    past the length counts (they hold garbage here)."""
+    b, hq, hkv, d = 2, 4, 2, 8
+    k_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.normal(size=(b, hkv, capacity, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, new, hq, d)), jnp.float32)
+    k_new = jnp.asarray(rng.normal(size=(b, new, hkv, d)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(b, new, hkv, d)), jnp.float32)
+    run = jax.jit(lambda pos, n: prefix_attention(q, k_cache, v_cache, k_new, v_new, q_positions=pos, length=n,
+                                                  chunk=chunk))
+    slots = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
+    for length in sorted({0, 1, chunk - 1, chunk, capacity // 2 - new, capacity // 2, capacity - new}):
+        if not 0 <= length <= capacity - new:
+            continue
+        pos = jnp.broadcast_to(length + jnp.arange(new), (b, new))
+        got = run(pos, jnp.int32(length))
+        full_k = jax.lax.dynamic_update_slice_in_dim(jnp.swapaxes(k_cache, 1, 2), k_new, length, 1)
+        full_v = jax.lax.dynamic_update_slice_in_dim(jnp.swapaxes(v_cache, 1, 2), v_new, length, 1)
+        want, _ = dense_attention_reference(q, full_k, full_v, q_positions=pos, kv_positions=slots,
+                                            kv_valid=slots < length + new)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"length {length}")
+
+
 def test_wrong_batch_or_several_tokens_after_the_prefill_are_errors_not_logits(rng):
     """Issue 13: a batch-1 cache fed 2 rows broadcast silently; a 3-token step after the prefill was off
     by 0.22 from the parallel forward. Both are ValueErrors now, for the KVpop and the baseline caches."""
@@ -123,3 +150,27 @@ def test_wrong_batch_or_several_tokens_after_the_prefill_are_errors_not_logits(r
                 model.apply({"params": params}, ids[:, 9:10], cache=c)
         with pytest.raises(ValueError, match="decodes one token per call after the prefill, got 3 tokens"):
             model.apply({"params": params}, ids[:1, 9:12], cache=after_prefill)
+
+
+def test_write_slot_scatter_equals_one_hot_select(rng):
+    """`write_slot` (a scatter, in place in a decode loop) == the one-hot select it replaced, on random
+    slots and enable masks; disabled rows keep their old values."""
+    from kvpop_jax.cache import KVpopLayerCache, write_slot
+
+    b, h, n, d = 3, 2, 7, 4
+    cache = KVpopLayerCache(k=jnp.asarray(rng.normal(size=(b, h, n, d)), jnp.float32),
+                            v=jnp.asarray(rng.normal(size=(b, h, n, d)), jnp.float32),
+                            pos=jnp.asarray(rng.integers(-1, 50, size=(b, h, n)), jnp.int32),
+                            priority=jnp.asarray(rng.normal(size=(b, h, n)), jnp.float32))
+    slot = jnp.asarray(rng.integers(0, n, size=(b, h)), jnp.int32)
+    enable = jnp.asarray(rng.random((b, h)) < 0.6)
+    k, v = (jnp.asarray(rng.normal(size=(b, h, d)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(rng.integers(0, 50, size=(b, h)), jnp.int32)
+    prio = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)
+    got = jax.jit(write_slot)(cache, slot, k, v, pos, prio, enable)
+    onehot = (jnp.arange(n) == slot[..., None]) & enable[..., None]
+    want = (jnp.where(onehot[..., None], k[:, :, None], cache.k), jnp.where(onehot[..., None], v[:, :, None], cache.v),
+            jnp.where(onehot, pos[..., None], cache.pos), jnp.where(onehot, prio[..., None], cache.priority))
+    for g, w in zip((got.k, got.v, got.pos, got.priority), want):
+        np.testing.assert_array_equal(g, w)
+    assert bool(enable.any()) and not bool(enable.all())  # both branches exercised

@@ -1,26 +1,32 @@
 """The package seams: no import cycles (function-level imports included) and one direction,
-pallas_kernels <- kvpop_jax <- demo <- eval <- train (DESIGN.md)."""
+pallas_kernels <- kvpop_jax <- demo <- eval <- train (DESIGN.md). kvpop_torch, the PyTorch
+serving side, stands alone: it imports no project package and no JAX, so torch + transformers
+are all it needs; only eval's benchmarks reach it, from inside a function."""
 
 import ast
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
 
 from helpers import REPO
 
-PACKAGES = ("pallas_kernels", "kvpop_jax", "demo", "eval", "train")
+PACKAGES = ("pallas_kernels", "kvpop_jax", "kvpop_torch", "demo", "eval", "train")
 # What each package may import from the project (its own modules aside).
 ALLOWED = {
     "pallas_kernels": set(),
     "kvpop_jax": {"pallas_kernels"},
+    "kvpop_torch": set(),
     "demo": {"pallas_kernels", "kvpop_jax"},
-    "eval": {"pallas_kernels", "kvpop_jax", "demo"},
+    "eval": {"pallas_kernels", "kvpop_jax", "demo", "kvpop_torch"},
     "train": {"pallas_kernels", "kvpop_jax", "demo", "eval"},
 }
 # Heavy optional dependencies a function may import when (and only when) it needs them.
-LAZY_OK = {"datasets", "transformers", "tokenizers", "torch", "matplotlib", "math_verify"}
+LAZY_OK = {"datasets", "transformers", "tokenizers", "torch", "matplotlib", "math_verify", "kvpop_torch"}
+# What kvpop_torch must never pull in: a user with only torch + transformers runs it.
+JAX_STACK = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 KERNEL_DEPS = {"jax", "__future__", "contextlib", "dataclasses", "functools", "inspect", "numbers", "math"}
 
 
@@ -122,6 +128,19 @@ def test_kernels_import_only_jax():
             for target, _ in imports(path, m):
                 top = target.split(".")[0]
                 assert top in KERNEL_DEPS | {"pallas_kernels"}, f"{m} imports {target}"
+
+
+def test_kvpop_torch_imports_no_jax():
+    for m, path in modules().items():
+        if m.startswith("kvpop_torch"):
+            for target, _ in imports(path, m):
+                top = target.split(".")[0]
+                assert top not in JAX_STACK and (top == "kvpop_torch" or top not in PACKAGES), f"{m} imports {target}"
+    # Transitively too (transformers must not drag JAX in): a fresh interpreter.
+    code = ("import sys, kvpop_torch; bad = sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:])); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code, *JAX_STACK, *(p for p in PACKAGES if p != "kvpop_torch")],
+                   cwd=REPO, check=True)
 
 
 def test_imports_inside_functions_are_heavy_optional_dependencies():

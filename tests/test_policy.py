@@ -111,6 +111,22 @@ def test_policy_matches_brute_force(rng, seq, s, w, k, integer):
     assert bnd.y.dtype == np.float32 and bnd.t_bnd.dtype == np.int32 and bnd.valid.dtype == np.bool_
 
 
+@pytest.mark.parametrize("seq,s,w,k", COMBOS)
+def test_boundary_from_precomputed_cutoffs_equals_its_own_scan(rng, seq, s, w, k):
+    """One Fenwick scan serves cutoff and boundary: kth from the cutoffs == the scan's kth, and
+    teacher_boundary(cutoffs=...) == teacher_boundary() field by field (any back end's cutoffs)."""
+    ranks = np.stack([np.stack([rng.permutation(seq) for _ in range(3)]) for _ in range(2)]).astype(np.int32)
+    cutoffs = policy.running_topk_cutoff(ranks, sinks=s, window=w, topk=k, implementation="xla")
+    np.testing.assert_array_equal(policy.kth_rank_from_cutoffs(ranks, cutoffs, sinks=s, window=w, topk=k),
+                                  policy.running_kth_rank(ranks, sinks=s, window=w, topk=k))
+    want = policy.teacher_boundary(ranks, sinks=s, window=w, topk=k)
+    got = policy.teacher_boundary(ranks, sinks=s, window=w, topk=k, cutoffs=cutoffs)
+    for field in want._fields:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    with pytest.raises(ValueError, match="cutoffs shape"):
+        policy.kth_rank_from_cutoffs(ranks, cutoffs[..., :-1], sinks=s, window=w, topk=k)
+
+
 @pytest.mark.parametrize("seq,s,w,k", [(30, 2, 3, 4), (25, 0, 1, 1), (18, 1, 2, 0)])
 def test_bounded_cache_simulation_matches_mask_and_boundary(rng, seq, s, w, k):
     """Decoding: t_new competes for k slots, the worst (ties: later) is evicted for good."""

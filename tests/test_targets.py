@@ -60,10 +60,12 @@ def _np_target(mass_bar, hkv, window, eps, aggregate, normalize):
 def test_blockwise_log_mass_matches_dense_reference(rng, s, block, window, hkv, g):
     q, k = _qk(rng, s, hkv, g)
     lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0  # any normalizer
-    got = targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=block)
     want = targets.future_attention_log_mass_dense(q, k, lse, window=window)
-    assert got.shape == (B, hkv * g, s) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    banded = targets.future_attention_log_mass_banded(q, k, lse, window=window, block_size=block)
+    got = targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=block)
+    for x in (got, banded):
+        assert x.shape == (B, hkv * g, s) and x.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(x), np.asarray(want), rtol=1e-5, atol=1e-5)
     t = np.arange(s)
     empty = t + window >= s
     assert np.all(np.isneginf(np.asarray(got)[..., empty]))  # documented: −inf, exact log 0
@@ -225,6 +227,8 @@ def test_max_reduction_matches_reference_and_numpy(rng, s, block, window):
     got = targets.future_attention_log_mass_reference(q, k, lse, window=window, block_size=block, reduce="max")
     want = targets.future_attention_log_mass_dense(q, k, lse, window=window, reduce="max")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    banded = targets.future_attention_log_mass_banded(q, k, lse, window=window, block_size=block, reduce="max")
+    np.testing.assert_allclose(np.asarray(banded), np.asarray(want), rtol=1e-5, atol=1e-5)
     t = np.arange(s)
     ell = _np_logits(q, k) - lse[..., None].astype(np.float64)  # [B, Hq, d, t]
     future = t[:, None] >= t[None, :] + window
@@ -253,6 +257,7 @@ def test_lookahead_limits_the_future_queries(rng, s, block, window, lookahead):
         want = np.log(mass)
     lse = targets.dense_lse(q, k)
     for fn in (functools.partial(targets.future_attention_log_mass_reference, block_size=block),
+               functools.partial(targets.future_attention_log_mass_banded, block_size=block),
                targets.future_attention_log_mass_dense):
         got = np.asarray(fn(q, k, lse, window=window, lookahead=lookahead))
         finite = np.isfinite(want)
@@ -265,3 +270,19 @@ def test_lookahead_limits_the_future_queries(rng, s, block, window, lookahead):
     np.testing.assert_allclose(np.asarray(target), np.log(eps + m), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="lookahead"):
         targets.future_attention_log_mass(q, k, lse, window=window, lookahead=-1)
+
+
+@pytest.mark.parametrize("reduce, lookahead", [("sum", None), ("max", None), ("sum", 70)])
+def test_banded_pass_is_the_dispatchers_choice_off_gpu(rng, monkeypatch, reduce, lookahead):
+    """Past one block the dispatcher takes the banded pass; it equals the reference (fresh inputs)."""
+    monkeypatch.delenv(targets.FUTURE_ATTENTION_LOG_MASS.env_var, raising=False)
+    s, hkv, g, window = 300, 2, 2, 5
+    q, k = _qk(rng, s, hkv, g)
+    lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0
+    kw = dict(window=window, reduce=reduce, lookahead=lookahead)
+    assert targets.FUTURE_ATTENTION_LOG_MASS.select(None, q, k, lse, **kw) == "xla_sparse"
+    assert targets.FUTURE_ATTENTION_LOG_MASS.select(None, q[:, :100], k[:, :100], lse[..., :100], **kw) == "xla"
+    got = np.asarray(targets.future_attention_log_mass(q, k, lse, **kw))
+    want = np.asarray(targets.future_attention_log_mass_reference(q, k, lse, **kw))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)

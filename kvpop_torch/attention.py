@@ -1,0 +1,66 @@
+"""The "kvpop" attention function, registered with transformers' `AttentionInterface` (no remote code).
+
+transformers calls it as `fn(module, query [B, Hq, T, D], key [B, Hkv, K, D], value, attention_mask,
+scaling=..., **kwargs)` with the keys/values `KVpopCache.update` returned and the `kvpop_mask`
+that update put into the same kwargs. Query head `h * G + g` reads KV head h (as `repeat_kv`),
+so each KV head's G query heads are folded into one query axis and share its mask: keys and
+values are never repeated. The prefill mask is built one query block at a time, so memory is
+O(block x P) per head rather than O(P^2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from kvpop_torch import policy
+
+ATTENTION_NAME = "kvpop"
+QUERY_BLOCK = 512
+
+
+class KVpopMask:
+    """Which keys each query of one attention call may read, per KV head.
+
+    Either `slot_valid` bool [B, Hkv, 1, N] (decode: the non-empty slots) or the prompt's
+    `prefill_last_kept` int [B, Hkv, P] (`policy.last_kept_query`) with the sinks and window.
+    `consumed` is set by the attention function, so the cache can tell when it was ignored.
+    """
+
+    def __init__(self, *, slot_valid=None, prefill_last_kept=None, sinks: int = 0, window: int = 1):
+        self.slot_valid, self.last_kept = slot_valid, prefill_last_kept
+        self.sinks, self.window = sinks, window
+        self.consumed = False
+
+    def rows(self, q0: int, q1: int) -> torch.Tensor:
+        """bool [B, Hkv, q1 - q0, K] for the queries q0..q1-1 of this call."""
+        if self.slot_valid is not None:
+            return self.slot_valid
+        return policy.prefill_mask_block(self.last_kept, q0, q1, sinks=self.sinks, window=self.window)
+
+
+def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """Masked softmax attention under the KVpop cache's mask -> (out [B, T, Hq, D], None)."""
+    mask = kwargs.get("kvpop_mask")
+    if mask is None:
+        raise ValueError(f"attn_implementation={ATTENTION_NAME!r} needs a KVpopCache: "
+                         "model.generate(ids, cache=KVpopCache.from_pretrained(export_dir, model)) or "
+                         "model(ids, cache=cache); for dense attention load the model with 'sdpa'")
+    mask.consumed = True
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    outs = []
+    for q0 in range(0, t, QUERY_BLOCK):
+        q1 = min(t, q0 + QUERY_BLOCK)
+        q_blk = query[:, :, q0:q1].reshape(b, hkv, g * (q1 - q0), d)  # [B, Hkv, G*Tb, D]
+        rows = mask.rows(q0, q1)
+        rows = rows[:, :, None].expand(-1, -1, g, -1, -1).reshape(b, hkv, g * (q1 - q0), -1)
+        out = F.scaled_dot_product_attention(q_blk, key, value.to(query.dtype), attn_mask=rows, scale=scaling)
+        outs.append(out.reshape(b, hq, q1 - q0, d))
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, kvpop_attention)

@@ -1,0 +1,294 @@
+"""`KVpopCache`: the bounded per-KV-head KVpop cache as a `transformers` Cache.
+
+Each layer keeps `N = s + w + k` slots per (batch row, KV head), laid out exactly as
+`kvpop_jax.cache.KVpopLayerCache`:
+
+  slots [0, s)          sinks: token t < s in slot t
+  slots [s, s + w)      the window ring: token t >= s in slot s + (t - s) % w
+  slots [s + w, N)      the long-range top-k, each with its token's static priority
+
+`update` (called by the attention layer with the new, RoPE-rotated keys and values) does
+what `KVpopHead.prefill` / `decode` do on the JAX side:
+
+- prefill (first call, P > 1 tokens): scores the prompt, returns its P keys/values for the
+  masked parallel forward and keeps the retained set after its last token;
+- decode (one token): the token u = q - w leaving the window competes for the k long-range
+  slots (an empty slot first, else the worst priority, ties: the later position, is replaced
+  iff u's priority is strictly higher), token q takes its ring slot, and the N slots are
+  returned.
+
+The mask for the attention goes through the attention call's own kwargs dict (the one
+transformers splats into the attention function) as `kvpop_mask`; the attention function
+registered as "kvpop" (`kvpop_torch.attention`) applies it. Memory after the prefill is
+constant: N slots per head and the mLSTM state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpop_torch import policy
+from kvpop_torch.attention import ATTENTION_NAME, KVpopMask
+from kvpop_torch.checkpoint import load_heads
+from kvpop_torch.config import KVpopSettings
+from kvpop_torch.scorers import KVpopHead, MLSTMState, static_priority
+
+LATEST_EMPTY = 2**62  # sorts an empty slot after every position when picking the worst slot
+
+
+def ring_slot(t: int, settings: KVpopSettings) -> int:
+    """Slot of token t: t for a sink, s + (t - s) % w in the window ring."""
+    return t if t < settings.sinks else settings.sinks + (t - settings.sinks) % settings.window
+
+
+class KVpopLayer(CacheLayerMixin):
+    """One layer's bounded cache (see the module docstring).
+
+    keys, values: [B, Hkv, N, D] (the model's dtype); pos: int64 [B, Hkv, N], the token in
+    each slot (-1 empty); priority: float32 [B, Hkv, N] (NEG_INF where unknown); state: the
+    mLSTM state or None; seen: tokens seen so far (what `get_seq_length` reports).
+    """
+
+    is_compileable = False  # generate() must not compile or build 4D masks from slot indices
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, settings: KVpopSettings, head: KVpopHead):
+        super().__init__()
+        self.settings, self.head = settings, head
+        self.seen = 0
+        self.pos = self.priority = self.state = None
+        self._pending: KVpopMask | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.settings.budget
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        n = self.num_slots
+        self.dtype, self.device, self.batch_size = key_states.dtype, key_states.device, b
+        self.keys = key_states.new_zeros(b, h, n, d)
+        self.values = value_states.new_zeros(b, h, n, value_states.shape[-1])
+        self.pos = torch.full((b, h, n), -1, dtype=torch.long, device=self.device)
+        self.priority = torch.full((b, h, n), policy.NEG_INF, dtype=torch.float32, device=self.device)
+        self.state = self.head.scorer.init_state(b, self.device) if self.settings.scorer == "mlstm" else None
+        self.is_initialized = True
+
+    # -- the two steps ------------------------------------------------------------------
+
+    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
+        """key/value_states [B, Hkv, T, D] -> the keys/values this call attends to."""
+        if kwargs is None:
+            raise ValueError("KVpopCache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
+                             "kwargs=kwargs), as transformers' Qwen3 attention passes them)")
+        if self._pending is not None and not self._pending.consumed:
+            raise RuntimeError(f"the attention did not apply the KVpop mask: load the model with "
+                               f"attn_implementation={ATTENTION_NAME!r} (kvpop_torch.load does)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = key_states.shape[2]
+        if length == 1:
+            out = self._decode(key_states, value_states)
+        elif self.seen == 0:
+            self._check_positions(kwargs.get("position_ids"), length)
+            out = self._prefill(key_states, value_states)
+        else:
+            raise NotImplementedError("a KVpop cache takes one prompt, then one token per call (no chunked "
+                                      "prefill, no multi-token continuation)")
+        self.seen += length
+        kwargs["kvpop_mask"] = self._pending = out[2]
+        return out[0], out[1]
+
+    @staticmethod
+    def _check_positions(position_ids, length: int) -> None:
+        if position_ids is None:
+            return
+        want = torch.arange(length, device=position_ids.device)
+        if not bool((position_ids == want).all()):
+            raise ValueError("KVpopCache needs unpadded prompts of equal length at positions 0..P-1 (padding "
+                             "tokens would take sink and long-range slots); decode ragged prompts one at a time")
+
+    @torch.no_grad()
+    def _prefill(self, k, v):
+        """The masked parallel forward's mask over the prompt, and the cache after its last token."""
+        s, w, topk = self.settings.sinks, self.settings.window, self.settings.topk
+        b, h, p, _ = k.shape
+        k_bshd, v_bshd = k.transpose(1, 2), v.transpose(1, 2)
+        scorer = self.head.scorer
+        if self.settings.scorer == "mlstm":
+            scores, self.state = scorer.scores_and_state(k_bshd, v_bshd)
+        else:
+            scores = scorer(k_bshd, v_bshd)
+        t = torch.arange(p, device=k.device)
+        priority = static_priority(scores, self.head.log_gamma(), t)
+        last_kept = policy.last_kept_query(policy.ranks_from_priority(priority), sinks=s, window=w, topk=topk)
+        mask = KVpopMask(prefill_last_kept=last_kept, sinks=s, window=w)
+
+        if self.settings.delayed:  # window tokens get their score when they leave
+            priority = torch.where(t + w <= p - 1, priority, torch.tensor(policy.NEG_INF, device=k.device))
+        in_place = ((t < s) | (t > p - 1 - w)).nonzero()[:, 0]
+        slots = torch.tensor([ring_slot(int(x), self.settings) for x in in_place.tolist()], device=k.device)
+        self.keys[:, :, slots] = k[:, :, in_place].to(self.dtype)
+        self.values[:, :, slots] = v[:, :, in_place].to(self.dtype)
+        self.pos[:, :, slots] = in_place
+        self.priority[:, :, slots] = priority[:, :, in_place]
+        long_range = policy.prefill_long_range(priority, sinks=s, window=w, topk=topk)
+        if long_range is not None:
+            chosen, valid = long_range
+            lr = slice(s + w, s + w + chosen.shape[-1])
+            gather = lambda x: torch.gather(x, 2, chosen[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
+            self.keys[:, :, lr] = torch.where(valid[..., None], gather(k), 0).to(self.dtype)
+            self.values[:, :, lr] = torch.where(valid[..., None], gather(v), 0).to(self.dtype)
+            self.pos[:, :, lr] = torch.where(valid, chosen, -1)
+            self.priority[:, :, lr] = torch.where(valid, torch.gather(priority, 2, chosen), policy.NEG_INF)
+        return k, v, mask
+
+    @torch.no_grad()
+    def _decode(self, k, v):
+        """Token q = seen: score, admit the token leaving the window, write q, attend to the N slots."""
+        cfg, scorer = self.settings, self.head.scorer
+        q = self.seen
+        k_t, v_t = k[:, :, 0], v[:, :, 0]  # [B, H, D]
+        log_gamma = self.head.log_gamma()
+        at = lambda pos: torch.tensor(pos, device=k.device)  # noqa: E731
+        if cfg.scorer == "mlstm":
+            self.state = scorer.step(self.state, k_t, v_t)
+        if cfg.delayed:
+            prio_t = torch.full(k_t.shape[:2], policy.NEG_INF, device=k.device)
+        else:
+            score_t = scorer.readout(self.state, k_t, v_t) if cfg.scorer == "mlstm" else \
+                scorer(k_t[:, None], v_t[:, None])[:, :, 0]
+            prio_t = static_priority(score_t[..., None], log_gamma, at(q))[..., 0]
+        slot = ring_slot(q, cfg)
+        u = q - cfg.window  # leaves the window now: the token in the ring slot q takes
+        if cfg.topk > 0 and u >= cfg.sinks:
+            k_u, v_u = self.keys[:, :, slot], self.values[:, :, slot]
+            if cfg.delayed:
+                prio_u = static_priority(scorer.readout(self.state, k_u, v_u)[..., None], log_gamma, at(u))[..., 0]
+            else:
+                prio_u = self.priority[:, :, slot]
+            self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; _admit writes only long-range slots
+        self.keys[:, :, slot] = k_t.to(self.dtype)
+        self.values[:, :, slot] = v_t.to(self.dtype)
+        self.pos[:, :, slot] = q
+        self.priority[:, :, slot] = prio_t
+        return self.keys, self.values, KVpopMask(slot_valid=(self.pos >= 0)[:, :, None, :])
+
+    def _admit(self, k_u, v_u, u: int, prio_u) -> None:
+        """u competes for the long-range slots (`kvpop_jax.cache.admit_to_long_range`)."""
+        lo = self.settings.sinks + self.settings.window
+        lr_pos, lr_prio = self.pos[..., lo:], self.priority[..., lo:]
+        empty = lr_pos < 0
+        key = torch.where(empty, -float("inf"), lr_prio)
+        at_min = key == key.amin(dim=-1, keepdim=True)
+        worst = torch.argmax(torch.where(at_min, torch.where(empty, LATEST_EMPTY, lr_pos), -2), dim=-1)  # [B, H]
+        pick = lambda x: torch.gather(x, -1, worst[..., None])[..., 0]  # noqa: E731
+        admit = pick(empty) | (prio_u > pick(lr_prio))
+        slot = (lo + worst)[..., None]  # [B, H, 1]
+        for store, new in ((self.keys, k_u), (self.values, v_u)):
+            index = slot[..., None].expand(-1, -1, -1, store.shape[-1])
+            old = torch.gather(store, 2, index)[:, :, 0]
+            store.scatter_(2, index, torch.where(admit[..., None], new.to(store.dtype), old)[:, :, None])
+        self.pos.scatter_(2, slot, torch.where(admit, u, pick(lr_pos))[..., None])
+        self.priority.scatter_(2, slot, torch.where(admit, prio_u, pick(lr_prio))[..., None])
+
+    # -- the transformers Cache protocol -------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        return self.seen  # tokens seen: generate() slices prompts and builds positions from it
+
+    def get_max_length(self) -> int:
+        return self.num_slots
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only consulted by transformers' own mask builders; the "kvpop" attention builds its own.
+        if self.seen == 0:
+            return query_length, 0
+        return self.num_slots, self.seen + query_length - self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: slots, bookkeeping and scorer state."""
+        if not self.is_initialized:
+            return 0
+        tensors = [self.keys, self.values, self.pos, self.priority, *(self.state or ())]
+        return sum(x.numel() * x.element_size() for x in tensors)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+            self.pos.fill_(-1)
+            self.priority.fill_(policy.NEG_INF)
+            if self.state is not None:
+                self.state = self.head.scorer.init_state(self.batch_size, self.device)
+        self.seen, self._pending = 0, None
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values, self.pos, self.priority = map(fn, (self.keys, self.values, self.pos, self.priority))
+        if self.state is not None:
+            self.state = MLSTMState(*map(fn, self.state))
+        self.batch_size = self.keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda x: x[indices, ...])
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a KVpop cache cannot roll back: evicted tokens are gone")
+
+
+class KVpopCache(Cache):
+    """Bounded KVpop cache for every layer of a KVpop export; pass it to `model.generate(..., cache=...)`.
+
+        model = AutoModelForCausalLM.from_pretrained(export_dir, attn_implementation="kvpop")
+        cache = KVpopCache.from_pretrained(export_dir, model)
+        out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)
+
+    A cache serves one generation (one prompt batch); make a new one for the next.
+    """
+
+    def __init__(self, settings: KVpopSettings, heads: Sequence[KVpopHead]):
+        self.settings = settings
+        super().__init__(layers=[KVpopLayer(settings, head) for head in heads])
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, model=None, *, device=None) -> "KVpopCache":
+        """The cache for the KVpop export in `directory` (config.json "kvpop" block and its safetensors).
+
+        With `model`, checks that it attends through "kvpop" and puts the scorers on its device.
+        """
+        if model is not None:
+            check_attention(model)
+            device = device or next(model.parameters()).device
+        settings, heads = load_heads(directory, device=device)
+        return cls(settings, heads)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def positions(self) -> list[torch.Tensor]:
+        """The token in every slot, per layer: int64 [B, Hkv, N] (-1 empty)."""
+        return [layer.pos for layer in self.layers]
+
+
+def check_attention(model) -> None:
+    """A KVpop cache is only correct under the "kvpop" attention (others ignore its mask)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTENTION_NAME:
+        raise ValueError(f"the model attends with {impl!r}, which ignores the KVpop mask; load it with "
+                         f"attn_implementation={ATTENTION_NAME!r} or call model.set_attn_implementation("
+                         f"{ATTENTION_NAME!r})")

@@ -1,0 +1,61 @@
+"""Reading a KVpop export's scorers with torch + safetensors alone.
+
+An export (`kvpop_jax.save_pretrained` / `python -m train.export`) is a HF Qwen3 folder whose
+config.json has a "kvpop" block and whose safetensors hold, per layer, the scorer and decay
+as `model.layers.{i}.self_attn.kvpop.<name>` (e.g. `...kvpop.scorer.w_q`, `...kvpop.decay_alpha`).
+transformers loads the base weights and leaves those tensors to us.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors import safe_open
+
+from kvpop_torch.config import KVpopSettings, read_config
+from kvpop_torch.scorers import KVpopHead
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+KVPOP_PREFIX = "model.layers.{i}.self_attn.kvpop."
+
+
+def weight_files(directory: str | os.PathLike) -> dict[str, str]:
+    """tensor name -> safetensors file of the export (single file or sharded index)."""
+    directory = os.fspath(directory)
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {n: os.path.join(directory, fn) for n, fn in json.load(f)["weight_map"].items()}
+    single = os.path.join(directory, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory!r}")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSettings, list[KVpopHead]]:
+    """The export's KVpop settings and one `KVpopHead` (scorer + decay, float32) per layer."""
+    config = read_config(directory)
+    if not config.get("kvpop"):
+        raise ValueError(f"{os.fspath(directory)!r} is a dense export (its config.json has no 'kvpop' block): "
+                         "decode it with transformers' own cache")
+    settings = KVpopSettings.from_dict(config["kvpop"])
+    heads_kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    files = weight_files(directory)
+    heads = []
+    for i in range(config["num_hidden_layers"]):
+        prefix = KVPOP_PREFIX.format(i=i)
+        state = {}
+        for name in (n for n in files if n.startswith(prefix)):
+            with safe_open(files[name], framework="pt") as f:
+                state[name[len(prefix):]] = f.get_tensor(name)
+        head = KVpopHead(settings, heads_kv, head_dim)
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"layer {i} of {os.fspath(directory)!r}: missing KVpop tensors "
+                             f"{[prefix + n for n in missing]}, unexpected {[prefix + n for n in unexpected]}")
+        heads.append(head.to(device) if device is not None else head)
+    return settings, heads

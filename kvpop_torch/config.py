@@ -1,0 +1,102 @@
+"""The `kvpop` block of an exported `config.json`, read without the JAX library.
+
+`kvpop_jax.checkpoint.save_pretrained` writes `KVpopConfig.to_dict()` under "kvpop". Serving
+needs only the budget, the scorer and its options and the decay bounds; the training knobs
+(losses, targets, sampling) are ignored. Missing fields take kvpop_jax's defaults (an export
+written before an option existed was trained with its default), duplicated here on purpose:
+this package must load with only torch + transformers installed, and a test keeps the two
+sets of defaults equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SCORERS = ("linear", "mlp", "mlstm")
+FEATURE_MAPS = ("hedgehog", "softmax")
+MLSTM_VALUES = ("projection", "cached")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVpopSettings:
+    """What the bounded cache and the scorers need of a KVpop export (kvpop_jax's KVpopConfig subset)."""
+
+    sinks: int = 4  # s
+    window: int = 256  # w
+    topk: int = 2016  # k
+    scorer: str = "mlp"  # linear | mlp | mlstm
+    scorer_hidden: int = 64
+    mlstm_dim: int | None = None  # d; None: head_dim
+    mlstm_feature_map: str = "hedgehog"
+    mlstm_value: str = "projection"
+    mlstm_skip: bool = False
+    mlstm_norm: bool = False
+    mlstm_chunk: int = 64
+    mlstm_gate_softcap: float = 15.0  # 0 = off
+    delayed_readout: bool = True
+    gamma_min: float = 0.999
+    gamma_max: float = 0.999999
+    decay_step: int = 1
+
+    def __post_init__(self):
+        for name in ("sinks", "window", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"kvpop.{name} must be an int >= 0, got {value!r}")
+        if self.window < 1:
+            raise ValueError(f"kvpop.window must be >= 1, got {self.window}")
+        for name, allowed in (("scorer", SCORERS), ("mlstm_feature_map", FEATURE_MAPS),
+                              ("mlstm_value", MLSTM_VALUES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"kvpop.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.decay_step != 1:
+            raise ValueError(f"kvpop.decay_step must be 1 (static priorities), got {self.decay_step!r}")
+        if not 0.0 < self.gamma_min < self.gamma_max < 1.0:
+            raise ValueError(f"kvpop needs 0 < gamma_min < gamma_max < 1, got {self.gamma_min!r}, {self.gamma_max!r}")
+
+    @property
+    def budget(self) -> int:
+        """B = s + w + k slots per KV head."""
+        return self.sinks + self.window + self.topk
+
+    @property
+    def delayed(self) -> bool:
+        """The scorer scores a token when it leaves the window (the delayed-readout mLSTM)."""
+        return self.scorer == "mlstm" and self.delayed_readout
+
+    @property
+    def log_gamma_bounds(self) -> tuple[float, float]:
+        return math.log(self.gamma_min), math.log(self.gamma_max)
+
+    def mlstm_features(self, head_dim: int) -> int:
+        """d: width of the mLSTM query/key features."""
+        return self.mlstm_dim or head_dim
+
+    def mlstm_value_dim(self, head_dim: int) -> int:
+        """dv: width of v~ and of the readout (d/2 projected, or the cached value's head_dim)."""
+        return head_dim if self.mlstm_value == "cached" else self.mlstm_features(head_dim) // 2
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any]) -> "KVpopSettings":
+        """The "kvpop" block of config.json; fields this side does not use are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in block.items() if k in known})
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The export's config.json as a dict."""
+    path = os.path.join(os.fspath(directory), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {os.fspath(directory)!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_settings(directory: str | os.PathLike) -> KVpopSettings | None:
+    """The export's KVpop settings, or None for a dense export (no "kvpop" block)."""
+    block = read_config(directory).get("kvpop")
+    return KVpopSettings.from_dict(block) if block else None

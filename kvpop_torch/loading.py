@@ -1,0 +1,43 @@
+"""`kvpop_torch.load(dir)`: a model and a cache factory for any export, KVpop or dense."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+
+from kvpop_torch.attention import ATTENTION_NAME
+from kvpop_torch.cache import KVpopCache
+from kvpop_torch.checkpoint import load_heads
+from kvpop_torch.config import read_config
+
+
+def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None):
+    """(model, make_cache) for an export: `model.generate(ids, cache=make_cache(), ...)`.
+
+    A KVpop export loads with the "kvpop" attention and `make_cache()` returns a fresh
+    `KVpopCache` (the scorers are loaded once and shared); a dense export loads with "sdpa"
+    and `make_cache()` returns a `DynamicCache`.
+    """
+    kvpop = bool(read_config(directory).get("kvpop"))
+    # The kvpop tensors are ours, not the model's: load quietly, then report anything else.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            os.fspath(directory), dtype=dtype, attn_implementation=ATTENTION_NAME if kvpop else "sdpa",
+            output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    unexpected = sorted(k for k in info["unexpected_keys"] if ".self_attn.kvpop." not in k)
+    if info["missing_keys"] or info["mismatched_keys"] or unexpected:
+        raise ValueError(f"{os.fspath(directory)!r} does not match its config: missing {sorted(info['missing_keys'])}, "
+                         f"mismatched {info['mismatched_keys']}, unexpected {unexpected}")
+    model = model.to(device).eval() if device is not None else model.eval()
+    if not kvpop:
+        return model, lambda: DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    settings, heads = load_heads(directory, device=device)
+    return model, lambda: KVpopCache(settings, heads)

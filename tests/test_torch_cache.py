@@ -1,0 +1,149 @@
+"""kvpop_torch.KVpopCache decodes a KVpop export in transformers exactly as kvpop_jax does.
+
+Teacher-forced decode logits equal the JAX bounded-cache decode (1e-4, fp32) and every layer's
+slots hold the same token positions after every step, through prompts shorter and longer than
+B; greedy `generate` on the shipped demo exports gives the tokens of `eval.main generate`.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import kvpop_torch
+from eval import main as eval_main
+from helpers import REPO, TINY_HF_CONFIGS, kvpop_export
+from kvpop_jax import KVpopConfig, Qwen3Config
+from kvpop_jax.cache import init_cache
+from kvpop_jax.modeling import Qwen3ForCausalLM
+from kvpop_torch import KVpopCache
+
+BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+SEQ_LEN = 36
+
+CASES = [
+    # (base, KVpopConfig options, prompt lengths: shorter and longer than B = s + w + k)
+    (BASE, dict(scorer="linear", sinks=2, window=5, topk=0), (3, 20)),  # StreamingLLM-like
+    (BASE, dict(scorer="mlp", sinks=1, window=3, topk=8), (5, 30)),
+    (BASE, dict(scorer="mlp", sinks=0, window=1, topk=6), (1, 17)),  # a one-token prompt is a decode step
+    (BASE, dict(scorer="mlstm", sinks=2, window=4, topk=5), (3, 25)),  # delayed readout
+    (BASE, dict(scorer="mlstm", sinks=1, window=4, topk=5, delayed_readout=False), (6, 20)),
+    (BASE, dict(scorer="mlstm", sinks=2, window=4, topk=6, mlstm_feature_map="softmax", mlstm_value="cached",
+                mlstm_norm=True), (5, 20)),
+    (Qwen3Config(**TINY_HF_CONFIGS["g4_bias"]),  # GQA 4, attention biases, 3 layers
+     dict(scorer="mlstm", sinks=2, window=4, topk=6, mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_dim=8,
+          mlstm_init="random"), (5, 20)),
+]
+
+
+def jax_teacher_forced(model, params, ids, prompt_len, step):
+    """(logits [B, S, V], per step: every layer's slot positions [B, Hkv, N]) of the JAX bounded cache."""
+    prefill = jax.jit(lambda p, x: model.apply({"params": p}, x, cache=init_cache(model.config, x.shape[0])))
+    out = prefill(params, jnp.asarray(ids[:, :prompt_len]))
+    logits, cache = [np.asarray(out.logits)], out.cache
+    positions = [[np.asarray(layer.pos) for layer in cache.layers]]
+    for t in range(prompt_len, ids.shape[1]):
+        out = step(params, cache, jnp.asarray(ids[:, t : t + 1]))
+        cache = out.cache
+        logits.append(np.asarray(out.logits))
+        positions.append([np.asarray(layer.pos) for layer in cache.layers])
+    return np.concatenate(logits, axis=1), positions
+
+
+def torch_teacher_forced(model, cache, ids, prompt_len):
+    """The same through transformers with a KVpopCache; also checks that its memory never grows."""
+    ids = torch.as_tensor(ids)
+    with torch.no_grad():
+        out = model(ids[:, :prompt_len], cache=cache)
+        logits, positions = [out.logits], [[p.numpy().copy() for p in cache.positions()]]
+        nbytes = cache.nbytes
+        for t in range(prompt_len, ids.shape[1]):
+            out = model(ids[:, t : t + 1], cache=cache)
+            logits.append(out.logits)
+            positions.append([p.numpy().copy() for p in cache.positions()])
+            assert cache.nbytes == nbytes
+    return torch.cat(logits, dim=1).numpy(), positions
+
+
+@pytest.mark.parametrize("base,options,prompt_lens", CASES,
+                         ids=[f"{o['scorer']}-{i}" for i, (_, o, _) in enumerate(CASES)])
+def test_teacher_forced_decode_and_kept_slots_equal_kvpop_jax(tmp_path, rng, base, options, prompt_lens):
+    kv = KVpopConfig(mlstm_chunk=8, **options)
+    config, params = kvpop_export(tmp_path, base, kv, rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    jax_model = Qwen3ForCausalLM(config)
+    step = jax.jit(lambda p, c, t: jax_model.apply({"params": p}, t, cache=c))  # one compile for both prompts
+    ids = rng.integers(0, base.vocab_size, size=(2, SEQ_LEN))
+    for prompt_len in prompt_lens:
+        want, want_pos = jax_teacher_forced(jax_model, params, ids, prompt_len, step)
+        cache = make_cache()
+        got, got_pos = torch_teacher_forced(model, cache, ids, prompt_len)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        for i, (a, b) in enumerate(zip(got_pos, want_pos)):
+            for layer, (x, y) in enumerate(zip(a, b)):
+                np.testing.assert_array_equal(x, y, err_msg=f"prompt {prompt_len}, step {i}, layer {layer}")
+        # Bounded: B slots per KV head, all taken by now (the sequence is longer than B).
+        layer = cache.layers[0]
+        assert layer.keys.shape == (2, base.num_key_value_heads, kv.budget, base.head_dim)
+        assert (layer.pos >= 0).all()
+
+
+def test_generate_idioms_and_misuse(tmp_path, rng):
+    kv = KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4)
+    kvpop_export(tmp_path, BASE, kv, rng)
+    ids = torch.as_tensor(rng.integers(0, BASE.vocab_size, size=(2, 12)))
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="kvpop").eval()
+    with torch.no_grad():
+        a = model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        with pytest.warns(FutureWarning):  # the name before transformers 5.24
+            b = model.generate(ids, past_key_values=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="needs a KVpopCache"):
+            model(ids, use_cache=False)
+        with pytest.raises(ValueError, match="unpadded prompts"):
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0
+            model.generate(ids, attention_mask=mask, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        cache = KVpopCache.from_pretrained(tmp_path, model)
+        model(ids, cache=cache)
+        with pytest.raises(NotImplementedError, match="one token per call"):
+            model(ids[:, :2], cache=cache)
+        # Any other attention would silently ignore the mask.
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match="ignores the KVpop mask"):
+            KVpopCache.from_pretrained(tmp_path, model)
+        cache = KVpopCache.from_pretrained(tmp_path)
+        model(ids, cache=cache)
+        with pytest.raises(RuntimeError, match="did not apply the KVpop mask"):
+            model(ids[:, :1], cache=cache)
+
+
+@pytest.mark.parametrize("name", ["demo-kvpop-mlstm", "demo-teacher"])
+def test_greedy_generate_on_demo_exports_matches_eval_generate(capsys, name):
+    """The shipped exports: transformers + kvpop_torch give the tokens `python -m eval.main generate` prints."""
+    from demo import task as demo_task
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+
+    directory = os.path.join(REPO, "checkpoints", name)
+    example = demo_task.generate_example(demo_task.example_seed(0, "test", 3), seq_len=384)
+    prompt = checkpoint_tokenizer(directory)(example["prompt"])["input_ids"]
+    eval_main.main(["generate", "--checkpoint", directory, "--prompt_ids", ",".join(map(str, prompt)),
+                    "--max_new_tokens", "24", "--temperature", "0"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("generated ids:"))
+    want = [int(t) for t in line.split(":", 1)[1].strip(" []").split(",") if t.strip()]
+
+    model, make_cache = kvpop_torch.load(directory)
+    cache = make_cache()
+    assert isinstance(cache, KVpopCache) == (name == "demo-kvpop-mlstm")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=24, do_sample=False,
+                             eos_token_id=model.config.eos_token_id, pad_token_id=0)
+    got = out[0, len(prompt):].tolist()
+    assert len(prompt) > 123 and len(want) > 3
+    assert got[: len(want)] == want and (len(got) == len(want) or got[len(want)] == 0)

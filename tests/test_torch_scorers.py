@@ -1,0 +1,94 @@
+"""kvpop_torch's scorers and settings equal kvpop_jax's: same parameters, same scores and states."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import traverse_util
+
+from kvpop_jax import KVpopConfig
+from kvpop_jax.kvpop import KVpopHead as JaxHead
+from kvpop_jax.scorers import mlstm_step
+from kvpop_torch.config import KVpopSettings
+from kvpop_torch.scorers import KVpopHead
+
+HKV, D = 2, 16
+# What serving never reads: initialization and the training losses, targets and sampler.
+TRAINING_ONLY = {
+    "mlstm_init", "loss_temperature", "margin_weighting", "omega_min", "tau_omega", "balance_weighting",
+    "balance_min", "balance_max", "eps", "aggregate", "count_normalize", "normalizer", "target_reduce",
+    "target_lookahead", "num_query_samples", "late_bias_fraction", "kl_topk", "kl_temperature",
+    "retention_loss_weight",
+}
+SCORERS = [
+    dict(scorer="linear"),
+    dict(scorer="mlp", scorer_hidden=8),
+    dict(scorer="mlstm"),
+    dict(scorer="mlstm", delayed_readout=False),
+    dict(scorer="mlstm", mlstm_feature_map="softmax", mlstm_value="cached", mlstm_norm=True),
+    dict(scorer="mlstm", mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_dim=8, mlstm_chunk=5),
+]
+
+
+def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
+    jax_fields = {f.name: f.default for f in dataclasses.fields(KVpopConfig)}
+    torch_fields = {f.name: f.default for f in dataclasses.fields(KVpopSettings)}
+    assert set(jax_fields) == set(torch_fields) | TRAINING_ONLY
+    assert {n: jax_fields[n] for n in torch_fields} == torch_fields
+    kv = KVpopConfig(sinks=1, window=2, topk=3, scorer="mlstm", mlstm_dim=8, mlstm_skip=True, gamma_min=0.9)
+    settings = KVpopSettings.from_dict(kv.to_dict())
+    assert all(getattr(settings, n) == getattr(kv, n) for n in torch_fields)
+    assert settings.budget == kv.budget and settings.mlstm_value_dim(D) == kv.mlstm_value_dim(D)
+    with pytest.raises(ValueError, match="scorer must be one of"):
+        KVpopSettings(scorer="lstm")
+
+
+def heads(options, rng):
+    """A JAX KVpopHead's parameters (random) and the torch head loaded with the same tensors."""
+    kv = KVpopConfig(sinks=2, window=5, topk=4, **{"mlstm_chunk": 8, **options})
+    module = JaxHead(kv, HKV, D)
+    dummy = jnp.zeros((1, 1, HKV, D))
+    shapes = jax.eval_shape(module.init, jax.random.key(0), dummy, dummy)["params"]
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape).astype(np.float32)), shapes)
+    head = KVpopHead(KVpopSettings.from_dict(kv.to_dict()), HKV, D)
+    flat = traverse_util.flatten_dict(params, sep=".")  # the export's names, prefix stripped
+    head.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in flat.items()})
+    return kv, module, params, head
+
+
+def jax_reference(head, k, v, k_t, v_t):
+    """Scores and log γ of k, v [B, S, H, D]; for the mLSTM also the state after S tokens (a token
+    scan, as `KVpopHead.prefill_cache`), that state after one more token k_t, v_t [B, H, D], and
+    its readout of token 3."""
+    scores, log_gamma = head(k, v)
+    if head.config.scorer != "mlstm":
+        return scores, log_gamma
+    _, kk, vv, i_pre, log_f = head.scorer.features(k, v)
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
+    state, _ = jax.lax.scan(lambda st, x: (mlstm_step(st, *x), None), head.scorer.init_state(k.shape[0]), xs)
+    stepped = head.scorer.step(state, k_t, v_t)
+    return scores, log_gamma, state, stepped, head.scorer.readout(stepped, k[:, 3], v[:, 3])
+
+
+@pytest.mark.parametrize("options", SCORERS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_scores_states_and_steps_match_kvpop_jax(rng, options):
+    kv, module, params, head = heads(options, rng)
+    k, v = (rng.normal(size=(2, 23, HKV, D)).astype(np.float32) for _ in range(2))
+    k_t, v_t = (rng.normal(size=(2, HKV, D)).astype(np.float32) for _ in range(2))
+    want = jax.jit(lambda p, *x: module.apply({"params": p}, *x, method=jax_reference))(params, k, v, k_t, v_t)
+    close = lambda a, b: np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-5, atol=1e-5)  # noqa: E731
+    close(head.scorer(torch.from_numpy(k), torch.from_numpy(v)), want[0])
+    close(head.log_gamma(), want[1])
+    if kv.scorer != "mlstm":
+        return
+    # The prefill's final state (chunkwise here, a token scan there), one decode step and a readout.
+    _, state = head.scorer.scores_and_state(torch.from_numpy(k), torch.from_numpy(v))
+    for a, b in zip(state, want[2]):
+        close(a, b)
+    state = head.scorer.step(state, torch.from_numpy(k_t), torch.from_numpy(v_t))
+    for a, b in zip(state, want[3]):
+        close(a, b)
+    close(head.scorer.readout(state, torch.from_numpy(k[:, 3]), torch.from_numpy(v[:, 3])), want[4])
