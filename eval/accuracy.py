@@ -13,7 +13,10 @@ Methods (names on the command line):
   anything else              a KVpop-exported checkpoint (kvpop-mlp, kvpop-mlstm,
                              streamingllm+, ...) decoded with its bounded cache. Its (s, w) are
                              kept and B is met by setting k = B - s - w, or, for a k = 0
-                             checkpoint (StreamingLLM+), w = B - s (`KVpopConfig.retarget`).
+                             checkpoint (StreamingLLM+), w = B - s (`KVpopConfig.retarget`);
+                             or a DMS export (dms, ...), decoded with its bounded pool of
+                             B entries per KV head (`DMSConfig.retarget`: the trained gates
+                             and their eviction rate stay, only the capacity is B).
                              Pass `{cr: path}` as its checkpoint to use a model trained for
                              each CR instead.
 
@@ -57,14 +60,18 @@ def method_setup(method: str, checkpoint_config, params, budget: int | None, *, 
     """(model, params, cache spec) for one method at budget B (None for dense)."""
     config = checkpoint_config
     if method == "dense" or method in BASELINES:
-        if config.kvpop is not None:  # run a retrofitted checkpoint's weights densely
+        if config.kvpop is not None or config.dms is not None:  # run a retrofitted checkpoint's weights densely
             config, params = strip_kvpop(config, params)
         if method == "dense":
             return Qwen3ForCausalLM(config, dtype=dtype), params, "dense"
         cfg = BaselineConfig(method, budget, sinks=min(sinks, budget - 1) if method == "streaming" else 0)
         return Qwen3ForCausalLM(config, dtype=dtype), params, cfg
+    if config.dms is not None:
+        config = dataclasses.replace(config, dms=config.dms.retarget(budget, config.head_dim))
+        return Qwen3ForCausalLM(config, dtype=dtype), params, "dms"
     if config.kvpop is None:
-        raise ValueError(f"method {method!r} needs a KVpop checkpoint (config.json with 'kvpop'), got a dense one")
+        raise ValueError(f"method {method!r} needs a KVpop or DMS checkpoint (config.json with 'kvpop' or 'dms'), "
+                         "got a dense one")
     config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))
     return Qwen3ForCausalLM(config, dtype=dtype), params, "kvpop"
 

@@ -12,6 +12,10 @@ state it has after L tokens:
   a short random prompt (B + 1 tokens, so every slot is taken), with `length` moved to L.
   The step then runs at RoPE position L with the ring buffer and eviction at position L.
   Its shapes, hence its cost, do not depend on L or on the cached values.
+- dms: DMS's pool of Hkv x B entries per layer (`dms_cache.py`, the KVpop memory B =
+  `KVpopConfig.memory` per KV head, window w), built the same way. With a random model the
+  gates are fresh (they evict nothing, so the pool is full and every step takes the overflow
+  path); the step's shapes and work do not depend on the decisions either.
 
 Building the state directly instead of decoding L steps is what lets the CPU reach 32k
 tokens in minutes; the step timed is the exact step a real decode runs at length L.
@@ -52,13 +56,14 @@ from tqdm.auto import tqdm
 from eval import bench_torch
 from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
-from kvpop_jax import baselines
+from kvpop_jax import baselines, dms_cache
 from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
-from kvpop_jax.config import KVpopConfig, Qwen3Config
-from kvpop_jax.modeling import KVPOP_SUBTREE, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
+from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
+from kvpop_jax.dms import matched_gate_hidden
+from kvpop_jax.modeling import RETROFIT_SUBTREES, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("dense", "kvpop") + baselines.BOUNDED_METHODS + bench_torch.METHODS
+METHODS = ("dense", "kvpop", "dms") + baselines.BOUNDED_METHODS + bench_torch.METHODS
 
 
 def tiny_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
@@ -125,17 +130,19 @@ def _dense_state(config: Qwen3Config, batch: int, length, capacity: int, dtype, 
     return Cache(layers=layers, length=jnp.asarray(length, jnp.int32), started=True)
 
 
-def _empty_bounded_cache(method: str, config: Qwen3Config, kv: KVpopConfig, batch: int, dtype):
+def _empty_bounded_cache(method: str, config: Qwen3Config, budget: int, sinks: int, batch: int, dtype):
     if method == "kvpop":
         return init_cache(config, batch, dtype)
-    cfg = baselines.BaselineConfig(method, budget=kv.budget, sinks=kv.sinks)
+    if method == "dms":
+        return dms_cache.init_cache(config, batch, dtype)
+    cfg = baselines.BaselineConfig(method, budget=budget, sinks=sinks)
     return baselines.init_cache(config, cfg, batch, dtype)
 
 
-def _bounded_state(model, params, cache, kv: KVpopConfig, length: int, key):
+def _bounded_state(model, params, cache, budget: int, length: int, key):
     """The bounded cache after a (B + 1)-token random prefill, with `length` moved to L."""
     batch = jax.tree_util.tree_leaves(cache)[0].shape[0]
-    p = max(1, min(length, kv.budget + 1))
+    p = max(1, min(length, budget + 1))
     prompt = jax.random.randint(key, (batch, p), 0, model.config.vocab_size, jnp.int32)
     cache = _prefill(model, params, cache, prompt)
     return cache.replace(length=jnp.asarray(length, jnp.int32))
@@ -197,7 +204,8 @@ def _models(checkpoint, model_config: Qwen3Config | None, kvpop: KVpopConfig | N
         config = config if kvpop is None else dataclasses.replace(config, kvpop=kvpop)
     if config.kvpop is None and kvpop is not None:  # a dense model: fresh KVpop heads (timing ignores values)
         config = dataclasses.replace(config, kvpop=kvpop)
-    if config.kvpop is not None and KVPOP_SUBTREE not in params["layers_0"]["self_attn"]:
+    if (config.kvpop is not None or config.dms is not None) and not any(
+            t in params["layers_0"]["self_attn"] for t in RETROFIT_SUBTREES):
         params = retrofit_params(config, params, jax.random.key(seed + 1))
     params = jax.tree.map(lambda x: x.astype(dtype), params)
     dense_config, dense_params = strip_kvpop(config, params)
@@ -249,8 +257,17 @@ def run_bench_decode(
     command = command or default_command()
     config, params, dense_config, dense_params = _models(checkpoint, model_config, kvpop, dtype, seed)
     kv = config.kvpop
-    if kv is None and any(m not in ("dense", "torch-dense") for m in methods):
+    if kv is None and config.dms is None and any(m not in ("dense", "torch-dense") for m in methods):
         raise ValueError("the bounded methods need a budget: pass kvpop=KVpopConfig(...) for a dense checkpoint")
+    if kv is None and "kvpop" in methods:
+        raise ValueError("method kvpop needs a KVpop model (the checkpoint is a DMS export)")
+    # One memory per KV head for every bounded method: KVpop's (s + w + k + scorer state), or a DMS export's.
+    budget = kv.memory(config.head_dim) if kv is not None else config.dms.budget
+    sinks = kv.sinks if kv is not None else 4
+    dms_config = config.dms
+    if dms_config is None and "dms" in methods:
+        dms_config = DMSConfig(window=kv.window, budget=budget, target_eviction=0.0,
+                               gate_hidden=matched_gate_hidden(kv, config.head_dim))
     max_pos = lengths[-1] + warmup + steps + 1
     if max_pos > config.max_position_embeddings:
         # RoPE has no hard limit; the field only documents the trained context.
@@ -258,6 +275,11 @@ def run_bench_decode(
         dense_config = dataclasses.replace(dense_config, max_position_embeddings=max_pos)
     kvpop_model = Qwen3ForCausalLM(config, dtype=dtype) if kv is not None else None
     dense_model = Qwen3ForCausalLM(dense_config, dtype=dtype)
+    dms_model = dms_params = None
+    if "dms" in methods:
+        dms_model = Qwen3ForCausalLM(dataclasses.replace(dense_config, dms=dms_config), dtype=dtype)
+        dms_params = params if config.dms is not None else jax.tree.map(
+            lambda x: x.astype(dtype), retrofit_params(dms_model.config, dense_params, jax.random.key(seed + 2)))
 
     # Bounded methods first, dense last: the device's peak is a process-lifetime peak (torch rows: own allocator).
     torch_methods = [m for m in methods if m in bench_torch.METHODS]
@@ -273,10 +295,11 @@ def run_bench_decode(
             if method == "dense":
                 model, p = dense_model, dense_params
                 cache = _dense_state(dense_config, batch, length, length + warmup + steps + 1, jnp.dtype(dtype), sub)
-            else:  # the baselines run the dense weights; the KVpop budget sizes their caches
-                model, p = (kvpop_model, params) if method == "kvpop" else (dense_model, dense_params)
-                empty = _empty_bounded_cache(method, model.config, kv, batch, dtype)
-                cache = _bounded_state(model, p, empty, kv, length, sub)
+            else:  # the baselines run the dense weights; the KVpop memory sizes their caches
+                model, p = {"kvpop": (kvpop_model, params), "dms": (dms_model, dms_params)}.get(
+                    method, (dense_model, dense_params))
+                empty = _empty_bounded_cache(method, model.config, budget, sinks, batch, dtype)
+                cache = _bounded_state(model, p, empty, budget, length, sub)
             cache_bytes = _cache_nbytes(cache)
             times, compile_s, cache = _measure(model, p, cache, batch, warmup, steps)
             in_use, peak = _device_memory()
@@ -301,8 +324,11 @@ def run_bench_decode(
     info = dict(
         command=command, date=timestamp(), device=device_description(), batch=batch, warmup=warmup, steps=steps,
         dtype=jnp.dtype(dtype).name, model=_model_summary(config, checkpoint),
-        budget=None if kv is None else dict(sinks=kv.sinks, window=kv.window, topk=kv.topk, budget=kv.budget,
-                                            scorer=kv.scorer),
+        budget=None if kv is None and config.dms is None else dict(
+            memory=budget, sinks=sinks, **({} if kv is None else dict(window=kv.window, topk=kv.topk,
+                                                                        budget=kv.budget, scorer=kv.scorer))),
+        dms=None if dms_model is None else dict(window=dms_config.window, budget=dms_config.budget,
+                                                 gate_hidden=dms_config.gate_hidden),
         notes=notes,
     )
     for note in notes:
@@ -372,8 +398,7 @@ def bench_markdown(rows: Sequence[BenchRow], info: dict, png: str, relative_to: 
         f"- Command: `{info['command']}`",
         f"- Device: {where}; jax {dev['jax']}, jaxlib {dev['jaxlib']}, Python {dev['python']}",
         f"- Model: {info['model']}; {info['dtype']}, batch {info['batch']}",
-        (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']} (B={b['budget']}), scorer {b['scorer']}; "
-         "baselines at the same B" if b is not None else "- Budget: none (dense only)"),
+        _budget_line(b, info.get("dms")),
         f"- Method: the decode step at context length L is timed in the state it has after L tokens, built "
         f"directly (dense: a cache of capacity ≈ L filled with random k/v; bounded caches: a (B+1)-token prefill "
         f"with the length moved to L, same shapes and cost as after L real steps). Median of {info['steps']} "
@@ -386,6 +411,20 @@ def bench_markdown(rows: Sequence[BenchRow], info: dict, png: str, relative_to: 
                         "first step s (compile)"], table, digits=2),
         f"![decode latency and memory]({png_rel})\n",
     ])
+
+
+def _budget_line(b: dict | None, dms: dict | None) -> str:
+    if b is None:
+        return "- Budget: none (dense only)"
+    if "topk" in b:
+        line = (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']} (B={b['budget']}), scorer {b['scorer']}; "
+                f"memory {b['memory']} entries per KV head; baselines at the same memory")
+    else:
+        line = f"- Budget: memory {b['memory']} entries per KV head (the DMS export's); baselines at the same memory"
+    if dms is not None:
+        line += (f"; dms: window {dms['window']}, a pool of Hkv x {dms['budget']} entries per layer, gate width "
+                 f"{dms['gate_hidden']}")
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -409,8 +448,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sizes = {k: getattr(args, k) for k in d}
     model_config = tiny_config(**sizes)
-    # The budget flags retrofit a dense checkpoint; a KVpop export brings its own.
-    dense_checkpoint = args.checkpoint is not None and Qwen3Config.from_hf(args.checkpoint).kvpop is None
+    # The budget flags retrofit a dense checkpoint; a KVpop or DMS export brings its own.
+    retrofitted = args.checkpoint is not None and (lambda c: c.kvpop or c.dms)(Qwen3Config.from_hf(args.checkpoint))
+    dense_checkpoint = args.checkpoint is not None and not retrofitted
     rows = run_bench_decode(
         args.checkpoint, lengths=parse_lengths(args.lengths), methods=tuple(args.methods.split(",")),
         out_dir=args.out_dir, benchmarks_md=args.benchmarks_md or None, model_config=model_config,

@@ -10,7 +10,7 @@ to BENCHMARKS.md as one section:
                 the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU
   kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
                 attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
-  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop
+  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop vs DMS (the pool at the KVpop memory)
 
 The first three run in subprocesses (eval never imports train), the last two in this process,
 after them: JAX keeps the device memory it has used, and the subprocesses need the GPUs' memory.
@@ -133,7 +133,7 @@ def stage_decode(plan: Plan) -> Stage:
         kw = dict(lengths=(64,), model_config=config, steps=1, warmup=0)
     else:
         kw = dict(lengths=DECODE_LENGTHS, model_config=tiny_config(), steps=8, warmup=2, dtype=jnp.bfloat16)
-    rows = run_bench_decode(methods=("dense", "kvpop"), out_dir=os.path.join(plan.out_dir, "decode"),
+    rows = run_bench_decode(methods=("dense", "kvpop", "dms"), out_dir=os.path.join(plan.out_dir, "decode"),
                             benchmarks_md=None, progress=False, command="bench gpu (decode)", **kw)
     info = json.load(open(os.path.join(plan.out_dir, "decode", "bench_decode.json")))["info"]
     md = bench_markdown(rows, info, os.path.join(plan.out_dir, "decode", "bench_decode.png"), plan.report_dir,

@@ -4,7 +4,8 @@ Commands (each prints its own `--help`):
   generate        sample a continuation of a prompt from a HF-format checkpoint directory
   accuracy        pass@1 over sampled rollouts: methods x compression ratios (paper Table 1)
   recall          per layer/head recall of the teacher's top-k by the learned scorer (Fig. 7)
-  patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6)
+  patterns        retention heat map (layers x tokens) and per-head long-range usage (Fig. 6); for a
+                  DMS export the per-head eviction ratio heat map and occupancy (App. H, Fig. 8)
   bench kernels   time the Pallas kernels vs their XLA references and dense attention
   bench decode    per-token latency and memory vs generated length (Fig. 4)
   bench train     a training step per variant and each KVpop layer part, as ratios to dense
@@ -27,10 +28,11 @@ import numpy as np
 
 from eval import bench_decode, bench_gpu, bench_kernels, bench_train, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
+from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
 from eval.recall import run_recall
 from kvpop_jax import load_pretrained
-from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.generate import generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
@@ -73,7 +75,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
         sampling=sampling, eos_ids=eos_ids, rng=jax.random.key(args.seed),
     )
     out = np.asarray(tokens[0, : int(lengths[0])]).tolist()
-    kind = "KVpop (bounded cache, B = %d)" % config.kvpop.budget if config.kvpop else "dense"
+    kind = ("KVpop (bounded cache, B = %d)" % config.kvpop.budget if config.kvpop else
+            "DMS (bounded pool, %d entries per KV head)" % config.dms.budget if config.dms else "dense")
     print(f"model: {kind}")
     print("prompt ids:", ids)
     print("generated ids:", out)
@@ -152,16 +155,39 @@ def cmd_recall(argv: Sequence[str]) -> None:
 
 
 def cmd_patterns(argv: Sequence[str]) -> None:
-    """Which tokens each layer keeps (heat map) and how each head uses its k slots."""
+    """Which tokens each layer keeps (heat map) and how each head uses its k slots; for a DMS export,
+    the median eviction ratio per layer and KV head and the occupancy (eval/dms_patterns.py)."""
     parser = argparse.ArgumentParser(prog="python -m eval.main patterns", description=cmd_patterns.__doc__)
-    parser.add_argument("--checkpoint", required=True, help="KVpop checkpoint directory")
+    parser.add_argument("--checkpoint", required=True, help="KVpop or DMS checkpoint directory")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text, tokenized with the checkpoint's tokenizer")
     src.add_argument("--text_file", help="file holding the text")
     src.add_argument("--ids", help="comma-separated token ids")
+    src.add_argument("--data", help="DMS only: rows of a dataset (JSONL of ids or text), the median over rows")
+    parser.add_argument("--num_sequences", type=int, default=100, help="--data: rows")
+    parser.add_argument("--seq_len", type=int, default=None, help="--data: tokens per row")
     parser.add_argument("--last_n", type=int, default=112)
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
+    config = Qwen3Config.from_hf(args.checkpoint)
+    if config.dms is not None:
+        if args.data:
+            data = args.data
+        elif args.ids:
+            data = np.asarray([parse_token_ids(args.ids, "--ids")])
+            check_token_ids(data, config.vocab_size, f"--ids (for {args.checkpoint})")
+        else:
+            tokenizer = checkpoint_tokenizer(args.checkpoint)
+            if tokenizer is None:
+                parser.error(f"no tokenizer in {args.checkpoint!r}; pass --ids or --data")
+            text = open(args.text_file).read() if args.text_file else args.text
+            data = np.asarray([tokenizer(text)["input_ids"]])
+        run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
+                         out_dir=args.out_dir)
+        print(open(f"{args.out_dir}/dms_patterns.md").read())
+        return
+    if args.data:
+        parser.error("--data is for DMS exports; pass --text, --text_file or --ids for a KVpop export")
     if args.ids:
         source = parse_token_ids(args.ids, "--ids")
     elif args.text_file:

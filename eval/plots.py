@@ -80,8 +80,12 @@ def load_model(checkpoint, *, require_kvpop: bool = False, dtype=None):
     else:
         config, params = load_pretrained(checkpoint, jnp.float32 if dtype is None else dtype)
     if require_kvpop and config.kvpop is None:
+        name = checkpoint if not isinstance(checkpoint, tuple) else "the model"
+        if config.dms is not None:
+            raise ValueError(f"{name} is a DMS export; this analysis needs a KVpop export (for DMS's eviction "
+                             "pattern use `python -m eval.main patterns`)")
         raise ValueError(
-            f"{checkpoint if not isinstance(checkpoint, tuple) else 'the model'} is a dense checkpoint; "
+            f"{name} is a dense checkpoint; "
             "this analysis needs a KVpop export (config.json with a 'kvpop' entry)"
         )
     return config, params

@@ -35,14 +35,18 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
 
 
-def attend(q_grouped: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
+def attend(q_grouped: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+           bias: jax.Array | None = None):
     """Softmax attention of one block of grouped queries over masked keys.
 
     q_grouped [B, Q, Hkv, G, D]; k, v [B, T, Hkv, D]; mask bool broadcastable to
-    [B, Hkv, G, Q, T]. Returns out [B, Q, Hkv, G, D] (q's dtype) and lse [B, Hkv, G, Q]
+    [B, Hkv, G, Q, T]; bias: optional float32 added to the kept logits (same broadcast; DMS's
+    soft eviction). Returns out [B, Q, Hkv, G, D] (q's dtype) and lse [B, Hkv, G, Q]
     float32. A row with no kept key gets a uniform average (its lse is NEG_INF-like).
     """
     logits = jnp.einsum("bqhgd,bthd->bhgqt", q_grouped, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        logits = logits + bias
     logits = jnp.where(mask, logits, NEG_INF)
     lse = jax.nn.logsumexp(logits, axis=-1)
     probs = jnp.exp(logits - lse[..., None])

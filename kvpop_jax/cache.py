@@ -1,7 +1,7 @@
 """Decoding caches: one small protocol, one container, the dense and the bounded KVpop kinds.
 
 Every cache kind (dense here, bounded KVpop here, StreamingLLM / TOVA / H2O in
-`baselines.py`) is a `Cache` whose `layers[i]` implement the `LayerCache` protocol, so the
+`baselines.py`, DMS's pool in `dms_cache.py`) is a `Cache` whose `layers[i]` implement the `LayerCache` protocol, so the
 model has one `if cache is not None` path:
 
   prefill(q, k, v, *, positions, length, policy, return_policy) -> (out, layer cache, aux)
@@ -12,7 +12,7 @@ model has one `if cache is not None` path:
 
 q [B, S, Hq, D] and k, v [B, S, Hkv, D] are the new tokens' (RoPE at their positions);
 positions int [B, S]; length int [] tokens the cache has seen; policy: the layer's
-`KVpopHead` (bound, its scorer and decay) or None for a dense model. Bounded caches take
+`KVpopHead` (bound, its scorer and decay), `DMSGate` or None for a dense model. Bounded caches take
 one token per decode call; the dense cache any number.
 
 Bounded KVpop cache. Each layer keeps `B = s + w + k` slots per (batch, KV head):
@@ -240,7 +240,7 @@ class KVpopLayerCache:
 
 
 def _require_policy(policy) -> None:
-    if policy is None:
+    if policy is None or getattr(policy, "IS_DMS", False):
         raise ValueError("a KVpop cache needs a model whose config has kvpop set")
 
 

@@ -11,7 +11,8 @@ are refused: nothing here ever runs code from a checkpoint.
 
 KVpop parameters (scorers, decay) live under `layers_{i}/self_attn/kvpop/...` and are
 stored verbatim as `model.layers.{i}.self_attn.kvpop.<path>`; the KVpop settings ride in
-`config.json` under "kvpop", so a retrofitted model reloads as a KVpop model.
+`config.json` under "kvpop", so a retrofitted model reloads as a KVpop model. DMS gates
+likewise: `self_attn/dms/...` and config.json "dms".
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors.numpy import save as safetensors_save_bytes
 from kvpop_jax import fileio
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.fileio import atomic_write_bytes  # noqa: F401  (its home before fileio.py)
-from kvpop_jax.modeling import KVPOP_SUBTREE, abstract_params
+from kvpop_jax.modeling import RETROFIT_SUBTREES, abstract_params
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -122,7 +123,7 @@ def name_map(config: Qwen3Config, param_paths: Iterable[str]) -> dict[str, tuple
             hf, kind = by_path[path]
         else:
             parts = path.split("/")
-            if KVPOP_SUBTREE not in parts or not parts[0].startswith("layers_"):
+            if not set(RETROFIT_SUBTREES) & set(parts) or not parts[0].startswith("layers_"):
                 raise KeyError(f"parameter {path!r} has no HuggingFace name in the conversion table")
             layer = parts[0].removeprefix("layers_")
             hf, kind = f"model.layers.{layer}." + ".".join(parts[1:]), "copy"

@@ -1,9 +1,10 @@
-"""Frozen, validated configs: the base Qwen3 architecture and the KVpop retrofit.
+"""Frozen, validated configs: the base Qwen3 architecture and its retrofits (KVpop, DMS).
 
 `Qwen3Config` mirrors the fields of a HuggingFace Qwen3 `config.json` that the model
 uses; `KVpopConfig` holds the sparse-attention budget (s, w, k), the scorer and every
-loss knob of the paper (Table 3 defaults). Both validate on construction and name the
-bad value in the error.
+loss knob of the paper (Table 3 defaults); `DMSConfig` the Dynamic Memory Sparsification
+baseline (window, memory, eviction target, gate; the method is described in `dms.py`). All
+validate on construction and name the bad value in the error.
 """
 
 from __future__ import annotations
@@ -44,12 +45,18 @@ class Qwen3Config:
     eos_token_id: int | list[int] | tuple[int, ...] | None = None
     # The KVpop retrofit (None: a dense model). Carried in config.json under "kvpop".
     kvpop: "KVpopConfig | None" = None
+    # The DMS retrofit (the learned-eviction baseline; exclusive with kvpop). config.json "dms".
+    dms: "DMSConfig | None" = None
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.kvpop is not None and not isinstance(self.kvpop, KVpopConfig):
             raise TypeError(f"Qwen3Config.kvpop must be a KVpopConfig or None, got {type(self.kvpop).__name__}")
+        if self.dms is not None and not isinstance(self.dms, DMSConfig):
+            raise TypeError(f"Qwen3Config.dms must be a DMSConfig or None, got {type(self.dms).__name__}")
+        if self.kvpop is not None and self.dms is not None:
+            raise ValueError("Qwen3Config has both kvpop and dms set; a model is retrofitted with one of them")
         _require_positive(
             "Qwen3Config",
             vocab_size=self.vocab_size,
@@ -75,8 +82,8 @@ class Qwen3Config:
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":
         """Builds the config from a HF `config.json` dict, file, or checkpoint directory.
 
-        A "kvpop" entry (written by `save_pretrained` for a retrofitted model) becomes
-        `config.kvpop`; transformers ignores it, so the file still loads there.
+        A "kvpop" (or "dms") entry (written by `save_pretrained` for a retrofitted model) becomes
+        `config.kvpop` (`config.dms`); transformers ignores it, so the file still loads there.
         """
         where = "the config"
         if not isinstance(source, Mapping):
@@ -137,6 +144,7 @@ class Qwen3Config:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             kvpop=KVpopConfig.from_dict(hf["kvpop"]) if hf.get("kvpop") else None,
+            dms=DMSConfig.from_dict(hf["dms"]) if hf.get("dms") else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -161,6 +169,7 @@ class Qwen3Config:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             **({"kvpop": self.kvpop.to_dict()} if self.kvpop is not None else {}),
+            **({"dms": self.dms.to_dict()} if self.dms is not None else {}),
         }
 
 
@@ -371,4 +380,104 @@ class KVpopConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown KVpopConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class DMSConfig:
+    """The DMS retrofit (Dynamic Memory Sparsification, Łańcucki et al. 2025): learned per-head
+    eviction gates with delayed eviction (the method and its open choices: `kvpop_jax/dms.py`).
+
+    window: w, the newest w tokens (the query itself included) are always attendable, as in
+      KVpop; a token marked for eviction is removed when it leaves them (NVIDIA's reference
+      counts its window without the query: its 512 is our w = 513).
+    budget: memory per KV head in cache entries (the comparison's memory, `KVpopConfig.memory`);
+      a decode cache holds `num_kv_heads * budget` entries per layer, shared by its heads.
+    target_eviction: the final target of the auxiliary loss, the share of tokens marked for
+      eviction (`eviction_for_memory` gives the value whose mean occupancy at the training
+      length is `budget`).
+    ramp_fraction: share of the training steps over which the target compression ratio rises
+      linearly from 1 to 1 / (1 - target_eviction), then stays there.
+    temperature: τ of the Gumbel-sigmoid (binary concrete) relaxation (0.1 as the reference).
+    logit_scale, logit_offset: the decision logit is `logit_scale * gate(x) - logit_offset`, so a
+      zero-initialized gate starts at -5 (almost nothing evicted), as the reference.
+    gate_hidden: hidden width of the headwise MLP gate (set to match the KVpop scorers' parameter
+      count, `dms.matched_gate_hidden`).
+    aux_loss_weight: weight of the one-sided auxiliary loss next to the distillation KL.
+    kl_topk, kl_temperature: the distillation (the same as the KVpop runs').
+    """
+
+    window: int = 256
+    budget: int = 2276
+    target_eviction: float = 0.875
+    ramp_fraction: float = 0.9
+    temperature: float = 0.1
+    logit_scale: float = 1.0
+    logit_offset: float = 5.0
+    gate_hidden: int = 64
+    aux_loss_weight: float = 1.0
+    kl_topk: int = 256
+    kl_temperature: float = 1.0
+
+    def __post_init__(self):
+        _require_positive("DMSConfig", window=self.window, budget=self.budget, gate_hidden=self.gate_hidden,
+                          kl_topk=self.kl_topk)
+        if self.budget <= self.window:
+            raise ValueError(f"DMSConfig.budget must exceed the window (the cache holds every window token and "
+                             f"the new one), got budget {self.budget} <= window {self.window}")
+        if not 0.0 <= self.target_eviction < 1.0:
+            raise ValueError(f"DMSConfig.target_eviction must be in [0, 1), got {self.target_eviction!r}")
+        if not 0.0 < self.ramp_fraction <= 1.0:
+            raise ValueError(f"DMSConfig.ramp_fraction must be in (0, 1], got {self.ramp_fraction!r}")
+        for name in ("temperature", "logit_scale", "kl_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DMSConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.aux_loss_weight >= 0:
+            raise ValueError(f"DMSConfig.aux_loss_weight must be >= 0, got {self.aux_loss_weight!r}")
+
+    @property
+    def target_compression(self) -> float:
+        """The final target compression ratio of the schedule, 1 / (1 - target_eviction)."""
+        return 1.0 / (1.0 - self.target_eviction)
+
+    @staticmethod
+    def eviction_for_memory(memory: int, window: int, seq_len: int) -> float:
+        """The eviction rate whose mean occupancy per head after `seq_len` tokens is `memory`:
+        `w + (1 - a)(S - w) = memory`, so `a = 1 - (memory - w) / (S - w)`."""
+        if not window < memory < seq_len:
+            raise ValueError(f"need window < memory < seq_len, got {window}, {memory}, {seq_len}")
+        return 1.0 - (memory - window) / (seq_len - window)
+
+    def mean_occupancy(self, seq_len: int, eviction: float | None = None) -> float:
+        """Expected entries per head after `seq_len` tokens at an eviction rate (default: the target)."""
+        a = self.target_eviction if eviction is None else eviction
+        return min(seq_len, self.window) + (1.0 - a) * max(0, seq_len - self.window)
+
+    def memory(self, head_dim: int | None = None) -> int:
+        """Memory per KV head in cache entries (the interface of `KVpopConfig.memory`)."""
+        del head_dim
+        return self.budget
+
+    def retarget(self, budget: int, head_dim: int | None = None) -> "DMSConfig":
+        """This config with a decode cache of `budget` entries per KV head. The gates (and so the
+        eviction rate) are the trained ones: only the capacity changes."""
+        del head_dim
+        if budget <= self.window:
+            raise ValueError(f"budget {budget} leaves no room beyond the DMS window {self.window}")
+        return dataclasses.replace(self, budget=budget)
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        if seq_len <= self.window:
+            raise ValueError(f"sequence length {seq_len} must exceed the DMS window {self.window}; "
+                             "nothing would be evicted")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DMSConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DMSConfig fields {unknown}; known: {sorted(known)}")
         return cls(**dict(d))

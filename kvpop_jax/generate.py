@@ -5,9 +5,10 @@ Cache kinds (the `cache` argument of `generate`):
   "dense"           a dense cache (`cache.init_dense_cache`) of prompt + max_new_tokens slots;
   "kvpop"           the bounded KVpop cache (`cache.py`): prefill with the masked parallel
                     forward, then S = 1 steps that reproduce its mask exactly;
+  "dms"             DMS's bounded pool (`dms_cache.py`): the same for a DMS model's hard gates;
   BaselineConfig    a training-free policy at budget B (`baselines.py`): StreamingLLM, TOVA,
                     H2O ("dense" maps to the dense cache);
-  "auto"            "kvpop" when `model.config.kvpop` is set, else "dense".
+  "auto"            "kvpop" when `model.config.kvpop` is set, "dms" when `config.dms` is, else "dense".
 
 Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
 than left-padded: pad tokens would occupy sinks and compete for the bounded caches' slots.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpop_jax import baselines
+from kvpop_jax import baselines, dms_cache
 from kvpop_jax import cache as cache_lib
 from kvpop_jax.baselines import BaselineConfig
 from kvpop_jax.config import Qwen3Config
@@ -30,23 +31,27 @@ from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
 from kvpop_jax.sampling import SamplingConfig, sample
 
 CacheSpec = Union[str, BaselineConfig]
-CACHE_KINDS = ("auto", "dense", "kvpop")
+CACHE_KINDS = ("auto", "dense", "kvpop", "dms")
 
 
 def resolve_cache(config: Qwen3Config, cache: CacheSpec) -> CacheSpec:
-    """"auto" / "dense" / "kvpop" / BaselineConfig -> "dense", "kvpop" or a bounded BaselineConfig."""
+    """"auto" / "dense" / "kvpop" / "dms" / BaselineConfig -> "dense", "kvpop", "dms" or a bounded
+    BaselineConfig."""
     if isinstance(cache, BaselineConfig):
         return cache if cache.bounded else "dense"
     if cache not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} or a BaselineConfig, got {cache!r}")
     if cache == "auto":
-        return "kvpop" if config.kvpop is not None else "dense"
+        return "kvpop" if config.kvpop is not None else ("dms" if config.dms is not None else "dense")
     if cache == "kvpop" and config.kvpop is None:
         raise ValueError("cache='kvpop' needs a model whose config has kvpop set")
-    if cache == "dense" and config.kvpop is not None:
+    if cache == "dms" and config.dms is None:
+        raise ValueError("cache='dms' needs a model whose config has dms set")
+    if cache == "dense" and (config.kvpop is not None or config.dms is not None):
+        kind = "kvpop" if config.kvpop is not None else "dms"
         raise ValueError(
-            "a KVpop model decodes with its bounded cache: use cache='kvpop' (or 'auto'), or drop "
-            "config.kvpop to run its weights densely"
+            f"a {kind} model decodes with its bounded cache: use cache='{kind}' (or 'auto'), or drop "
+            f"config.{kind} to run its weights densely"
         )
     return cache
 
@@ -58,6 +63,8 @@ def init_generation_cache(config: Qwen3Config, cache: CacheSpec, batch: int, max
         return cache_lib.init_dense_cache(config, batch, max_len, dtype=dtype)
     if kind == "kvpop":
         return cache_lib.init_cache(config, batch, dtype)
+    if kind == "dms":
+        return dms_cache.init_cache(config, batch, dtype)
     return baselines.init_cache(config, kind, batch, dtype)
 
 
@@ -125,7 +132,7 @@ def generate(
 
     Args:
       prompt_ids: int [B, P] (or a list of B equal-length lists), ids in [0, vocab) (checked: ValueError).
-      cache: "auto" | "dense" | "kvpop" | BaselineConfig (see the module docstring).
+      cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
     Returns:
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
       the first EOS).

@@ -1,4 +1,4 @@
-"""Qwen3 causal LM in Flax Linen (dense attention; KVpop plugs in through `kvpop.py`).
+"""Qwen3 causal LM in Flax Linen (dense attention; KVpop plugs in through `kvpop.py`, DMS through `dms.py`).
 
 Parameter layout (the table in `checkpoint.py` maps HF names onto it):
 
@@ -33,6 +33,7 @@ from kvpop_jax import attention as attn_lib
 from kvpop_jax import sharding as shd
 from kvpop_jax.cache import Cache
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.dms import DMS_SUBTREE, DMSGate, dms_layer_attention
 from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
 
 Dtype = Any
@@ -48,6 +49,8 @@ REMAT_POLICIES: dict[str, Any] = {
 
 
 KVPOP_SUBTREE = "kvpop"  # layers_{i}/self_attn/kvpop: the scorer and decay of a retrofitted layer
+RETROFIT_SUBTREES = (KVPOP_SUBTREE, DMS_SUBTREE)  # the new parameters of a retrofit (KVpop or DMS)
+DMS_RNG = "dms"  # the rng stream of DMS's relaxation noise: given, a DMS model trains (soft gates)
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "input_ids") -> None:
@@ -126,6 +129,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         if c.kvpop is not None:
             self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim, name=KVPOP_SUBTREE)
+        if c.dms is not None:
+            self.dms = DMSGate(c.dms, c.num_key_value_heads, c.head_dim, name=DMS_SUBTREE)
 
     def project_qkv(self, x_BxSxE: jax.Array, positions: jax.Array):
         """x [B, S, E] -> q [B, S, H, D], k, v [B, S, K, D] (normed, rotated)."""
@@ -141,10 +146,12 @@ class Attention(nn.Module):
         """Returns (out [B, S, E], new layer cache or None, KVpop aux or None).
 
         With `layer_cache` (any `cache.LayerCache`): its `decode` when `decoding`, else its
-        `prefill`. Without: the dense causal attention, or KVpop's masked parallel forward.
+        `prefill`. Without: the dense causal attention, KVpop's masked parallel forward, or DMS's
+        (soft, relaxed gates when the `DMS_RNG` stream is given, hard decisions otherwise).
         """
         q, k, v = self.project_qkv(x_BxSxE, positions)
-        policy = self.kvpop if self.config.kvpop is not None else None
+        c = self.config
+        policy = self.kvpop if c.kvpop is not None else (self.dms if c.dms is not None else None)
         if layer_cache is not None:
             kw = dict(positions=positions, length=cache_length, policy=policy)
             if decoding:
@@ -152,12 +159,17 @@ class Attention(nn.Module):
             else:
                 out, new_cache, aux = layer_cache.prefill(q, k, v, return_policy=return_policy, **kw)
             return self.o_proj(out), new_cache, aux
+        if policy is not None and segment_ids is not None:
+            raise ValueError(
+                "KVpop and DMS attention do not reset at segment boundaries (the paper packs without "
+                "resetting); pass segment_ids=None for a retrofitted model"
+            )
+        if c.dms is not None:
+            g = policy(k, v)
+            noise = jax.random.logistic(self.make_rng(DMS_RNG), g.shape) if self.has_rng(DMS_RNG) else None
+            out, aux = dms_layer_attention(q, k, v, g, c.dms, noise=noise, return_policy=return_policy)
+            return self.o_proj(out), None, aux
         if policy is not None:
-            if segment_ids is not None:
-                raise ValueError(
-                    "KVpop attention does not reset at segment boundaries (the paper packs without "
-                    "resetting); pass segment_ids=None for a KVpop model"
-                )
             scores, log_gamma = policy(k, v)
             out, aux = kvpop_layer_attention(
                 q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, return_policy=return_policy
@@ -240,7 +252,9 @@ class Qwen3ForCausalLM(nn.Module):
     """Qwen3 decoder-only LM.
 
     `apply({"params": p}, input_ids)` -> CausalLMOutput with logits [B, S, V] (float32).
-    With `config.kvpop` set, every layer attends through the KVpop mask of its scorer;
+    With `config.dms` set, every layer attends through DMS's eviction gates: hard decisions, or
+    relaxed ones with `rngs={"dms": key}` (training; `aux["dms_frac"]` [B] then feeds the
+    auxiliary loss). With `config.kvpop` set, every layer attends through the KVpop mask of its scorer;
     `query_samples` (int [B, Nq], saturated positions) adds the retention loss and
     metrics to `aux`, and `return_policy=True` adds per-layer scores/ranks/cutoffs
     (and targets/boundaries when `query_samples` is given).
@@ -339,11 +353,17 @@ def _argnums(fn, *names: str) -> tuple[int, ...]:
 
 
 def _collect_aux(layer_aux: list) -> dict | None:
-    """Per-layer KVpop aux -> {"layers": [...], "retention_loss": mean over layers, "metrics": means}."""
+    """Per-layer aux -> {"layers": [...], "metrics": means over layers, and "retention_loss" (KVpop:
+    mean over layers) or "dms_frac" (DMS training: [B], mean over layers)}."""
     if all(a is None for a in layer_aux):
         return None
     out: dict[str, Any] = {"layers": layer_aux}
     with_loss = [a for a in layer_aux if a is not None and "retention_loss" in a]
+    dms = [a for a in layer_aux if a is not None and "eviction_rate" in a.get("metrics", {})]
+    if dms:
+        out["metrics"] = {"eviction_rate": jnp.mean(jnp.stack([a["metrics"]["eviction_rate"] for a in dms]))}
+        if "dms_frac" in dms[0]:
+            out["dms_frac"] = jnp.mean(jnp.stack([a["dms_frac"] for a in dms]), axis=0)
     if with_loss:
         out["retention_loss"] = jnp.mean(jnp.stack([a["retention_loss"] for a in with_loss]))
         keys = with_loss[0]["metrics"].keys()
@@ -359,34 +379,39 @@ def init_params(config: Qwen3Config, rng: jax.Array, dtype: Dtype = jnp.float32)
 
 
 def retrofit_params(config: Qwen3Config, base_params: dict, rng: jax.Array) -> dict:
-    """Adds freshly initialized KVpop parameters (scorers, decay) to a dense model's params.
+    """Adds freshly initialized retrofit parameters to a dense model's params: KVpop's (scorers,
+    decay) under `self_attn/kvpop` or DMS's gates under `self_attn/dms`.
 
-    `config.kvpop` must be set. The base weights are reused as they are; only the small
-    per-layer KVpop heads are initialized (layer i uses `fold_in(rng, i)`).
+    `config.kvpop` or `config.dms` must be set. The base weights are reused as they are; only the
+    small per-layer heads are initialized (layer i uses `fold_in(rng, i)`).
     """
-    if config.kvpop is None:
-        raise ValueError("retrofit_params needs a config with kvpop set (dataclasses.replace(config, kvpop=...))")
-    head = KVpopHead(config.kvpop, config.num_key_value_heads, config.head_dim)
+    if config.kvpop is not None:
+        head, subtree = KVpopHead(config.kvpop, config.num_key_value_heads, config.head_dim), KVPOP_SUBTREE
+    elif config.dms is not None:
+        head, subtree = DMSGate(config.dms, config.num_key_value_heads, config.head_dim), DMS_SUBTREE
+    else:
+        raise ValueError("retrofit_params needs a config with kvpop or dms set (dataclasses.replace(config, kvpop=...))")
     dummy = jnp.zeros((1, 1, config.num_key_value_heads, config.head_dim), jnp.float32)
     out = dict(base_params)
     for i in range(config.num_hidden_layers):
         name = f"layers_{i}"
-        kvpop = head.init(jax.random.fold_in(rng, i), dummy, dummy)["params"]
-        out[name] = {**base_params[name], "self_attn": {**base_params[name]["self_attn"], KVPOP_SUBTREE: kvpop}}
+        new = head.init(jax.random.fold_in(rng, i), dummy, dummy)["params"]
+        out[name] = {**base_params[name], "self_attn": {**base_params[name]["self_attn"], subtree: new}}
     return out
 
 
 def strip_kvpop(config: Qwen3Config, params: dict) -> tuple[Qwen3Config, dict]:
-    """The dense model inside a KVpop checkpoint: config without `kvpop`, params without the
-    per-layer `self_attn/kvpop` subtrees (the inverse of `retrofit_params`)."""
-    if config.kvpop is None:
+    """The dense model inside a retrofitted (KVpop or DMS) checkpoint: config without `kvpop` and
+    `dms`, params without the per-layer `self_attn/kvpop` (`self_attn/dms`) subtrees (the inverse
+    of `retrofit_params`)."""
+    if config.kvpop is None and config.dms is None:
         return config, params
     out = {}
     for name, sub in params.items():
-        if name.startswith("layers_") and KVPOP_SUBTREE in sub.get("self_attn", {}):
-            sub = {**sub, "self_attn": {k: v for k, v in sub["self_attn"].items() if k != KVPOP_SUBTREE}}
+        if name.startswith("layers_") and any(t in sub.get("self_attn", {}) for t in RETROFIT_SUBTREES):
+            sub = {**sub, "self_attn": {k: v for k, v in sub["self_attn"].items() if k not in RETROFIT_SUBTREES}}
         out[name] = sub
-    return dataclasses.replace(config, kvpop=None), out
+    return dataclasses.replace(config, kvpop=None, dms=None), out
 
 
 def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
@@ -396,7 +421,10 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
 
 __all__ = [
     "CausalLMOutput",
+    "DMS_RNG",
+    "DMS_SUBTREE",
     "KVPOP_SUBTREE",
+    "RETROFIT_SUBTREES",
     "REMAT_POLICIES",
     "Qwen3ForCausalLM",
     "abstract_params",

@@ -52,6 +52,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 # Param path (regex on "a/b/c") -> logical axes of its dimensions. First match wins.
 PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(^|/)kvpop/", ()),  # replicated: tiny
+    (r"(^|/)dms/", ()),  # replicated: tiny (DMS gates)
     (r"^embed_tokens/embedding$", ("vocab", "embed")),
     (r"^lm_head/kernel$", ("embed", "vocab")),
     (r"/self_attn/q_proj/kernel$", ("embed", "heads", "head_dim")),

@@ -19,7 +19,7 @@ def test_bench_gpu_dry_path_runs_every_stage_and_appends_its_report(tmp_path, ca
         assert f"| {stage} | ok |" in text, stage
         assert f"### {stage}" in text
     assert "| sparse attention fwd+bwd | 128 | 64 |" in text  # kernels vs references
-    assert "| kvpop | 64 |" in text and "| dense | 64 |" in text  # decode
+    assert "| kvpop | 64 |" in text and "| dense | 64 |" in text and "| dms | 64 |" in text  # decode
     assert "peak_estimate" in text  # the recipe's dry run: per-device bytes
     assert "tokens/s" in text and "MFU" in text  # the training steps
     assert (tmp_path / "out" / "bench_gpu.md").read_text() in text

@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from eval.answers import extract_answer, is_correct, normalize_answer
 from eval.benchmarks import load_benchmark
 from eval.report import format_table, summarize
 from kvpop_jax import KVpopConfig, Qwen3Config, save_pretrained
+from kvpop_jax.config import DMSConfig
 from kvpop_jax.modeling import abstract_params, init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
 
@@ -126,6 +128,37 @@ def test_demo_benchmark_spec_generates_fresh_problems():
             load_benchmark(bad)
 
 
+def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
+    from demo.atoms import VOCAB
+    from demo.tokenizer import save_tokenizer
+    from eval.accuracy import method_setup
+
+    base = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,
+                       eos_token_id=VOCAB["<eos>"])
+    params = init_params(base, jax.random.key(0))
+    save_pretrained(base, params, tmp_path / "dense")
+    save_tokenizer(tmp_path / "dense")
+    dms_config = dataclasses.replace(base, dms=DMSConfig(window=4, budget=24, gate_hidden=8))
+    dms_params = retrofit_params(dms_config, params, jax.random.key(1))
+    save_pretrained(dms_config, dms_params, tmp_path / "dms")
+    # CR 50% of 32 tokens: B = 16 entries per KV head; the gates and window stay, the pool shrinks
+    model, _, cache = method_setup("dms", dms_config, dms_params, 16, sinks=2, dtype=jnp.float32)
+    assert cache == "dms" and model.config.dms == dataclasses.replace(dms_config.dms, budget=16)
+    _, stripped, cache = method_setup("tova", dms_config, dms_params, 16, sinks=2, dtype=jnp.float32)  # baselines run the dense weights
+    assert "dms" not in stripped["layers_0"]["self_attn"] and cache.budget == 16
+    with pytest.raises(ValueError, match="needs a KVpop or DMS checkpoint"):
+        method_setup("dms", base, params, 16, sinks=2, dtype=jnp.float32)
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n" for p, a in [("x3y5\nask x\n", "3")]))
+    rows = run_accuracy(["dense", "dms"], {"dense": str(tmp_path / "dense"), "dms": str(tmp_path / "dms")},
+                        str(bench), n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=4,
+                        sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"), progress=False)
+    assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [("dense", None, None), ("dms", 0.5, 16)]
+    assert "| 50% | 16 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
+
+
 def _dense_checkpoint(path):
     from demo.atoms import VOCAB
     from demo.tokenizer import save_tokenizer
@@ -166,7 +199,7 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
         run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # no truncated samples, no temporaries
     fail_at = None  # a method that cannot run: the same
-    with pytest.raises(ValueError, match="needs a KVpop checkpoint"):
+    with pytest.raises(ValueError, match="needs a KVpop or DMS checkpoint"):
         run_accuracy(["dense", "kvpop-x"], {"dense": dense, "kvpop-x": dense}, str(bench), **kw)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 

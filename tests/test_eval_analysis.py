@@ -11,9 +11,11 @@ import pytest
 from flax import traverse_util
 
 from eval.bench_decode import parse_lengths, run_bench_decode, tiny_config
+from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
 from eval.recall import load_rows, policy_arrays, run_recall
-from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, policy, save_pretrained
+from kvpop_jax import KVpopConfig, Qwen3Config, dms_cache, load_pretrained, policy, save_pretrained
+from kvpop_jax.config import DMSConfig
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
 BASE = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -199,3 +201,71 @@ def test_token_id_jsonl_with_a_bad_line_names_file_and_line(tmp_path):
     path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5\n')
     with pytest.raises(ValueError, match=r"ids.jsonl line 2 is not valid JSON"):
         load_rows(str(path), seq_len=4, num_sequences=1)
+
+
+# --- DMS: the eviction-ratio heat map and bench decode rows ----------------------------------
+
+DMS = DMSConfig(window=4, budget=SEQ, gate_hidden=8, logit_offset=0.0)  # a pool as long as the rows: no overflow
+
+
+@pytest.fixture(scope="module")
+def dms_checkpoint(tmp_path_factory):
+    """A DMS export with random gates (offset 0: they evict about half the tokens)."""
+    config = dataclasses.replace(BASE, dms=DMS)
+    params = retrofit_params(config, init_params(BASE, jax.random.key(0)), jax.random.key(1))
+    rng = np.random.default_rng(2)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    flat = {k: jnp.asarray(rng.normal(size=v.shape).astype(np.float32)) if "/dms/" in k else v
+            for k, v in flat.items()}
+    path = str(tmp_path_factory.mktemp("dms_ckpt"))
+    save_pretrained(config, traverse_util.unflatten_dict(flat, sep="/"), path)
+    return path
+
+
+def test_dms_patterns_match_the_decode_cache(dms_checkpoint, tmp_path):
+    """Occupancy and eviction ratio from the parallel forward == what the bounded pool holds after
+    decoding the same rows token by token (an independent path through dms_cache)."""
+    ids = np.random.default_rng(3).integers(0, BASE.vocab_size, size=(3, SEQ))
+    result = run_dms_patterns(dms_checkpoint, ids, num_sequences=3, out_dir=tmp_path / "out", batch=2)
+    config, params = load_pretrained(dms_checkpoint)
+    model = Qwen3ForCausalLM(config)
+    cache = dms_cache.init_cache(config, 3)
+    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c).cache)
+    for t in range(SEQ):
+        cache = step(cache, jnp.asarray(ids[:, t : t + 1]))
+    occupancy = np.stack([np.asarray(dms_cache.occupancy(layer, BASE.num_key_value_heads))
+                          for layer in cache.layers], axis=1)  # [N, L, Hkv]
+    assert all((np.asarray(layer.overflow) == 0).all() for layer in cache.layers)
+    np.testing.assert_array_equal(result.occupancy, occupancy)
+    np.testing.assert_allclose(result.ratio, (SEQ - occupancy) / (SEQ - DMS.window))
+    np.testing.assert_allclose(result.ratio_median, np.median(result.ratio, axis=0))
+    assert result.ratio_median.shape == (BASE.num_hidden_layers, BASE.num_key_value_heads)
+    assert 0.1 < result.ratio.mean() < 0.9 and result.occupancy.min() != result.occupancy.max()
+    for name in ("png", "md", "json"):
+        assert _nonempty(result.files[name])
+    with pytest.raises(ValueError, match="never leave the DMS window"):
+        run_dms_patterns(dms_checkpoint, ids[:, :4], out_dir=tmp_path / "short")
+
+
+def test_patterns_command_on_a_dms_export(dms_checkpoint, tmp_path, capsys):
+    from eval.main import cmd_patterns
+
+    ids = ",".join(str(t) for t in np.random.default_rng(4).integers(0, BASE.vocab_size, size=SEQ))
+    cmd_patterns(["--checkpoint", dms_checkpoint, "--ids", ids, "--out_dir", str(tmp_path)])
+    assert "DMS eviction patterns" in capsys.readouterr().out and _nonempty(tmp_path / "dms_patterns.png")
+    with pytest.raises(ValueError, match="is a DMS export"):
+        run_patterns(dms_checkpoint, [int(t) for t in ids.split(",")], out_dir=tmp_path / "kvpop")
+
+
+def test_bench_decode_dms_rows_have_a_fixed_pool(tmp_path):
+    config = tiny_config(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=16)
+    rows = run_bench_decode(lengths=(64, 128), methods=("dms", "kvpop"), out_dir=tmp_path / "out", benchmarks_md=None,
+                            model_config=config, steps=2, warmup=1, command="pytest bench", progress=False)
+    by = {(r.method, r.length): r for r in rows}
+    assert by["dms", 64].cache_bytes == by["dms", 128].cache_bytes  # a fixed pool, whatever the length
+    # the pool holds the KVpop memory per KV head (k, v and two int32 tags per entry, plus the ring)
+    memory = config.kvpop.memory(config.head_dim)
+    assert by["dms", 64].cache_bytes >= memory * 2 * config.head_dim * 4
+    assert all(r.ms_median > 0 for r in rows)
+    text = open(tmp_path / "out" / "bench_decode.md").read()
+    assert "| dms | 128 |" in text and f"a pool of Hkv x {memory} entries per layer" in text

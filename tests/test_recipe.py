@@ -11,9 +11,9 @@ import pytest
 
 from kvpop_jax import load_pretrained
 from helpers import REPO, parse, tiny_flags, train_cmd, train_env
-from train.config import FlagError, variant_kvpop
 from train import recipe
-from train.recipe_report import check_targets, length_generalization, scores_at
+from train.config import FlagError, load_model_config, variant_kvpop, variant_retrofit
+from train.recipe_report import check_targets, length_generalization, paper_ordering, scores_at
 
 
 def test_variant_flags(tmp_path, arch):
@@ -116,3 +116,52 @@ def test_target_reduce_flag_reaches_the_config(tmp_path, arch):
     assert parse(tiny_flags(str(tmp_path), arch, target_reduce="max")).kvpop.target_reduce == "max"
     with pytest.raises(ValueError, match="target_reduce"):
         KVpopConfig(target_reduce="mean")
+
+
+def test_dms_variant_flags(tmp_path, arch):
+    cfg = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlp,dms", eval_methods="dense,dms,kvpop-mlp"))
+    memory = cfg.kvpop.memory(cfg.head_dim)  # 36 = 4 + 16 + 16 (MLP scorer, no state)
+    d = variant_retrofit(cfg, "dms")
+    assert d is cfg.dms and (d.window, d.budget) == (16, memory) and cfg.retrofit == "kvpop"
+    assert d.mean_occupancy(cfg.seq_len) == pytest.approx(memory)  # target eviction 1 - 20 / 112
+    assert d.gate_hidden == 64  # 18 x 64 + 1 parameters per KV head; the MLP scorer + decay: 18 x 64 + 2
+    single = parse(tiny_flags(str(tmp_path), arch, retrofit="dms", dms_temperature=0.5, eval_methods="dense,dms"))
+    assert single.retrofit == "dms" and single.dms.temperature == 0.5 and single.evaluation.methods == ("dense", "dms")
+    assert single.model_retrofit(load_model_config(single)).dms == single.dms
+    with pytest.raises(FlagError, match="does not fit dms"):  # B = 16 at CR 0.9 of 160 tokens: no room past w
+        parse(tiny_flags(str(tmp_path), arch, variants="dms", eval_methods="dms", eval_prompt_len=160,
+                         eval_crs="0.9"))
+
+
+def test_paper_ordering():
+    assert paper_ordering({"kvpop-mlstm": 0.5, "dms": 0.3, "streamingllm+": 0.1}) is True
+    assert paper_ordering({"kvpop-mlstm": 0.5, "dms": 0.6, "streamingllm+": 0.1}) is False
+    assert paper_ordering({"kvpop-mlstm": 0.5, "dms": 0.6}) is None
+
+
+@pytest.mark.slow  # about 2 minutes on an idle core: 4 steps, then decoding and the heat map
+def test_dms_variant_end_to_end(tmp_path, arch):
+    run = str(tmp_path / "run")
+    argv = tiny_flags(run, arch, steps=4, checkpoint_every=4, variants="dms", eval_methods="dense,dms",
+                      eval_problems=2, eval_batch=2, eval_prompt_len=160, eval_crs="0.75", eval_recall_sequences=1,
+                      eval_tasks="read_once")
+    proc = subprocess.run(train_cmd(argv), cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    config, params = load_pretrained(os.path.join(run, "dms", "export"))
+    assert config.dms is not None and config.kvpop is None and config.dms.budget == 36
+    assert "dms" in params["layers_0"]["self_attn"]
+    records = [json.loads(line) for line in open(os.path.join(run, "dms", "metrics.jsonl"))]
+    targets = [r["target_eviction"] for r in records]
+    assert len(records) == 4 and targets[0] == 0.0 and targets == sorted(targets) and targets[-1] > 0.5
+    assert all(np.isfinite(r["loss"]) and r["loss"] >= r["kl"] for r in records)  # KL + the aux loss
+    assert all(0.0 <= r["eviction_rate"] <= 1.0 and r["dms_loss"] >= 0.0 for r in records)
+    assert any(r["dms_loss"] > 0 for r in records)
+    with open(os.path.join(run, "eval", "read_once", "accuracy.json")) as f:
+        rows = json.load(f)["rows"]
+    assert {(r["method"], r["budget"]) for r in rows} == {("dense", None), ("dms", 40)}
+    summary = open(os.path.join(run, "eval", "summary.md")).read()
+    assert "| 75% | 40 | dms |" in summary and "DMS: eviction pattern and occupancy" in summary
+    patterns = json.load(open(os.path.join(run, "eval", "dms_patterns", "dms_patterns.json")))
+    assert len(patterns["ratio_median"]) == 1 and len(patterns["ratio_median"][0]) == 2  # 1 layer x 2 KV heads
+    assert patterns["max_occupancy"] >= patterns["mean_occupancy"] >= 16

@@ -119,6 +119,15 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
                                (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'")):
         with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):
             check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, **overrides)), model, "ckpt/2")
+    with pytest.raises(FlagError, match="--retrofit 'kvpop' -> 'dms'"):
+        check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms")), model, "ckpt/2")
+    dms = parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms"))
+    dms_saved = {"train_config": json.loads(json.dumps(dms.to_json(), default=str))}
+    check_resume(dms_saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms", dms_temperature=0.5)),
+                 model, "ckpt/2")  # the relaxation's temperature may change, the gates' shape and target not
+    with pytest.raises(FlagError, match=r"--dms_window 16 -> 8; dms.target_eviction 0.82\d* -> 0.76\d*\. A res"):
+        check_resume(dms_saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms", dms_window=8)),
+                     model, "ckpt/2")
     wider = Qwen3Config.from_hf(dict(TINY_ARCH, hidden_size=64))
     with pytest.raises(FlagError, match=r"the model's hidden_size \(--init_checkpoint/--model_config\) 32 -> 64"):
         check_resume(saved, cfg, wider, "ckpt/2")

@@ -203,3 +203,34 @@ def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path):
     assert total / 4 <= report["params"] < total / 2  # (+ the replicated 16 KB MLP scorer)
     assert 2 * report["params"] <= report["opt_state"] <= 2 * report["params"] + 4096
     assert report["temp_size_in_bytes"] > 0 and report["peak_estimate"] > report["params"]
+
+
+def test_dms_dry_run_on_8_fake_devices(tmp_path):
+    """`--retrofit=dms --dry_run` compiles the sharded DMS step (the DMS recipes' path) on 8 devices."""
+    (tmp_path / "arch.json").write_text(json.dumps(ARCH))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+    argv = [f.format(tmp=tmp_path) for f in FLAGS] + ["--retrofit=dms", "--scorer=mlstm"]
+    proc = subprocess.run([sys.executable, "-m", "train.main"] + argv, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # memory 2 + 8 + 16 + the mLSTM state (5 entries) = 31, w 8, at S = 64: target 1 - 23 / 56
+    assert "DMS (w=8, memory 31 per KV head, target eviction 0.5893" in proc.stdout
+    assert "on 8 cpu devices" in proc.stdout and "peak_estimate" in proc.stdout
+
+
+@pytest.mark.slow  # the real Qwen3-4B / 8B step at S = 16384: minutes of compilation each on 2 CPU cores
+@pytest.mark.parametrize("model,cr,memory", [("4b", "75", 4325), ("4b", "88", 2309), ("8b", "75", 4325),
+                                             ("8b", "88", 2309)])
+def test_dms_recipes_dry_run_on_8_fake_devices(tmp_path, model, cr, memory):
+    """configs/dms_qwen3_{4b,8b}_cr{75,88}.flags compile their sharded step (FSDP over 8 devices)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    argv = [f"--flagfile=configs/dms_qwen3_{model}_cr{cr}.flags", f"--run_dir={tmp_path}/run", "--dry_run"]
+    proc = subprocess.run([sys.executable, "-m", "train.main"] + argv, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    hidden = {"4b": 2560, "8b": 4096}[model]
+    assert f"dry run: 36 layers, hidden {hidden}, S=16384" in proc.stdout
+    assert f"DMS (w=256, memory {memory} per KV head" in proc.stdout
+    assert "mesh data=1 x fsdp=8 x tensor=1 on 8 cpu devices" in proc.stdout and "peak_estimate" in proc.stdout

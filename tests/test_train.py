@@ -16,7 +16,7 @@ from absl import flags
 
 from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
 from train import optim
-from train.config import FlagError, OptimConfig, check_devices
+from train.config import FlagError, OptimConfig, check_devices, load_model_config
 from train.configure import config_from_flags
 from train.flags import define_flags
 from train.loop import DivergenceError, DivergenceGuard, NonFiniteLossError, check_finite, host_batch, train
@@ -129,6 +129,32 @@ def test_paper_recipes_follow_app_a_and_mlp_recipes_are_memory_matched(tmp_path,
             assert mlp.kvpop.memory(128) == mlstm.kvpop.memory(128)
 
 
+def test_dms_recipes_are_memory_matched_to_the_kvpop_recipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+
+    def recipe(name):
+        fv = flags.FlagValues()
+        define_flags(fv)
+        fv(["train", f"--flagfile={REPO}/configs/{name}.flags", f"--run_dir={tmp_path}", "--dry_run"])
+        return config_from_flags(fv, on_accelerator=True)
+
+    for model in ("4b", "8b"):
+        for cr, target in (("75", 0.7477), ("88", 0.8727)):
+            kvpop, dms = recipe(f"qwen3_{model}_cr{cr}"), recipe(f"dms_qwen3_{model}_cr{cr}")
+            d = dms.dms
+            assert dms.retrofit == "dms" and kvpop.retrofit == "kvpop"
+            flagfile = open(f"{REPO}/configs/dms_qwen3_{model}_cr{cr}.flags").read()
+            assert f"--run_dir=runs/dms_qwen3_{model}_cr{cr}\n" in flagfile  # (the parse overrides --run_dir)
+            assert d.budget == kvpop.kvpop.memory(128) and d.window == 256 and d.target_eviction == pytest.approx(
+                target, abs=1e-4)
+            assert d.mean_occupancy(16384) == pytest.approx(d.budget)  # the mean occupancy at S is KVpop's memory
+            assert d.gate_hidden == 193 and (d.kl_topk, d.temperature) == (256, 0.1)
+            assert (dms.steps, dms.seq_len, dms.global_batch, dms.data) == (
+                kvpop.steps, kvpop.seq_len, kvpop.global_batch, kvpop.data)
+            model_config = dms.model_retrofit(load_model_config(dms))
+            assert model_config.dms == d and model_config.kvpop is None
+
+
 # ------------------------------------------------------------------------------ optimizer
 
 
@@ -141,10 +167,12 @@ def test_two_param_groups_and_schedules():
     assert 8e-5 < float(new(1000)) < 1e-3
     assert float(optim.learning_rates(cfg, 1234)["lr_base"]) == pytest.approx(8e-5)
     params = {"layers_0": {"mlp": {"kernel": jnp.ones((2, 2))},
-                           "self_attn": {"kvpop": {"decay_alpha": jnp.zeros((2,))}}}}
+                           "self_attn": {"kvpop": {"decay_alpha": jnp.zeros((2,))}}},
+              "layers_1": {"self_attn": {"dms": {"w1": jnp.zeros((2, 2))}}}}
     labels = optim.param_labels(params)
     assert labels["layers_0"]["mlp"]["kernel"] == "base"
     assert labels["layers_0"]["self_attn"]["kvpop"]["decay_alpha"] == "new"
+    assert labels["layers_1"]["self_attn"]["dms"]["w1"] == "new"  # DMS gates are new params too
 
 
 @pytest.mark.parametrize("freeze", [False, True])
@@ -211,6 +239,9 @@ def test_non_finite_loss_names_step_and_term():
         check_finite(7, {"kl": 1.0, "retention_loss": float("nan"), "loss": float("nan"), "grad_norm": 2.0})
     with pytest.raises(NonFiniteLossError, match=r"step 2: grad_norm is inf"):
         check_finite(2, {"kl": 1.0, "retention_loss": 0.5, "loss": 1.5, "grad_norm": float("inf")})
+    with pytest.raises(NonFiniteLossError, match=r"step 4: dms_loss is nan"):  # DMS's auxiliary loss
+        check_finite(4, {"kl": 1.0, "retention_loss": 0.0, "dms_loss": float("nan"), "loss": float("nan"),
+                         "grad_norm": 2.0})
 
 
 def test_non_finite_updated_state_is_named_even_when_the_loss_is_finite():

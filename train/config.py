@@ -12,7 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvpop_jax.config import KVpopConfig, Qwen3Config
+from kvpop_jax import dms as dms_lib
+from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
 from train.packing import DataConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ class FlagError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Two parameter groups (Table 3): base weights and new KVpop params (scorers, decay)."""
+    """Two parameter groups (Table 3): base weights and new params (KVpop scorers and decay, DMS gates)."""
 
     steps: int
     base_lr: float = 8e-5
@@ -54,8 +55,10 @@ class OptimConfig:
                 raise FlagError(f"--adam_{name} must be in [0, 1), got {getattr(self, name)}")
 
 
-# Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k.
-VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+", "kvpop-mlstm-max")
+# Retrofit variants of `--variants`: KVpopConfig overrides; StreamingLLM+ keeps B and drops k;
+# dms is the DMS retrofit at the same memory (`variant_dms`).
+VARIANTS = ("kvpop-mlstm", "kvpop-mlp", "streamingllm+", "kvpop-mlstm-max", "dms")
+RETROFITS = ("kvpop", "dms")  # what a single run (`--retrofit`) trains
 
 
 def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
@@ -69,7 +72,29 @@ def variant_kvpop(kvpop: KVpopConfig, name: str, head_dim: int) -> KVpopConfig:
         return dataclasses.replace(kvpop.memory_matched("mlstm", head_dim), target_reduce="max")
     if name == "streamingllm+":
         return dataclasses.replace(kvpop, scorer="mlp", window=kvpop.memory(head_dim) - kvpop.sinks, topk=0)
+    if name == "dms":
+        raise FlagError("dms is not a KVpop variant: its settings come from variant_dms")
     raise FlagError(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+def variant_dms(kvpop: KVpopConfig, head_dim: int, seq_len: int, *, window: int | None = None,
+                **knobs) -> DMSConfig:
+    """The DMS retrofit compared with the flags' KVpop (`kvpop_jax/dms.py`): the same memory per KV
+    head M = `kvpop.memory(head_dim)` and window (unless `window`), the target eviction rate whose
+    mean occupancy at `seq_len` is M, a gate with the KVpop head's parameter count per KV head, and
+    the same distillation. `knobs`: other DMSConfig fields (temperature, ramp_fraction, ...)."""
+    memory, window = kvpop.memory(head_dim), window or kvpop.window
+    return DMSConfig(window=window, budget=memory, target_eviction=DMSConfig.eviction_for_memory(memory, window, seq_len),
+                     gate_hidden=dms_lib.matched_gate_hidden(kvpop, head_dim), kl_topk=kvpop.kl_topk,
+                     kl_temperature=kvpop.kl_temperature, **knobs)
+
+
+def variant_retrofit(cfg: "TrainConfig", name: str) -> KVpopConfig | DMSConfig:
+    """The retrofit config (KVpop or DMS) that variant `name` trains, from the run's flags (`kvpop`:
+    a single run's own KVpop settings)."""
+    if name == "dms":
+        return cfg.dms
+    return cfg.kvpop if name == "kvpop" else variant_kvpop(cfg.kvpop, name, cfg.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +162,8 @@ class TrainConfig:
     overwrite: bool = False  # start over in a run_dir that holds a run (train/run_dir.py)
     divergence_factor: float = 100.0  # stop when a loss term exceeds this x its running median (0: off)
     divergence_warmup: int = 3  # steps of history before the divergence guard checks
+    retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)
+    dms: DMSConfig | None = None  # the DMS settings (memory-matched to `kvpop`), when a run or variant needs them
 
     @property
     def grad_accum(self) -> int:
@@ -157,6 +184,17 @@ class TrainConfig:
         if not src.startswith("random:"):
             return None
         return resolve_model_config(src.removeprefix("random:"))
+
+    @property
+    def retrofit_config(self) -> KVpopConfig | DMSConfig:
+        """The settings of what this run trains (`kvpop` or `dms`)."""
+        return self.dms if self.retrofit == "dms" else self.kvpop
+
+    def model_retrofit(self, model_config: Qwen3Config) -> Qwen3Config:
+        """The dense architecture with this run's retrofit set."""
+        if self.retrofit == "dms":
+            return dataclasses.replace(model_config, kvpop=None, dms=self.dms)
+        return dataclasses.replace(model_config, kvpop=self.kvpop, dms=None)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,7 +229,7 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         configs = [Qwen3Config.from_hf(s) for s in sources]
     except (ValueError, FileNotFoundError) as e:  # not an object, a missing field, ...: named, one line
         raise FlagError(f"--init_checkpoint/--model_config: {e}") from e
-    base = [dataclasses.replace(c, kvpop=None) for c in configs]
+    base = [dataclasses.replace(c, kvpop=None, dms=None) for c in configs]
     for src, c in zip(sources[1:], base[1:]):
         # the same architecture up to special tokens and the documented context (a valid placeholder: 1)
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731

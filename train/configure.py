@@ -13,7 +13,7 @@ from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
-                          check_export_dir, resolve_model_config, variant_kvpop)
+                          check_export_dir, resolve_model_config, variant_dms, variant_kvpop)
 
 
 def _resolve_dtype(name: str, on_accelerator: bool) -> str:
@@ -88,11 +88,21 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     except ValueError as e:
         raise FlagError(f"--mlstm_dim/--mlstm_feature_map: {e}") from e
     for name in variants:
+        if name == "dms":
+            continue
         try:
             variant_kvpop(kvpop, name, head_dim)
         except ValueError as e:
             raise FlagError(f"--variants={name}: {e}") from e
-    evaluation = evaluation_from_flags(f, kvpop, variants, head_dim)
+    dms = None
+    if f.retrofit == "dms" or "dms" in variants:
+        try:
+            dms = variant_dms(kvpop, head_dim, f.seq_len, window=f.dms_window, temperature=f.dms_temperature,
+                              ramp_fraction=f.dms_ramp_fraction, logit_scale=f.dms_logit_scale,
+                              logit_offset=f.dms_logit_offset, aux_loss_weight=f.dms_aux_loss_weight)
+        except ValueError as e:
+            raise FlagError(f"bad DMS flags (--dms_*, memory of --sinks/--window/--topk at --seq_len): {e}") from e
+    evaluation = evaluation_from_flags(f, kvpop, variants, head_dim, dms)
     steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
@@ -154,6 +164,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         export=f.export, export_dir=export_dir, log_every=f.log_every,
         tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
         overwrite=f.overwrite, divergence_factor=f.divergence_factor, divergence_warmup=f.divergence_warmup,
+        retrofit=f.retrofit, dms=dms,
     )
 
 
@@ -179,12 +190,13 @@ def _head_dim(f) -> int:
         raise FlagError(f"cannot read the model's config.json at {path}: {e}") from e
 
 
-def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head_dim: int) -> EvalConfig | None:
+def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head_dim: int,
+                          dms=None) -> EvalConfig | None:
     """The `--eval_*` flags as an EvalConfig (None without --eval_methods), checked before any training."""
     methods = tuple(dict.fromkeys(m.strip() for m in f.eval_methods if m.strip()))
     if not methods:
         return None
-    trained = variants or ("kvpop",)  # without --variants, the run itself is `kvpop`
+    trained = variants or (f.retrofit,)  # without --variants, the run itself is `kvpop` (or `dms`)
     unknown = [m for m in methods if m not in TRAINING_FREE and m not in trained]
     if unknown:
         raise FlagError(f"--eval_methods: {unknown} are neither {'/'.join(TRAINING_FREE)} nor trained here "
@@ -213,7 +225,8 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
         budget = KVpopConfig.budget_at(cr, f.eval_prompt_len)
         for m in (m for m in methods if m in trained):
             try:
-                (variant_kvpop(kvpop, m, head_dim) if variants else kvpop).retarget(budget, head_dim)
+                retrofit = dms if m == "dms" else (variant_kvpop(kvpop, m, head_dim) if variants else kvpop)
+                retrofit.retarget(budget, head_dim)
             except ValueError as e:
                 raise FlagError(f"--eval_crs={cr} at --eval_prompt_len={f.eval_prompt_len} (B = {budget}) does "
                                 f"not fit {m}: {e}") from e

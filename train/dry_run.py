@@ -20,6 +20,15 @@ def _gb(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _retrofit(cfg: TrainConfig) -> str:
+    if cfg.retrofit == "dms":
+        d = cfg.dms
+        return (f"DMS (w={d.window}, memory {d.budget} per KV head, target eviction {d.target_eviction:.4f}, "
+                f"gate width {d.gate_hidden})")
+    kv = cfg.kvpop
+    return f"B={kv.budget} (s={kv.sinks}, w={kv.window}, k={kv.topk}), scorer {kv.scorer}"
+
+
 def dry_run(cfg: TrainConfig) -> dict[str, int]:
     """Lowers + compiles the step for the real shapes on abstract arrays; prints per-device bytes."""
     mesh = build_mesh(cfg)
@@ -56,8 +65,7 @@ def dry_run(cfg: TrainConfig) -> dict[str, int]:
     mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
     print(f"dry run: {model_config.num_hidden_layers} layers, hidden {model_config.hidden_size}, "
           f"S={cfg.seq_len}, global batch {cfg.global_batch} = {cfg.grad_accum} x micro {cfg.micro_batch}, "
-          f"B={cfg.kvpop.budget} (s={cfg.kvpop.sinks}, w={cfg.kvpop.window}, k={cfg.kvpop.topk}), "
-          f"scorer {cfg.kvpop.scorer}, remat {cfg.remat}, loss_chunk {cfg.loss_chunk or cfg.seq_len}, "
+          f"{_retrofit(cfg)}, remat {cfg.remat}, loss_chunk {cfg.loss_chunk or cfg.seq_len}, "
           f"{cfg.compute_dtype} compute, {cfg.param_dtype} params, {cfg.teacher_dtype} teacher")
     print(f"mesh {mesh_desc} on {mesh.size} {jax.devices()[0].platform} devices; "
           f"lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s")

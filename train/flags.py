@@ -22,7 +22,7 @@ from absl import flags
 from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORERS,
                               TARGET_REDUCTIONS)
 from kvpop_jax.modeling import REMAT_POLICIES
-from train.config import DTYPES, VARIANTS
+from train.config import DTYPES, RETROFITS, VARIANTS
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -70,6 +70,20 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
     flags.DEFINE_integer("kl_topk", 256, "Teacher top-k logits for the KL.", **d)
     flags.DEFINE_float("kl_temperature", 1.0, "KL temperature.", **d)
+    # --- DMS (the learned-eviction baseline, kvpop_jax/dms.py): a run with --retrofit=dms or the
+    # dms variant, at the memory per KV head of the KVpop flags above
+    flags.DEFINE_enum("retrofit", "kvpop", list(RETROFITS),
+                      "What a single run trains: kvpop (the KVpop flags) or dms (DMS at the same memory per KV "
+                      "head as those flags: window --window, target eviction rate for that mean occupancy at "
+                      "--seq_len, gates with the KVpop scorer's parameter count).", **d)
+    flags.DEFINE_integer("dms_window", None, "DMS window w (default: --window).", **d)
+    flags.DEFINE_float("dms_temperature", 0.1, "Temperature of DMS's Gumbel-sigmoid relaxation.", **d)
+    flags.DEFINE_float("dms_ramp_fraction", 0.9,
+                       "Share of the steps over which DMS's target compression ratio rises linearly to its final "
+                       "value.", **d)
+    flags.DEFINE_float("dms_logit_scale", 1.0, "DMS decision logit = scale * gate - offset.", **d)
+    flags.DEFINE_float("dms_logit_offset", 5.0, "DMS decision logit offset (the start: -offset).", **d)
+    flags.DEFINE_float("dms_aux_loss_weight", 1.0, "Weight of DMS's one-sided eviction-rate loss.", **d)
     # --- data
     flags.DEFINE_string("data", None, "Hub dataset, local file/dir/glob, or demo:N (generated demo traces).", **d)
     flags.DEFINE_string("data_split", "train", "Split (hub names and saved datasets); several, comma-separated, "
@@ -146,7 +160,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     # --- recipe: several retrofits of one teacher, then the demo comparison (train/recipe.py)
     flags.DEFINE_list("variants", [],
                       "Train these retrofits one after another, each into RUN_DIR/NAME with the flags above "
-                      f"except: {', '.join(VARIANTS)} (StreamingLLM+: k = 0, w = --window + --topk, same B). "
+                      f"except: {', '.join(VARIANTS)} (StreamingLLM+: k = 0, w = --window + --topk, same B; "
+                      "dms: see --retrofit). "
                       "Empty: one run into RUN_DIR exactly as the flags say.", **d)
     flags.DEFINE_list("eval_methods", [],
                       "After training, pass@1 on held-out demo-task problems for these methods: dense, "

@@ -1,7 +1,7 @@
 """The optimizer (Table 3): AdamW with two parameter groups and global clipping.
 
   base  (every pretrained weight): constant LR `base_lr` (8e-5), or frozen (`freeze_base`)
-  new   (anything under a `kvpop` subtree: scorers, decay): linear warmup over
+  new   (anything under a `kvpop` or `dms` subtree: scorers, decay, DMS gates): linear warmup over
         `warmup_steps` to `new_lr` (1e-3), then cosine to `new_lr_final` (8e-5) at `steps`
 
 Both: AdamW(b1, b2) with decoupled weight decay on all parameters; the gradient is clipped
@@ -15,16 +15,17 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from kvpop_jax.modeling import KVPOP_SUBTREE
+from kvpop_jax.modeling import RETROFIT_SUBTREES
 from train.config import OptimConfig
 
 BASE, NEW = "base", "new"
 
 
 def param_labels(params) -> dict:
-    """Same tree as params with "new" for KVpop params (scorers, decay) and "base" elsewhere."""
+    """Same tree as params with "new" for retrofit params (KVpop scorers and decay, DMS gates) and
+    "base" elsewhere."""
     flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({k: NEW if KVPOP_SUBTREE in k else BASE for k in flat})
+    return traverse_util.unflatten_dict({k: NEW if set(RETROFIT_SUBTREES) & set(k) else BASE for k in flat})
 
 
 def new_params_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -1,7 +1,7 @@
 """Several retrofits of one teacher, then the demo comparison: what README command 1 runs.
 
 `python -m train.main --flagfile=configs/tiny_cpu.flags` trains each of `--variants`
-(kvpop-mlstm, kvpop-mlp, streamingllm+, kvpop-mlstm-max) from the same dense checkpoint with
+(kvpop-mlstm, kvpop-mlp, streamingllm+, kvpop-mlstm-max, dms) from the same dense checkpoint with
 the same data, memory per KV head and schedule, one after another into RUN_DIR/NAME (each a
 normal, resumable `train.loop.train` run with its own checkpoints, metrics and export), then,
 with `--eval_methods`, decodes fresh held-out demo problems of every `--eval_tasks` task
@@ -11,13 +11,15 @@ Table-1-style comparison per task, the oracles, the recall, length generalizatio
     RUN_DIR/eval/TASK/accuracy.md|png|json, samples.jsonl   per task (`eval.accuracy`)
     RUN_DIR/eval/long/...                                  the main task at --eval_long_len
     RUN_DIR/eval/recall_NAME/                              teacher-retention recall per KVpop variant
+    RUN_DIR/eval/dms_patterns/                             DMS's eviction ratio per layer and head (Fig. 8)
     RUN_DIR/eval/training.png                              loss, boundary accuracy / AUC curves
     RUN_DIR/eval/summary.md                                everything printed (`train/recipe_report.py`)
 
 Decoding is greedy (one rollout per problem), so the tables are deterministic. The dense
 checkpoint serves dense, StreamingLLM, TOVA and H2O; the variants are decoded with their
 bounded caches, retargeted to each CR's memory budget B = (1 - CR) * prompt_len
-(`KVpopConfig.retarget`: k changes, or w for StreamingLLM+; an mLSTM's state counts against B).
+(`KVpopConfig.retarget`: k changes, or w for StreamingLLM+; an mLSTM's state counts against B;
+DMS keeps its trained gates and gets a pool of B entries per KV head, `DMSConfig.retarget`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from demo.oracles import oracle_recovery
 from demo.task import generate_dataset, make_config, write_jsonl
 from eval.accuracy import run_accuracy
 from eval.benchmarks import DemoSpec
+from eval.dms_patterns import run_dms_patterns
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.sampling import SamplingConfig
-from train.config import TrainConfig, variant_kvpop
+from train.config import TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
 from train.run_dir import checkpoint_steps, lock_run_dir
@@ -48,9 +51,21 @@ from train.setup import info, prepare_init_checkpoint, run_tokenizer
 def variant_config(cfg: TrainConfig, name: str, init_dir: str, tokenizer_dir: str) -> TrainConfig:
     """The TrainConfig of one variant: its KVpop settings, RUN_DIR/NAME, the shared init and tokenizer."""
     run_dir = os.path.join(cfg.run_dir, name)
-    return dataclasses.replace(cfg, kvpop=variant_kvpop(cfg.kvpop, name, cfg.head_dim), run_dir=run_dir,
+    retrofit = {"retrofit": "dms"} if name == "dms" else {"kvpop": variant_kvpop(cfg.kvpop, name, cfg.head_dim),
+                                                           "retrofit": "kvpop"}
+    return dataclasses.replace(cfg, **retrofit, run_dir=run_dir,
                                export_dir=os.path.join(run_dir, "export"), init_checkpoint=init_dir,
                                tokenizer=tokenizer_dir, variants=(), evaluation=None, export=True)
+
+
+def describe(cfg: TrainConfig) -> str:
+    """The retrofit's budget in one line."""
+    if cfg.retrofit == "dms":
+        d = cfg.dms
+        return (f"DMS: w {d.window}, target eviction {d.target_eviction:.3f} (CR {d.target_compression:.2f}) for a "
+                f"mean occupancy of {d.budget} entries at {cfg.seq_len} tokens, gate width {d.gate_hidden}")
+    kv = cfg.kvpop
+    return (f"B = {kv.budget}: s {kv.sinks}, w {kv.window}, k {kv.topk}; memory {kv.memory(cfg.head_dim)} entries")
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -71,14 +86,13 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
         if finished(vcfg) and not cfg.overwrite:  # a rerun after a crash skips what is done
             info(f"[{name}] already trained: {vcfg.export_dir}")
             continue
-        info(f"[{name}] training into {vcfg.run_dir} (B = {vcfg.kvpop.budget}: s {vcfg.kvpop.sinks}, "
-             f"w {vcfg.kvpop.window}, k {vcfg.kvpop.topk}; memory {vcfg.kvpop.memory(cfg.head_dim)} entries)")
+        info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
         t0 = time.perf_counter()
         train(vcfg)
         times[name] = time.perf_counter() - t0
     if not cfg.variants:
         train(cfg)
-        exports = {"kvpop": cfg.export_dir}
+        exports = {cfg.retrofit: cfg.export_dir}
     summary: dict[str, Any] = {"exports": exports, "train_seconds": times}
     if cfg.evaluation is not None:
         t0 = time.perf_counter()
@@ -141,11 +155,17 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
             examples = generate_dataset(ev.recall_sequences, cfg.seed, "test", task=ev.tasks[0], seq_len=ev.prompt_len)
             write_jsonl(data + ".tmp", examples)
             os.replace(data + ".tmp", data)
-        for name in (m for m in ev.methods if m in exports and variant_kvpop(cfg.kvpop, m, cfg.head_dim).topk > 0):
+        for name in (m for m in ev.methods if m in exports and m != "dms"
+                     and variant_retrofit(cfg, m).topk > 0):
             result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
                                 out_dir=os.path.join(out, f"recall_{name}"), progress=cfg.progress)
             recall[name] = result.global_mean
+    dms_stats = None
+    if "dms" in ev.methods and "dms" in exports and ev.recall_sequences:
+        dms_stats = run_dms_patterns(exports["dms"], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
+                                     out_dir=os.path.join(out, "dms_patterns"))
     plot_training(cfg, list(exports), os.path.join(out, "training.png"))
-    summary = write_summary(cfg, results, recall, long_rows, budgets, os.path.join(out, "summary.md"))
+    summary = write_summary(cfg, results, recall, long_rows, budgets, os.path.join(out, "summary.md"),
+                            dms_stats=dms_stats)
     print(summary, flush=True)
     return {"tasks": results, "long": long_rows, "recall": recall, "out_dir": out}

@@ -70,8 +70,16 @@ def length_generalization(rows: list[dict], long_rows: list[dict], budgets: dict
     return table
 
 
+def paper_ordering(scores: dict[str, float]) -> bool | None:
+    """The paper's ordering at its highest CR, KVpop-mLSTM > DMS > StreamingLLM+ (None: not all measured)."""
+    names = ("kvpop-mlstm", "dms", "streamingllm+")
+    if not all(m in scores for m in names):
+        return None
+    return scores["kvpop-mlstm"] > scores["dms"] > scores["streamingllm+"]
+
+
 def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, float], long_rows: list[dict] | None,
-                  budgets: dict[float, int], path: str) -> str:
+                  budgets: dict[float, int], path: str, dms_stats=None) -> str:
     ev = cfg.evaluation
     main = ev.tasks[0]
     high, low = max(ev.compression_ratios), min(ev.compression_ratios)
@@ -102,6 +110,21 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
                   f"Share of the teacher policy's long-range keep set the learned policy also keeps ({main}, "
                   f"{ev.recall_sequences} held-out traces, the trained budget):", ""]
         lines += [f"- {name}: {value:.3f}" for name, value in recall.items()] + [""]
+    if dms_stats is not None:
+        d = dms_stats.settings
+        lines += ["## DMS: eviction pattern and occupancy", "",
+                  f"Hard decisions on {d['rows']} held-out {main} traces of {d['seq_len']} tokens "
+                  f"(`eval/dms_patterns.py`; heat map in `eval/dms_patterns/`): {dms_stats.eviction_rate:.3f} of the "
+                  f"tokens marked for eviction (target {d['target_eviction']:.3f}); entries per KV head at the last "
+                  f"token: mean {dms_stats.mean_occupancy:.1f}, max {dms_stats.max_occupancy} (the KVpop memory: "
+                  f"{d['budget']}). Median eviction ratio per layer and head (0 dense, 1 window only): "
+                  + "; ".join(f"layer {i}: " + ", ".join(f"{x:.2f}" for x in row)
+                              for i, row in enumerate(dms_stats.ratio_median)) + ".", ""]
+    for task, result in results.items():
+        ordering = paper_ordering(scores_at(result["rows"], high))
+        if ordering is not None:
+            lines += [f"Paper's ordering on {task} at CR {high:.0%} (kvpop-mlstm > dms > streamingllm+): "
+                      f"{'holds' if ordering else 'does not hold'}.", ""]
     lines += [f"## Targets on the main task ({main}; highest CR {high:.0%}, lowest {low:.0%})", ""]
     rows = results[main]["rows"]
     for text, ok in check_targets(scores_at(rows, high), scores_at(rows, low)):
@@ -123,7 +146,7 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
 
 def plot_training(cfg: TrainConfig, names: list[str], path: str) -> None:
     """Loss, KL, retention loss, boundary accuracy / AUC and teacher recall of each variant against steps."""
-    keys = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_auc", "teacher_recall")
+    keys = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_auc", "teacher_recall", "eviction_rate")
     fig, axes = plt.subplots(1, len(keys), figsize=(3.0 * len(keys), 2.8))
     for name in names:
         metrics_path = os.path.join(cfg.run_dir, name, "metrics.jsonl") if cfg.variants else os.path.join(
@@ -144,4 +167,5 @@ def plot_training(cfg: TrainConfig, names: list[str], path: str) -> None:
     save_figure(fig, path, dpi=110)
 
 
-__all__ = ["TARGETS", "check_targets", "length_generalization", "plot_training", "scores_at", "write_summary"]
+__all__ = ["TARGETS", "check_targets", "length_generalization", "paper_ordering", "plot_training", "scores_at",
+           "write_summary"]

@@ -44,7 +44,10 @@ RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "ml
 KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map", "mlstm_value",
                "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
                "normalizer", "target_reduce", "target_lookahead")
-RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len")
+RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "retrofit")
+# A DMS run (--retrofit=dms) also keeps the DMS fields that shape its gates or its eviction target.
+RESUME_DMS_FIELDS = ("window", "budget", "target_eviction", "gate_hidden", "logit_scale", "logit_offset")
+DMS_FLAGS = {"window": "--dms_window", "logit_scale": "--dms_logit_scale", "logit_offset": "--dms_logit_offset"}
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
                "attention_bias")
@@ -124,6 +127,10 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
         if field in old_kvpop and old_kvpop[field] != new_kvpop[field]:
             name = f"--{field}" if field in KVPOP_FLAGS else f"kvpop.{field}"
             changes.append(f"{name} {old_kvpop[field]!r} -> {new_kvpop[field]!r}")
+    old_dms, new_dms = old_run.get("dms") or {}, dataclasses.asdict(cfg.dms) if cfg.dms is not None else {}
+    for field in RESUME_DMS_FIELDS if cfg.retrofit == "dms" else ():
+        if field in old_dms and old_dms[field] != new_dms[field]:
+            changes.append(f"{DMS_FLAGS.get(field, f'dms.{field}')} {old_dms[field]!r} -> {new_dms[field]!r}")
     new_run = json.loads(json.dumps(cfg.to_json(), default=str))
     for field in RESUME_RUN_FIELDS:
         if field in old_run and old_run[field] != new_run[field]:

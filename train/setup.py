@@ -28,7 +28,7 @@ def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
     if cfg.kvpop.kl_topk > model_config.vocab_size:
         raise FlagError(f"--kl_topk={cfg.kvpop.kl_topk} exceeds the model's vocab_size {model_config.vocab_size}")
     return st.StepConfig(
-        model=dataclasses.replace(model_config, kvpop=cfg.kvpop),
+        model=cfg.model_retrofit(model_config),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
         teacher_dtype=DTYPES[cfg.teacher_dtype], remat=cfg.remat, loss_chunk=cfg.loss_chunk,
         micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, seq_len=cfg.seq_len,
@@ -57,8 +57,7 @@ def abstract_batch(cfg: TrainConfig, model_config: Qwen3Config) -> dict[str, jax
 
 
 def abstract_train_state(cfg: TrainConfig, model_config: Qwen3Config, tx):
-    kv_config = dataclasses.replace(model_config, kvpop=cfg.kvpop)
-    params = modeling.abstract_params(kv_config, DTYPES[cfg.param_dtype])
+    params = modeling.abstract_params(cfg.model_retrofit(model_config), DTYPES[cfg.param_dtype])
     return jax.eval_shape(lambda p: st.init_state(p, tx, cfg.seed), params)
 
 

@@ -1,4 +1,5 @@
-"""The sharded train step: KL distillation from a frozen dense teacher + the retention loss.
+"""The sharded train step: KL distillation from a frozen dense teacher + the retention loss (KVpop)
+or DMS's auxiliary eviction loss.
 
 One call of the step is one optimizer update over the global batch, laid out as
 micro-batches `[A, b, S]` (A = gradient accumulation): a `lax.scan` runs forward/backward
@@ -7,11 +8,15 @@ updates once. Per micro-batch:
 
   teacher  dense Qwen3 with the *initial* base weights (frozen, bf16 on GPU): its top-K
            logits per token, `[b, S, K]` (or precomputed ones read from disk)
-  student  the KVpop model (`query_samples` drawn with `sample_query_positions`, min_q = B)
-  loss     KL(teacher top-K || student) + retention_loss_weight * retention loss
+  student  the KVpop model (`query_samples` drawn with `sample_query_positions`, min_q = B),
+           or the DMS model with its relaxed gates (logistic noise from the step's rng)
+  loss     KL(teacher top-K || student) + retention_loss_weight * retention loss (KVpop), or
+           + aux_loss_weight * relu(target(step) - eviction rate) (DMS, `kvpop_jax/dms.py`;
+           the target rises with the optimizer step)
 
 Gradient routing is the model's (DESIGN.md): the KL reaches only base weights, the
-retention loss only scorers and decay. With `freeze_base` the base weights are
+retention loss only scorers and decay; DMS's KL and auxiliary loss reach base weights and
+gates (the gates read stop-gradient [k; v]). With `freeze_base` the base weights are
 stop-gradient, so XLA drops the whole backward pass through the network.
 
 Memory: `lm_head` and the KL run over sequence chunks of `loss_chunk` tokens under
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from kvpop_jax import dms as dms_lib
 from kvpop_jax import losses, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.config import Qwen3Config
@@ -37,7 +43,7 @@ from train import optim
 
 Model = modeling.Qwen3ForCausalLM
 METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_auc", "keep_rate", "num_valid",
-               "teacher_recall", "tokens")
+               "teacher_recall", "tokens", "dms_loss", "eviction_rate", "target_eviction")
 
 
 @flax.struct.dataclass
@@ -54,7 +60,7 @@ class TrainState:
 class StepConfig:
     """What the step function needs from TrainConfig (hashable, static under jit)."""
 
-    model: Qwen3Config  # with kvpop set
+    model: Qwen3Config  # with kvpop or dms set
     compute_dtype: Any
     param_dtype: Any
     teacher_dtype: Any
@@ -120,37 +126,52 @@ def chunked_kl(student: Model, params, x, t_values, t_indices, mask, *, temperat
 def build_models(sc: StepConfig) -> tuple[Model, Model]:
     """(student KVpop model with the remat policy, dense teacher: forward only, no remat)."""
     student = Model(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat_policy=sc.remat)
-    teacher = Model(dataclasses.replace(sc.model, kvpop=None), dtype=sc.compute_dtype,
+    teacher = Model(dataclasses.replace(sc.model, kvpop=None, dms=None), dtype=sc.compute_dtype,
                     param_dtype=sc.teacher_dtype, remat_policy="none")
     return student, teacher
 
 
 def make_loss_fn(sc: StepConfig) -> Callable:
-    """loss_fn(params, teacher_params, micro_batch, rng) -> (loss, metrics dict of scalars)."""
+    """loss_fn(params, teacher_params, micro_batch, rng, step) -> (loss, metrics dict of scalars).
+
+    step: the optimizer step (int32 []), which sets DMS's target eviction rate."""
     student, teacher = build_models(sc)
-    kv = sc.model.kvpop
+    kv, dms = sc.model.kvpop, sc.model.dms
+    distill = kv if kv is not None else dms  # both carry kl_topk and kl_temperature
     chunk = sc.loss_chunk or sc.seq_len
 
-    def loss_fn(params, teacher_params, mb, rng):
+    def loss_fn(params, teacher_params, mb, rng, step):
         ids, pos, mask = mb["input_ids"], mb["positions"], mb["loss_mask"]
         if sc.optim.freeze_base:
             flat = traverse_util.flatten_dict(params)
             params = traverse_util.unflatten_dict(
-                {k: v if modeling.KVPOP_SUBTREE in k else jax.lax.stop_gradient(v) for k, v in flat.items()})
+                {k: v if set(modeling.RETROFIT_SUBTREES) & set(k) else jax.lax.stop_gradient(v)
+                 for k, v in flat.items()})
         if sc.precomputed_teacher:
             t_values, t_indices = mb["teacher_values"].astype(jnp.float32), mb["teacher_indices"]
         else:
-            t_values, t_indices = teacher_topk_logits(teacher, teacher_params, ids, pos, kv.kl_topk, chunk)
+            t_values, t_indices = teacher_topk_logits(teacher, teacher_params, ids, pos, distill.kl_topk, chunk)
         q_samples = None
-        if kv.topk > 0:
+        if kv is not None and kv.topk > 0:
             q_samples = losses.sample_query_positions(
                 rng, batch=ids.shape[0], seq_len=ids.shape[1], num=kv.num_query_samples, min_q=kv.budget,
                 late_bias_fraction=kv.late_bias_fraction,
             )
-        out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True)
+        rngs = {modeling.DMS_RNG: jax.random.fold_in(rng, 1)} if dms is not None else {}
+        out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True, rngs=rngs)
         x, aux = out.hidden, out.aux
-        kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=kv.kl_temperature, chunk=chunk)
+        kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=distill.kl_temperature,
+                        chunk=chunk)
         metrics = {"kl": kl, "tokens": jnp.sum(mask.astype(jnp.float32))}
+        zero = jnp.zeros((), jnp.float32)
+        if dms is not None:
+            target = dms_lib.target_eviction_at(step, final_eviction=dms.target_eviction,
+                                                ramp_steps=dms_lib.ramp_steps(dms, sc.optim.steps))
+            dms_loss = dms_lib.aux_loss(aux["dms_frac"], target)
+            metrics.update(dms_loss=dms_loss, eviction_rate=aux["metrics"]["eviction_rate"], target_eviction=target)
+        else:
+            dms_loss = zero
+            metrics.update(dms_loss=zero, eviction_rate=zero, target_eviction=zero)
         if q_samples is not None:
             retention = aux["retention_loss"]
             metrics.update(retention_loss=retention, **aux["metrics"])
@@ -158,7 +179,10 @@ def make_loss_fn(sc: StepConfig) -> Callable:
             retention = jnp.zeros((), jnp.float32)
             metrics.update(retention_loss=retention, boundary_accuracy=retention, boundary_auc=retention + 0.5,
                            keep_rate=retention, num_valid=retention, teacher_recall=retention)
-        loss = kl + kv.retention_loss_weight * retention
+        if dms is not None:
+            loss = kl + dms.aux_loss_weight * dms_loss
+        else:
+            loss = kl + kv.retention_loss_weight * retention
         metrics["loss"] = loss
         return loss, {k: jnp.asarray(metrics[k], jnp.float32) for k in METRIC_KEYS}
 
@@ -185,7 +209,8 @@ def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None)
             def micro(carry, xs):
                 grads_acc, metrics_acc = carry
                 mb, i = xs
-                (_, metrics), grads = grad_fn(state.params, teacher_params, mb, jax.random.fold_in(step_rng, i))
+                (_, metrics), grads = grad_fn(state.params, teacher_params, mb, jax.random.fold_in(step_rng, i),
+                                              state.step)
                 grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
                 metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics)
                 return (grads_acc, metrics_acc), None

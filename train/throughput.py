@@ -128,7 +128,9 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
         "heads": f"{model_config.num_attention_heads}/{model_config.num_key_value_heads}x{model_config.head_dim}",
         "vocab": model_config.vocab_size, "params_matmul": matmul_params(model_config),
         "seq_len": cfg.seq_len, "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
-        "budget": f"s={cfg.kvpop.sinks} w={cfg.kvpop.window} k={cfg.kvpop.topk}", "scorer": cfg.kvpop.scorer,
+        "budget": f"DMS w={cfg.dms.window} memory={cfg.dms.budget}" if cfg.retrofit == "dms" else
+                  f"s={cfg.kvpop.sinks} w={cfg.kvpop.window} k={cfg.kvpop.topk}",
+        "scorer": f"dms gate {cfg.dms.gate_hidden}" if cfg.retrofit == "dms" else cfg.kvpop.scorer,
         "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
         "compile_and_first_step_s": times[0], "step_s": step_s, "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_device": tokens / step_s / mesh.size, "model_tflops_per_step": flops / 1e12,

@@ -1,0 +1,262 @@
+"""DMS (kvpop_jax/dms.py, dms_cache.py): the relaxation, the training bias and mask, the schedule
+and auxiliary loss against numpy, and the key invariant: teacher-forced decoding with the bounded
+pool == the hard-masked parallel forward while the pool is not overflowing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from helpers import masked_attention_np, random_qkv
+from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
+from kvpop_jax import dms as dms_lib
+from kvpop_jax import dms_cache
+from kvpop_jax.config import DMSConfig
+from kvpop_jax.generate import generate
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
+
+BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+
+
+def sigmoid_np(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+# --- numpy references ------------------------------------------------------------------------
+
+
+def dms_bias_np(log_keep, s, window):
+    """float64 [B, Hkv, S, S]: log_keep[t] where q - t >= w, 0 elsewhere (causality aside)."""
+    diff = np.arange(s)[:, None] - np.arange(s)[None, :]
+    return np.where(diff >= window, np.asarray(log_keep, np.float64)[:, :, None, :], 0.0)
+
+
+def biased_attention_np(q, k, v, bias, window):
+    """float64 causal attention with an additive per-(q, t) bias [B, Hkv, S, S]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    logits = np.einsum("bqhd,bthd->bhqt", q, np.repeat(k, g, 2)) * d**-0.5 + np.repeat(bias, g, 1)
+    logits = np.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqt,bthd->bqhd", p, np.repeat(v, g, 2))
+
+
+# --- relaxation, decisions, bias -------------------------------------------------------------
+
+
+def test_relaxed_decisions_match_numpy(rng):
+    a = rng.normal(scale=2.0, size=(2, 3, 17)).astype(np.float32)
+    noise = rng.logistic(size=a.shape).astype(np.float32)
+    tau = 0.1
+    log_keep, decisions = dms_lib.relaxed_decisions(jnp.asarray(a), jnp.asarray(noise), tau)
+    ell = (a.astype(np.float64) + noise) / tau
+    alpha = sigmoid_np(ell)
+    np.testing.assert_allclose(np.asarray(log_keep), -np.logaddexp(0.0, ell), rtol=1e-4, atol=1e-5)  # log(1 - α)
+    np.testing.assert_array_equal(np.asarray(decisions), (alpha > 0.5).astype(np.float32))
+    # straight-through: the gradient of the hard decision is dα/da = α (1 - α) / τ
+    grad = jax.grad(lambda x: jnp.sum(dms_lib.relaxed_decisions(x, jnp.asarray(noise), tau)[1]))(jnp.asarray(a))
+    np.testing.assert_allclose(np.asarray(grad), alpha * (1 - alpha) / tau, rtol=1e-3, atol=1e-6)
+
+
+def test_decision_logits_are_shifted_by_one():
+    g = jnp.arange(10, dtype=jnp.float32).reshape(1, 2, 5)
+    a = np.asarray(dms_lib.decision_logits(g))
+    np.testing.assert_array_equal(a[..., :4], np.asarray(g)[..., 1:])  # token t is decided by token t + 1
+    assert (a[..., 4] == dms_lib.NO_DECISION).all() and not (a[..., 4] > 0).any()
+
+
+def test_hard_mask_matches_definition(rng):
+    s, w = 12, 3
+    evict = rng.random((2, 3, s)) < 0.5
+    mask = np.asarray(dms_lib.dms_mask(s, jnp.asarray(evict), w))
+    for q in range(s):
+        for t in range(s):
+            want = (t <= q) & ((q - t < w) | ~evict[:, :, t])
+            np.testing.assert_array_equal(mask[:, :, q, t], want)
+
+
+@pytest.mark.parametrize("s,window,block", [(23, 4, 8), (16, 1, 16), (9, 12, 4)])
+def test_training_attention_matches_numpy_and_its_gradient(rng, s, window, block):
+    q, k, v = random_qkv(rng, 2, s, 4, 2, 8)
+    log_keep = jnp.asarray(-rng.exponential(2.0, size=(2, 2, s)).astype(np.float32))
+    out, lse = dms_lib.dms_attention(q, k, v, log_keep, window=window, block_q=block)
+    want = biased_attention_np(q, k, v, dms_bias_np(log_keep, s, window), window)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+    assert lse.shape == (2, 4, s)
+
+    def whole(lk):  # the same attention on the whole S x S at once
+        bias = jnp.where((jnp.arange(s)[:, None] - jnp.arange(s)[None, :]) >= window, lk[:, :, None, :], 0.0)
+        logits = jnp.einsum("bqhgd,bthd->bhgqt", q.reshape(2, s, 2, 2, 8), k) * 8**-0.5 + bias[:, :, None]
+        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -jnp.inf)
+        return jnp.einsum("bhgqt,bthd->bqhgd", jax.nn.softmax(logits, -1), v).reshape(2, s, 4, 8)
+
+    cot = jnp.asarray(rng.normal(size=out.shape).astype(np.float32))
+    g_block = jax.grad(lambda lk: jnp.sum(dms_lib.dms_attention(q, k, v, lk, window=window, block_q=block)[0] * cot))
+    g_whole = jax.grad(lambda lk: jnp.sum(whole(lk) * cot))
+    np.testing.assert_allclose(np.asarray(g_block(log_keep)), np.asarray(g_whole(log_keep)), atol=2e-5)
+    if s > window:
+        assert np.abs(np.asarray(g_block(log_keep))).max() > 1e-4  # differentiable in the gate
+
+
+def test_hard_attention_is_the_masked_attention(rng):
+    s, w = 20, 5
+    q, k, v = random_qkv(rng, 1, s, 4, 2, 8)
+    a = jnp.asarray(rng.normal(size=(1, 2, s)).astype(np.float32))
+    out, _ = dms_lib.dms_attention(q, k, v, dms_lib.hard_log_keep(a), window=w, block_q=8)
+    want, _ = masked_attention_np(q, k, v, np.asarray(dms_lib.dms_mask(s, a > 0, w)))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+
+
+# --- schedule and auxiliary loss -------------------------------------------------------------
+
+
+def test_schedule_and_aux_loss_match_numpy(rng):
+    final, ramp = 0.875, 40
+    for step in (0, 1, 10, 39, 40, 100):
+        cr = 1 + (1 / (1 - final) - 1) * min(step / ramp, 1.0)
+        np.testing.assert_allclose(float(dms_lib.target_eviction_at(step, final_eviction=final, ramp_steps=ramp)),
+                                   1 - 1 / cr, rtol=1e-6, atol=1e-7)
+    assert dms_lib.ramp_steps(DMSConfig(window=4, budget=8, ramp_fraction=0.9), 120) == 108
+    frac = rng.random(6).astype(np.float32)
+    for target in (0.0, 0.3, 0.9):
+        np.testing.assert_allclose(float(dms_lib.aux_loss(jnp.asarray(frac), target)),
+                                   np.mean(np.maximum(target - frac, 0)), rtol=1e-6)
+    grad = jax.grad(lambda f: dms_lib.aux_loss(f, 0.5))(jnp.asarray([0.2, 0.7]))  # one-sided
+    np.testing.assert_allclose(np.asarray(grad), [-0.5, 0.0])
+
+
+def test_memory_matched_target():
+    a = DMSConfig.eviction_for_memory(123, 32, 1024)
+    d = DMSConfig(window=32, budget=123, target_eviction=a)
+    assert d.mean_occupancy(1024) == pytest.approx(123)
+    assert d.target_compression == pytest.approx(1 / (1 - a))
+    assert d.retarget(256).budget == 256 and d.retarget(256).target_eviction == a
+    with pytest.raises(ValueError, match="window"):
+        d.retarget(32)
+    with pytest.raises(ValueError, match="budget must exceed"):
+        DMSConfig(window=8, budget=8)
+
+
+def test_gate_matches_the_kvpop_scorer_parameter_count():
+    for kv, head_dim in ((KVpopConfig(scorer="mlstm"), 128), (KVpopConfig(scorer="mlstm"), 64),
+                         (KVpopConfig(scorer="mlp", scorer_hidden=64), 64)):
+        target = dms_lib.kvpop_head_param_count(kv, head_dim)
+        hidden = dms_lib.matched_gate_hidden(kv, head_dim)
+        assert abs(dms_lib.gate_param_count(hidden, head_dim) - target) <= (2 * head_dim + 2) / 2
+        gate = dms_lib.DMSGate(DMSConfig(gate_hidden=hidden), 3, head_dim)
+        x = jnp.zeros((1, 1, 3, head_dim))
+        count = sum(p.size for p in jax.tree.leaves(gate.init(jax.random.key(0), x, x)))
+        assert count == 3 * dms_lib.gate_param_count(hidden, head_dim)
+    assert dms_lib.kvpop_head_param_count(KVpopConfig(scorer="mlp", scorer_hidden=64), 64) == 130 * 64 + 2
+
+
+# --- the model and the bounded pool ----------------------------------------------------------
+
+
+def dms_model(d: DMSConfig, rng, base=BASE, scale=1.0):
+    config = dataclasses.replace(base, dms=d)
+    params = retrofit_params(config, init_params(base, jax.random.key(0)), jax.random.key(1))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    # The gates start at -5 (nothing evicted); random ones with offset 0 evict about half.
+    flat = {k: jnp.asarray(scale * rng.normal(size=v.shape).astype(np.float32)) if "/dms/" in k else v
+            for k, v in flat.items()}
+    return Qwen3ForCausalLM(config), traverse_util.unflatten_dict(flat, sep="/")
+
+
+def teacher_forced(model, params, ids, prompt_len):
+    cache = dms_cache.init_cache(model.config, ids.shape[0])
+    out = model.apply({"params": params}, ids[:, :prompt_len], cache=cache)
+    logits, cache = [out.logits], out.cache
+    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
+    for t in range(prompt_len, ids.shape[1]):
+        out = step(cache, ids[:, t : t + 1])
+        logits.append(out.logits)
+        cache = out.cache
+    return jnp.concatenate(logits, axis=1), cache
+
+
+@pytest.mark.parametrize("window,prompt_len", [(4, 3), (4, 20), (1, 1), (6, 9)])
+def test_teacher_forced_decode_equals_masked_forward(rng, window, prompt_len):
+    s = 36
+    model, params = dms_model(DMSConfig(window=window, budget=s, gate_hidden=8, logit_offset=0.0), rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
+    out = model.apply({"params": params}, ids, return_policy=True)
+    decoded, cache = teacher_forced(model, params, ids, prompt_len)
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(out.logits), atol=1e-4, rtol=0)
+    evict = np.stack([np.asarray(a["evict"]) for a in out.aux["layers"]])  # [L, B, Hkv, S]
+    assert 0.1 < evict.mean() < 0.9  # the gates evict
+    dense = Qwen3ForCausalLM(BASE).apply({"params": strip_kvpop(model.config, params)[1]}, ids).logits
+    assert np.abs(np.asarray(dense - out.logits)).max() > 1e-3  # and that changes the logits
+    for i, layer in enumerate(cache.layers):
+        assert (np.asarray(layer.overflow) == 0).all()
+        # the pool holds exactly what the mask lets the last query see: occupancy = S - evicted and gone
+        gone = evict[i, :, :, : s - window].sum(-1)
+        np.testing.assert_array_equal(np.asarray(dms_cache.occupancy(layer, 2)), s - gone)
+
+
+def test_occupancy_varies_per_head_and_the_pool_has_fixed_size(rng):
+    d = DMSConfig(window=4, budget=20, gate_hidden=8, logit_offset=0.0)
+    model, params = dms_model(d, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, 40)))
+    _, short = teacher_forced(model, params, ids[:, :12], 6)
+    _, long = teacher_forced(model, params, ids, 6)
+    shapes = lambda c: [x.shape for x in jax.tree_util.tree_leaves(c)]  # noqa: E731
+    assert shapes(short) == shapes(long)
+    assert long.nbytes == dms_cache.init_cache(model.config, 1).nbytes
+    assert long.layers[0].k.shape == (1, BASE.num_key_value_heads * d.budget, BASE.head_dim)
+    occ = np.stack([np.asarray(dms_cache.occupancy(layer, 2)) for layer in long.layers])
+    assert occ.min() != occ.max()  # heads hold different numbers of tokens
+
+
+@pytest.mark.parametrize("prompt_len", [5, 30])
+def test_full_pool_drops_old_tokens_and_keeps_the_window(rng, prompt_len):
+    d = DMSConfig(window=3, budget=6, gate_hidden=8, logit_offset=40.0)  # offset 40: nothing is evicted
+    model, params = dms_model(d, rng, scale=0.01)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 40)))
+    _, cache = teacher_forced(model, params, ids, prompt_len)
+    for layer in cache.layers:
+        assert (np.asarray(layer.overflow) > 0).all()
+        pos, head = np.asarray(layer.pos), np.asarray(layer.head)
+        assert (pos >= 0).all()  # full
+        for h in range(2):  # every head still holds its whole window
+            assert set(range(40 - d.window, 40)) <= set(pos[0][head[0] == h])
+
+
+def test_training_forward_reports_the_rate_and_trains_the_gate(rng):
+    model, params = dms_model(DMSConfig(window=4, budget=16, gate_hidden=8, logit_offset=0.0), rng, scale=0.3)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 24)))
+    out = model.apply({"params": params}, ids, rngs={"dms": jax.random.key(0)})
+    frac = np.asarray(out.aux["dms_frac"])
+    assert frac.shape == (2,) and ((0 < frac) & (frac < 1)).all()
+    assert 0 < float(out.aux["metrics"]["eviction_rate"]) < 1
+    # the noise makes training stochastic, no noise is the hard forward
+    other = model.apply({"params": params}, ids, rngs={"dms": jax.random.key(1)})
+    assert np.abs(np.asarray(other.logits - out.logits)).max() > 0
+
+    def loss(p):
+        o = model.apply({"params": p}, ids, rngs={"dms": jax.random.key(0)})
+        return jnp.mean(o.logits[..., 0] ** 2) + dms_lib.aux_loss(o.aux["dms_frac"], 0.9)
+
+    grads = jax.grad(loss)(params)["layers_1"]["self_attn"]["dms"]
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+
+
+def test_export_round_trip_and_generate(tmp_path, rng):
+    d = DMSConfig(window=4, budget=10, gate_hidden=8, target_eviction=0.5)
+    model, params = dms_model(d, rng)
+    save_pretrained(model.config, params, tmp_path / "dms")
+    config, loaded = load_pretrained(tmp_path / "dms")
+    assert config.dms == d and config.kvpop is None
+    w1 = params["layers_0"]["self_attn"]["dms"]["w1"]
+    np.testing.assert_array_equal(np.asarray(loaded["layers_0"]["self_attn"]["dms"]["w1"]), np.asarray(w1))
+    prompt = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 15)))
+    tokens, _ = generate(Qwen3ForCausalLM(config), loaded, prompt, max_new_tokens=5)
+    assert tokens.shape == (2, 5)
+    with pytest.raises(ValueError, match="both kvpop and dms"):
+        dataclasses.replace(config, kvpop=KVpopConfig(sinks=1, window=2, topk=2))
