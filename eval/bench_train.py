@@ -33,7 +33,9 @@ import functools
 import inspect
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -383,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         variants=tuple(v for v in args.variants.split(",") if v), parts=() if args.no_parts else PARTS, steps=steps,
         warmup=warmup, kl_topk=kl_topk, num_query_samples=samples, out_dir=args.out_dir,
         benchmarks_md=args.benchmarks_md or None,
+        # The flags this function was given, not the host process's argv (pytest's, when called in-process).
+        command="python -m eval.main bench train " + shlex.join(sys.argv[1:] if argv is None else argv),
     )
     for r in rows:
         print(f"{r.kind:>5} {r.name:>34} S={r.seq_len:>6} {r.ms:10.2f} ms  {r.ratio:6.2f}x dense")
