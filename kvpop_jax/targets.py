@@ -52,6 +52,27 @@ def _blocks(s: int, block_size: int) -> tuple[int, int, int]:
     return blk, nblk, nblk * blk - s
 
 
+def _fold_query_block(carry, k_b, q_b, lse_b, t_pos, d_pos, *, s, window, horizon, scale, reduce):
+    """One query block into the running (max, sum) of keys `t_pos` (Eq. 33, the future mask, online LSE)."""
+    m, l = carry  # [B, Hkv, G, T] over the keys
+    logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_b, q_b, preferred_element_type=jnp.float32)
+    logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33: subtract the query normalizer
+    ahead = d_pos[None, :] - t_pos[:, None]
+    future = (ahead >= window) & (ahead <= horizon) & (d_pos[None, :] < s)  # [T, blk]
+    logits = jnp.where(future, logits, -jnp.inf)
+    m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at NEG_INF
+    if reduce == "max":
+        return m_new, l
+    return m_new, l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
+
+
+def _finish_log_mass(m, l, reduce):
+    """log m̄ (or the max logit) from the running (max, sum); −inf for keys with no future query."""
+    if reduce == "max":
+        return jnp.where(m > NEG_INF, m, -jnp.inf)
+    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+
+
 def future_attention_log_mass_reference(
     q: jax.Array,
     k: jax.Array,
@@ -96,23 +117,15 @@ def future_attention_log_mass_reference(
     k_h = k.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]: the keys are the transposed pass's queries
     t_pos = jnp.arange(s, dtype=jnp.int32)
 
+    fold = functools.partial(_fold_query_block, s=s, window=window, horizon=horizon, scale=scale, reduce=reduce)
+
     def step(carry, xs):
-        m, l = carry  # running max and sum, [B, Hkv, G, S]
         q_b, lse_b, start = xs
-        d_pos = start + jnp.arange(blk, dtype=jnp.int32)
-        logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_h, q_b, preferred_element_type=jnp.float32)
-        logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33: subtract the query normalizer
-        ahead = d_pos[None, :] - t_pos[:, None]
-        future = (ahead >= window) & (ahead <= horizon) & (d_pos[None, :] < s)  # [S, blk]
-        logits = jnp.where(future, logits, -jnp.inf)
-        m_new = jnp.maximum(m, logits.max(axis=-1))  # finite: m starts at NEG_INF
-        l = l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
-        return (m_new, l), None
+        return fold(carry, k_h, q_b, lse_b, t_pos, start + jnp.arange(blk, dtype=jnp.int32)), None
 
     init = (jnp.full((b, hkv, g, s), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, s), jnp.float32))
     (m, l), _ = jax.lax.scan(step, init, (q_blocks, lse_blocks, starts))
-    # l > 0 exactly when key t has a future query; m is then the largest future logit.
-    log_mass = jnp.where(l > 0, (m + jnp.log(jnp.where(l > 0, l, 1.0))) if reduce == "sum" else m, -jnp.inf)
+    log_mass = _finish_log_mass(m, l, reduce)
     return log_mass.reshape(b, hq, s)
 
 
@@ -148,26 +161,17 @@ def future_attention_log_mass_banded(
     lse_h = jnp.pad(lse.astype(jnp.float32).reshape(b, hkv, g, s), ((0, 0), (0, 0), (0, 0), (0, pad)))
     k_blocks = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nblk, blk, hkv, d).transpose(1, 0, 3, 2, 4)
     starts = jnp.arange(nblk, dtype=jnp.int32) * blk
+    fold = functools.partial(_fold_query_block, s=s, window=window, horizon=horizon, scale=scale, reduce=reduce)
 
     def key_block(xs):
         k_b, t0 = xs  # [B, Hkv, blk, D]
         t_pos = t0 + jnp.arange(blk, dtype=jnp.int32)
 
         def query_block(i, carry):
-            m, l = carry  # [B, Hkv, G, blk] over the block's keys
             d0 = i * blk
             q_b = jax.lax.dynamic_slice_in_dim(q_h, d0, blk, axis=3)
             lse_b = jax.lax.dynamic_slice_in_dim(lse_h, d0, blk, axis=3)
-            logits = jnp.einsum("bhtx,bhgjx->bhgtj", k_b, q_b, preferred_element_type=jnp.float32)
-            logits = logits * scale - lse_b[:, :, :, None, :]  # Eq. 33
-            d_pos = d0 + jnp.arange(blk, dtype=jnp.int32)
-            ahead = d_pos[None, :] - t_pos[:, None]
-            future = (ahead >= window) & (ahead <= horizon) & (d_pos[None, :] < s)
-            logits = jnp.where(future, logits, -jnp.inf)
-            m_new = jnp.maximum(m, logits.max(axis=-1))
-            if reduce == "max":
-                return m_new, l
-            return m_new, l * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(axis=-1)
+            return fold(carry, k_b, q_b, lse_b, t_pos, d0 + jnp.arange(blk, dtype=jnp.int32))
 
         first = (t0 + window) // blk
         last = jnp.minimum(nblk - 1, (t0 + blk - 1 + horizon) // blk)
@@ -176,10 +180,7 @@ def future_attention_log_mass_banded(
 
     m, l = jax.lax.map(key_block, (k_blocks, starts))  # [N, B, Hkv, G, blk]
     m, l = (x.transpose(1, 2, 3, 0, 4).reshape(b, hkv, g, nblk * blk)[..., :s] for x in (m, l))
-    if reduce == "max":
-        return jnp.where(m > NEG_INF, m, -jnp.inf).reshape(b, hq, s)
-    log_mass = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return log_mass.reshape(b, hq, s)
+    return _finish_log_mass(m, l, reduce).reshape(b, hq, s)
 
 
 def future_attention_log_mass_dense(
