@@ -25,6 +25,15 @@ def _require_positive(cls_name: str, **values: Any) -> None:
             raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
 
 
+def _from_dict(cls, d: Mapping[str, Any]):
+    """A config dataclass from its `to_dict`; unknown fields are an error naming them."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known: {sorted(known)}")
+    return cls(**dict(d))
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Architecture of a Qwen3 causal LM (the subset of HF's config.json we use)."""
@@ -376,11 +385,7 @@ class KVpopConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "KVpopConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown KVpopConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
+        return _from_dict(cls, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,8 +481,4 @@ class DMSConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DMSConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown DMSConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
+        return _from_dict(cls, d)
