@@ -19,9 +19,9 @@ from kvpop_jax.modeling import Qwen3ForCausalLM
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import (BOS_ID, EOS_ID, VOCAB, Phase, decode, drill_row, encode, lookup_row,
                                      make_batch, parse_curriculum, recall_row)
-from train.demo_teacher.evaluate import evaluate, export
+from train.demo_teacher.evaluate import evaluate, export, model_card
 from train.demo_teacher.init import DIGIT_IDS, init_offset_heads, plant_lookup_circuit
-from train.demo_teacher.loop import STATE_FILE, train
+from train.demo_teacher.loop import STATE_FILE, init_state, make_optimizer, train
 from train.demo_teacher.main import config_from_flags, define_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,6 +168,19 @@ def test_train_checkpoint_resume_export(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "README.md", "eval.json"):
         assert os.path.isfile(os.path.join(cfg.out_dir, name)), name
 
+    # Stage 2 (configs/tiny_teacher_reuse.flags): init_from starts from the export's weights.
+    stage2 = tiny_config(tmp_path, run_dir=str(tmp_path / "stage2"), out_dir=str(tmp_path / "out2"),
+                         offset_heads=(), init_from=cfg.out_dir)
+    optimizer = make_optimizer(stage2)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 init_state(stage2, optimizer).params, state.params)
+    with pytest.raises(ValueError, match="different model"):
+        init_state(dataclasses.replace(stage2, model=dataclasses.replace(cfg.model, hidden_size=48)), optimizer)
+    with pytest.raises(ValueError, match="init_from"):
+        tiny_config(tmp_path, init_from=cfg.out_dir)  # offset_heads only shape a fresh init
+    card = model_card(stage2, [], "cmd2", 1.0)
+    assert "Stage 1" in card and "sha256" in card and "Init: random" in card  # stage 1's own init, carried over
+
 
 @pytest.mark.skipif(not os.path.isdir(TEACHER), reason="no shipped demo teacher")
 def test_shipped_teacher_loads_and_answers():
@@ -183,14 +196,16 @@ def test_shipped_teacher_loads_and_answers():
     assert config.vocab_size == len(tok) and tok.eos_token_id == config.eos_token_id == 2
     with open(os.path.join(TEACHER, "eval.json")) as f:
         prompt_len = json.load(f)["results"][-1]["prompt_len"]
-    examples = demo_task.generate_dataset(2, 0, "test", seq_len=prompt_len)
+    # Both tasks (stage 2 taught it reuse's recall lines): fresh problems, answered right.
+    examples = [ex for task in ("read_once", "reuse")
+                for ex in demo_task.generate_dataset(2, 7, "test", task=task, seq_len=prompt_len)]
     ids = np.asarray([tok(ex["prompt"])["input_ids"] for ex in examples])
-    assert ids.shape == (2, prompt_len)
+    assert ids.shape == (4, prompt_len)
     tokens, lengths = generate(Qwen3ForCausalLM(config), params, jnp.asarray(ids), max_new_tokens=24,
                                sampling=SamplingConfig.greedy(), eos_ids=(tok.eos_token_id,), cache="dense")
-    for row, n in zip(np.asarray(tokens), np.asarray(lengths)):
+    for ex, row, n in zip(examples, np.asarray(tokens), np.asarray(lengths)):
         text = tok.decode(row[:n].tolist(), skip_special_tokens=True)
-        assert demo_task.extract_answer(text) is not None, text
+        assert demo_task.score(text, ex["answer"]) == 1.0, (ex["meta"].get("task"), text, ex["answer"])
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -41,6 +41,7 @@ class PretrainConfig:
     offset_heads: tuple[int, ...] = ()  # KV head i of layer 0 starts attending offset_heads[i] back
     lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/demo_teacher/init.py)
     recall_head: bool = False  # plant the recall head too (reads `q=4` lines of the reuse task)
+    init_from: str = ""  # start from this exported teacher's weights (HF dir) instead of a fresh init
 
     def __post_init__(self):
         if not self.phases:
@@ -57,6 +58,9 @@ class PretrainConfig:
             raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
         if self.offset_heads and not self.model.attention_bias:
             raise ValueError("offset_heads needs a model with attention_bias=True (the heads are q/k biases)")
+        if self.init_from and (self.lookup_circuit or self.offset_heads):
+            raise ValueError(f"init_from={self.init_from!r} starts from trained weights: drop lookup_circuit / "
+                             "offset_heads (they only shape a fresh init)")
         if self.recall_head and not self.lookup_circuit:
             raise ValueError("recall_head is part of the planted lookup circuit: it needs lookup_circuit")
         if self.lookup_circuit and self.offset_heads[:1] != (1,):
@@ -90,6 +94,7 @@ class PretrainConfig:
     def resume_key(self) -> dict:
         """The settings a resumed run must share with the saved one."""
         keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
-                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit", "recall_head")
+                "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit", "recall_head",
+                "init_from")
         return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
                                           **{k: dataclasses.asdict(self)[k] for k in keys})))

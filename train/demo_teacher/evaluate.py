@@ -112,6 +112,10 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
                    "recall lines of the reuse task)" if cfg.recall_head else "")
                 + ". Training from a random init never left chance on this associative recall within a CPU "
                 "budget; here all weights, the planted ones included, are then trained by the curriculum below")
+    stage1 = ""
+    if cfg.init_from:
+        init = f"the trained weights of `{cfg.init_from}` ({_init_digest(cfg.init_from)}), trained as in *Stage 1* below"
+        stage1 = _init_training_section(cfg.init_from)
     return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
 
 A {n_params / 1e6:.2f}M-parameter Qwen3 trained from scratch on the bundled demo tasks
@@ -139,13 +143,33 @@ steps, cosine to {cfg.final_lr:g}, clip {cfg.clip_norm}. Training time: {minutes
 {phases}
 
 Reproduce: `{command}`
-
+{stage1}
 ## Held-out accuracy
 
 Greedy exact match of the boxed answer on held-out test-split problems (`train.pretrain`'s
-final eval; rerun with `python -m train.pretrain --flagfile=configs/tiny_teacher.flags --eval_only`):
+final eval; rerun with `{command} --eval_only`):
 
 | task | prompt tokens | split | problems | pass@1 (greedy) |
 |---|---|---|---|---|
 {accuracy}
 """
+
+
+def _init_digest(init_dir: str) -> str:
+    """`model.safetensors sha256 <first 16 hex>` of an init checkpoint (which stage-1 export this was)."""
+    import hashlib
+
+    path = os.path.join(init_dir, "model.safetensors")
+    with open(path, "rb") as f:
+        return f"model.safetensors sha256 {hashlib.sha256(f.read()).hexdigest()[:16]}"
+
+
+def _init_training_section(init_dir: str) -> str:
+    """The init checkpoint's own `## Training` section (its card), as this card's *Stage 1*."""
+    card = os.path.join(init_dir, "README.md")
+    if not os.path.isfile(card):
+        return f"\n### Stage 1\n\n`{init_dir}` has no model card.\n"
+    text = open(card).read()
+    start, end = text.find("## Training"), text.find("## Held-out")
+    body = text[start + len("## Training"): end if end > start else None].strip() if start >= 0 else "(no training section)"
+    return f"\n### Stage 1 (`{init_dir}`)\n\n{body}\n"

@@ -37,6 +37,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
                         "offset-i-back head (sets attention_bias); e.g. 1,2. Empty: plain random init.", **d)
     flags.DEFINE_bool("recall_head", False, "Plant the recall head too (reads the reuse task's `q=4` lines; "
                       "train/demo_teacher/init.py); needs --lookup_circuit.", **d)
+    flags.DEFINE_string("init_from", "", "Start from this exported teacher (HF dir) instead of a fresh init, "
+                        "e.g. a reuse phase on top of checkpoints/demo-teacher (configs/tiny_teacher_reuse.flags).", **d)
     flags.DEFINE_bool("lookup_circuit", False, "Plant the lookup circuit at init (train/demo_teacher/init.py); "
                       "needs offset_heads=1,...", **d)
     flags.DEFINE_string("difficulty", "medium", "Demo task difficulty (easy|medium|hard).", **d)
@@ -71,6 +73,8 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         num_hidden_layers=f.num_layers, num_attention_heads=f.num_heads, num_key_value_heads=f.num_kv_heads,
         head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True, attention_bias=bool(offsets),
         max_position_embeddings=f.max_position_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    if f.init_from:  # the model is the checkpoint's; the shape flags describe a fresh init only
+        model = Qwen3Config.from_hf(f.init_from)
     phases = parse_curriculum(f.curriculum, f.batch)
     lens = tuple(int(x) for x in f.final_eval_lens.split(",") if x.strip()) or (phases[-1].prompt_len,)
     return PretrainConfig(
@@ -80,7 +84,7 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         eval_every=f.eval_every, eval_examples=f.eval_examples, eval_batch=f.eval_batch,
         final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
         log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
-        lookup_circuit=f.lookup_circuit, recall_head=f.recall_head)
+        lookup_circuit=f.lookup_circuit, recall_head=f.recall_head, init_from=f.init_from)
 
 
 def main(argv):
