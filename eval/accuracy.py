@@ -56,6 +56,9 @@ from kvpop_jax.sampling import SamplingConfig
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+STREAMED = ("streaming", "tova", "h2o")  # what stream_prompt changes (KVpop / DMS prefill == their decode)
+
+
 def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):
     """(model, params, cache spec) for one method at budget B (None for dense)."""
     config = checkpoint_config
@@ -139,6 +142,7 @@ def run_accuracy(
     dtype=None,
     progress: bool = True,
     problem_batch: int = 1,
+    stream_prompt: bool = False,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -153,6 +157,11 @@ def run_accuracy(
     problem_batch: with n_rollouts = 1, decode up to this many consecutive problems of equal
     prompt length as one batch (ignored with more rollouts: those batch one problem's rollouts) (the demo task's prompts all have the same length); the
     batch starting at problem i uses the key of problem i.
+    stream_prompt: the training-free baselines (streaming, tova, h2o) read the prompt token by token
+    past their budget (`generate(stream_prompt=True)`), deciding every eviction with only the
+    attention seen so far, as over a generated trace; default: one-shot compression after a dense
+    prefill (kvpress's convention; they then see every prompt query, the question's included).
+    KVpop and DMS always prefill in parallel, which equals their token-by-token decode.
     """
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
@@ -199,7 +208,8 @@ def run_accuracy(
                         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), group[0]), start)
                         tokens, lengths = generate(model, mparams, jnp.asarray([encoded[bench][i] for i, _ in rows]),
                                                    cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
-                                                   eos_ids=tuple(sorted(eos)), rng=key)
+                                                   eos_ids=tuple(sorted(eos)), rng=key,
+                                                   stream_prompt=stream_prompt and method in STREAMED)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
                         for r, (i, rollout) in enumerate(rows):
                             problem = problems[i]

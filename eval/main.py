@@ -123,6 +123,9 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--problem_batch", type=int, default=1,
                         help="with --n_rollouts=1: decode this many equal-length problems per batch")
+    parser.add_argument("--stream_prompt", action="store_true",
+                        help="training-free baselines read the prompt token by token (evict as over a generated "
+                             "trace) instead of compressing it in one shot after a dense prefill")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
     run_accuracy(
@@ -132,7 +135,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,
         sinks=args.sinks, limit=args.limit, split=args.split, chat_template=args.chat_template, seed=args.seed,
-        problem_batch=args.problem_batch,
+        problem_batch=args.problem_batch, stream_prompt=args.stream_prompt,
     )
     print(open(f"{args.out_dir}/accuracy.md").read())
 

@@ -10,6 +10,9 @@ Cache kinds (the `cache` argument of `generate`):
                     H2O ("dense" maps to the dense cache);
   "auto"            "kvpop" when `model.config.kvpop` is set, "dms" when `config.dms` is, else "dense".
 
+`stream_prompt=True` feeds the prompt past the budget one decode step per token (the bounded
+caches evict as if it were generated); the default is one parallel prefill.
+
 Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
 than left-padded: pad tokens would occupy sinks and compete for the bounded caches' slots.
 """
@@ -68,14 +71,32 @@ def init_generation_cache(config: Qwen3Config, cache: CacheSpec, batch: int, max
     return baselines.init_cache(config, kind, batch, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
-def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, cache):
+def _prefill(model, params, prompt_ids, state, stream_from: int | None):
+    """Last-position logits and the cache after the prompt: one parallel prefill, or (stream_from)
+    a prefill of the first `stream_from` tokens and then one decode step per remaining prompt token,
+    so a bounded cache evicts token by token as if the prompt were being generated."""
+    p = prompt_ids.shape[1]
+    n0 = p if stream_from is None else min(stream_from, p)
+    out = model.apply({"params": params}, prompt_ids[:, :n0], cache=state)
+    if n0 == p:
+        return out.logits[:, -1], out.cache
+
+    def feed(carry, tok):
+        o = model.apply({"params": params}, tok[:, None], cache=carry[0], method=Qwen3ForCausalLM.decode_step)
+        return (o.cache, o.logits[:, -1].astype(carry[1].dtype)), None
+
+    (cache, logits), _ = jax.lax.scan(feed, (out.cache, out.logits[:, -1]), prompt_ids[:, n0:].T)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache", "stream_from"))
+def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, cache, stream_from=None):
     """eos: int32 [E] stop tokens (a traced array: a new EOS set of the same size reuses the compile)."""
     b, p = prompt_ids.shape
     state = init_generation_cache(model.config, cache, b, p + max_new_tokens, dtype=model.dtype)
-    out = model.apply({"params": params}, prompt_ids, cache=state)
+    last_logits, prompt_cache = _prefill(model, params, prompt_ids, state, stream_from)
     rng, key = jax.random.split(rng)
-    first = sample(key, out.logits[:, -1], sampling)
+    first = sample(key, last_logits, sampling)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
 
@@ -93,7 +114,7 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], i, axis=1)
         return i + 1, tokens, out.cache, rng, done | jnp.isin(nxt, eos)
 
-    _, tokens, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tokens, out.cache, rng, done))
+    _, tokens, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tokens, prompt_cache, rng, done))
     is_eos = jnp.isin(tokens, eos)
     # Length up to and including the first EOS (max_new_tokens if none).
     first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
@@ -127,12 +148,20 @@ def generate(
     eos_ids: tuple[int, ...] = (),
     rng: jax.Array | None = None,
     cache: CacheSpec = "auto",
+    stream_prompt: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples continuations of equal-length prompts.
 
     Args:
       prompt_ids: int [B, P] (or a list of B equal-length lists), ids in [0, vocab) (checked: ValueError).
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
+      stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
+        `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
+        decode step, so a training-free policy (TOVA, H2O) decides each eviction with only the
+        attention seen so far, as it does over a generated reasoning trace. Without it the baselines
+        compress the prompt in one shot after a dense prefill (`baselines.prefill`: they see every
+        query of the prompt, the last one included). KVpop and DMS prefill equals their token-by-token
+        decode (the decode-cache invariant), so for them it changes only the speed; dense ignores it.
     Returns:
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
       the first EOS).
@@ -144,7 +173,18 @@ def generate(
     kind = resolve_cache(model.config, cache)
     rng = jax.random.key(0) if rng is None else rng
     eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)
-    return _generate(model, params, prompt_ids, rng, eos, max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
+    stream_from = None
+    if stream_prompt and kind != "dense":
+        stream_from = max(1, kind.budget if isinstance(kind, BaselineConfig) else _bounded_budget(model.config))
+    return _generate(model, params, prompt_ids, rng, eos, max_new_tokens=max_new_tokens, sampling=sampling,
+                     cache=kind, stream_from=stream_from)
+
+
+def _bounded_budget(config: Qwen3Config) -> int:
+    """Entries a KVpop / DMS cache holds before its first eviction (streaming starts there)."""
+    if config.kvpop is not None:
+        return config.kvpop.sinks + config.kvpop.window
+    return config.dms.window
 
 
 __all__ = ["CACHE_KINDS", "generate", "init_generation_cache", "resolve_cache"]

@@ -88,6 +88,10 @@ def test_greedy_generate_with_kvpop_cache_matches_masked_forward(rng):
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 10)))  # longer than B = 8
     tokens, _ = generate(model, params, prompt, max_new_tokens=8, sampling=SamplingConfig.greedy())
     np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 8))
+    # The prompt read token by token past s + w (stream_prompt) evicts exactly as the masked prefill.
+    streamed, _ = generate(model, params, prompt, max_new_tokens=8, sampling=SamplingConfig.greedy(),
+                           stream_prompt=True)
+    np.testing.assert_array_equal(np.asarray(streamed), np.asarray(tokens))
     with pytest.raises(ValueError, match="decodes with its bounded cache"):
         generate(model, params, prompt, max_new_tokens=2, cache="dense")
 
@@ -107,6 +111,37 @@ def test_streaming_with_large_budget_equals_dense_and_ragged_is_rejected(rng):
         generate(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cache must be one of"):
         generate(model, params, prompt, max_new_tokens=2, cache="paged")
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
+def test_stream_prompt_evicts_token_by_token(rng, method):
+    """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
+    greedy decoding, checked against those calls made one at a time from Python. (Not equal to the
+    one-shot compression, even for StreamingLLM: there the prompt pass itself is dense.)"""
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import init_generation_cache
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(3))
+    model = Qwen3ForCausalLM(config)
+    cfg = BaselineConfig(method, 6, sinks=1)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 17)))
+    tokens, _ = generate(model, params, prompt, max_new_tokens=5, sampling=SamplingConfig.greedy(), cache=cfg,
+                         stream_prompt=True)
+    out = model.apply({"params": params}, prompt[:, :6], cache=init_generation_cache(config, cfg, 2, 0))
+    cache, logits = out.cache, out.logits[:, -1]
+    step = lambda tok, c: model.apply({"params": params}, tok[:, None], cache=c,  # noqa: E731
+                                      method=Qwen3ForCausalLM.decode_step)
+    for t in range(6, 17):
+        out = step(prompt[:, t], cache)
+        cache, logits = out.cache, out.logits[:, -1]
+    expected = []
+    for _ in range(5):
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        expected.append(np.asarray(nxt))
+        out = step(nxt, cache)
+        cache, logits = out.cache, out.logits[:, -1]
+    np.testing.assert_array_equal(np.asarray(tokens), np.stack(expected, 1))
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(rng):

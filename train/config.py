@@ -110,6 +110,7 @@ class EvalConfig:
     tasks: tuple[str, ...] = ("read_once",)  # the first is the main task
     long_len: int = 0  # length generalization: the main task at this prompt length too (0: off)
     long_methods: tuple[str, ...] = ()  # the trained variants evaluated at long_len
+    stream_prompt: bool = True  # the baselines evict token by token through the prompt (eval.accuracy)
 
 
 @dataclasses.dataclass(frozen=True)

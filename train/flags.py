@@ -179,6 +179,11 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("eval_long_len", 0,
                          "Also evaluate dense and --eval_long_methods at this prompt length on the main task, "
                          "at the same budgets B (length generalization; 0: skip).", **d)
+    flags.DEFINE_bool("eval_stream_prompt", True,
+                      "StreamingLLM, TOVA and H2O read the demo prompt token by token, evicting as they go, as "
+                      "over a generated reasoning trace (the demo's trace is its prompt; KVpop and DMS do so by "
+                      "construction). --noeval_stream_prompt: one-shot compression after a dense prefill, "
+                      "which lets them see every read in the prompt before deciding.", **d)
     flags.DEFINE_list("eval_long_methods", ["kvpop-mlstm", "kvpop-mlp"],
                       "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
     flags.DEFINE_bool("quick", False,

@@ -62,7 +62,7 @@ def describe(cfg: TrainConfig) -> str:
     """The retrofit's budget in one line."""
     if cfg.retrofit == "dms":
         d = cfg.dms
-        return (f"DMS: w {d.window}, target eviction {d.target_eviction:.3f} (CR {d.target_compression:.2f}) for a "
+        return (f"DMS: w {d.window}, target eviction {d.target_eviction:.3f} (compression {d.target_compression:.1f}x) for a "
                 f"mean occupancy of {d.budget} entries at {cfg.seq_len} tokens, gate width {d.gate_hidden}")
     kv = cfg.kvpop
     return (f"B = {kv.budget}: s {kv.sinks}, w {kv.window}, k {kv.topk}; memory {kv.memory(cfg.head_dim)} entries")
@@ -137,7 +137,8 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
         return run_accuracy(methods, checkpoints, str(spec), n_rollouts=1, compression_ratios=crs,
                             context_len=prompt_len, max_new_tokens=completion, sampling=SamplingConfig.greedy(),
                             out_dir=os.path.join(out, name), tokenizer=tokenizer_dir, sinks=cfg.kvpop.sinks,
-                            problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress)
+                            problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress,
+                            stream_prompt=ev.stream_prompt)
 
     results = {}
     for task in ev.tasks:

@@ -84,7 +84,11 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
     main = ev.tasks[0]
     high, low = max(ev.compression_ratios), min(ev.compression_ratios)
     lines = [f"# Demo comparison: {ev.problems} fresh held-out problems per task, {ev.prompt_len}-token prompts, "
-             "greedy pass@1", ""]
+             "greedy pass@1", "",
+             ("StreamingLLM, TOVA and H2O read each prompt token by token and evict as they go, as over a "
+              "generated trace (`--eval_stream_prompt`); KVpop and DMS do so by construction." if ev.stream_prompt else
+              "StreamingLLM, TOVA and H2O compress each prompt in one shot after a dense prefill "
+              "(`--noeval_stream_prompt`): they see every read in the prompt before they evict."), ""]
     for task, result in results.items():
         lines += [f"## {'Main task' if task == main else 'Second task'}: {task} (`{result['spec']}`)", "",
                   format_table(result["rows"], list(result["rows"][0]["scores"])).rstrip(), "",
