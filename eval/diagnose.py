@@ -13,6 +13,10 @@ small table; each takes under a minute on CPU.
   rank    per layer / KV head: AUC of the policy's ranking (and its target's) of the queried
           facts against every other binding value eligible at the last prompt token (1: the
           facts rank above all look-alikes, 0.5: chance)
+  probe   is the keep cue visible in the cache a scorer reads? Per layer / KV head of the dense
+          teacher: AUC of the facts against the other binding values for the best delayed feature
+          a [k; v] scorer could compute by matching (max cosine of a token's key, or value, with
+          those of the w tokens after it) next to the attention-free insertion-time baseline (0.5)
 """
 
 from __future__ import annotations
@@ -182,7 +186,49 @@ def rank(args) -> None:
         print("  target :", (target_auc / n).round(3).tolist())
 
 
-DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank}
+def cached_kv(config, params, ids_BxS, layer: int) -> tuple[jax.Array, jax.Array]:
+    """The keys (RoPE applied) and values one layer of a dense model caches: [B, S, Hkv, D] each."""
+    pos = jnp.arange(ids_BxS.shape[1])[None]
+    x = params["embed_tokens"]["embedding"][ids_BxS]
+    for i in range(layer):
+        x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
+    h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
+    _, k, v = Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
+                                      method=Attention.project_qkv)
+    return k, v
+
+
+def probe(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    w = args.window
+    shape = (config.num_hidden_layers, config.num_key_value_heads)
+    auc = {"key": np.zeros(shape), "value": np.zeros(shape)}
+    problems = _problems(args)
+    for ex in problems:
+        ids = tokenizer(ex["text"])["input_ids"]
+        last = ex["meta"]["n_prompt_tokens"] - 1
+        needed = _needed(ex)
+        others = [p for p in ex["meta"]["binding_value_positions"]
+                  if args.sinks <= p <= last - w and p not in needed]
+        cand = np.asarray(needed + others)
+        for layer in range(config.num_hidden_layers):
+            k, v = (np.asarray(x[0]) for x in cached_kv(config, params, jnp.asarray([ids]), layer))  # [S, Hkv, D]
+            for name, x in (("key", k), ("value", v)):
+                x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-9)
+                later = np.stack([x[t + 1: t + w + 1] for t in cand])  # [C, w, Hkv, D]
+                feature = np.einsum("chd,cjhd->chj", x[cand], later).max(-1)  # [C, Hkv]
+                for h in range(config.num_key_value_heads):
+                    auc[name][layer, h] += _auc(-feature[None, :, h], list(range(len(needed))),
+                                                list(range(len(needed), len(cand))))[0]
+    print(f"{args.teacher}: AUC of the queried facts against the other eligible binding values for the max cosine "
+          f"of a token's cached key / value with the {w} tokens after it ({len(problems)} {args.task} problems), "
+          "per [layer, kv head]:")
+    for name, value in auc.items():
+        print(f"  {name:5s}:", (value / len(problems)).round(3).tolist())
+
+
+DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe}
 
 
 def main(argv: Sequence[str]) -> None:
