@@ -38,15 +38,16 @@ Two tasks (`TASKS`, `make_config(task=...)`):
 - "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
   One decisive read among ~900 later queries: the paper's mean future-attention target barely
   singles a fact out (BENCHMARKS.md), a harder benchmark kept beside the main one.
-- "reuse" (designed as the main task; the shipped teacher does not solve it yet, dense 0.08 in
-  BENCHMARKS.md, so the demo's table leads with read_once): like a reasoning trace that comes back to earlier results, each
+- "reuse" (the main task; the shipped teacher answers it after its second training stage,
+  configs/tiny_teacher_reuse.flags): like a reasoning trace that comes back to earlier results, each
   marked fact is recalled `n_reuse` times on lines `q=4` (its value predictable only by looking
   the fact up), the first recall at least `reuse_gap` of the prompt after the fact and the last
   at least `final_gap` before the question. A recall reads the fact without binding it again
   (the `=` keeps `q=4` from being a `name digit` pair), so every read, the question's included,
   goes to the fact itself: the paper's target collects n_reuse + 1 reads for it. Every read
   comes after the fact has left any heuristic's budget (B <= 25% of the prompt: StreamingLLM,
-  TOVA and H2O have seen no attention to it while they could still keep it), and at insertion
+  TOVA and H2O have seen no attention to it while they could still keep it, provided they evict
+  as they read the trace: `generate(stream_prompt=True)`, the demo recipe's default), and at insertion
   a fact looks like the hundreds of distractor bindings. Only the `keep` cue, inside the
   window after the fact, marks it.
 

@@ -6,6 +6,7 @@ Accuracy is exact match of the boxed answer in completions generated from demo-t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -157,8 +158,6 @@ final eval; rerun with `{command} --eval_only`):
 
 def _init_digest(init_dir: str) -> str:
     """`model.safetensors sha256 <first 16 hex>` of an init checkpoint (which stage-1 export this was)."""
-    import hashlib
-
     path = os.path.join(init_dir, "model.safetensors")
     with open(path, "rb") as f:
         return f"model.safetensors sha256 {hashlib.sha256(f.read()).hexdigest()[:16]}"

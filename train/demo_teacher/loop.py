@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from tqdm.auto import tqdm
 
+from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import atomic_write_bytes
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from train.demo_teacher.config import PretrainConfig
@@ -57,8 +58,6 @@ def init_state(cfg: PretrainConfig, optimizer) -> TrainState:
 
 def load_init(cfg: PretrainConfig) -> dict:
     """The weights of the exported teacher `cfg.init_from`, checked against `cfg.model`."""
-    from kvpop_jax import load_pretrained
-
     model_config, params = load_pretrained(cfg.init_from)
     if model_config.to_hf() != cfg.model.to_hf():
         diff = {k: (v, cfg.model.to_hf().get(k)) for k, v in model_config.to_hf().items()
