@@ -56,9 +56,6 @@ from kvpop_jax.sampling import SamplingConfig
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
-STREAMED = ("streaming", "tova", "h2o")  # what stream_prompt changes (KVpop / DMS prefill == their decode)
-
-
 def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):
     """(model, params, cache spec) for one method at budget B (None for dense)."""
     config = checkpoint_config
@@ -209,7 +206,7 @@ def run_accuracy(
                         tokens, lengths = generate(model, mparams, jnp.asarray([encoded[bench][i] for i, _ in rows]),
                                                    cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
                                                    eos_ids=tuple(sorted(eos)), rng=key,
-                                                   stream_prompt=stream_prompt and method in STREAMED)
+                                                   stream_prompt=stream_prompt and method in BASELINES)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
                         for r, (i, rollout) in enumerate(rows):
                             problem = problems[i]

@@ -37,15 +37,21 @@ from kvpop_jax.kvpop import kept_long_range
 from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
 
 
-def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
-    """Causal attention weights of one layer of a dense model: float32 [B, Hq, S, S]."""
+def project_qkv(config, params, ids_BxS, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (RoPE applied) of one layer of a dense model: what its
+    attention computes with and what its cache holds."""
     pos = jnp.arange(ids_BxS.shape[1])[None]
     x = params["embed_tokens"]["embedding"][ids_BxS]
     for i in range(layer):
         x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
     h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
-    q, k, _ = Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
-                                      method=Attention.project_qkv)
+    return Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
+                                   method=Attention.project_qkv)
+
+
+def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
+    """Causal attention weights of one layer of a dense model: float32 [B, Hq, S, S]."""
+    q, k, _ = project_qkv(config, params, ids_BxS, layer)
     k = jnp.repeat(k, config.num_attention_heads // config.num_key_value_heads, 2)
     logits = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(config.head_dim)
     s = ids_BxS.shape[1]
@@ -186,18 +192,6 @@ def rank(args) -> None:
         print("  target :", (target_auc / n).round(3).tolist())
 
 
-def cached_kv(config, params, ids_BxS, layer: int) -> tuple[jax.Array, jax.Array]:
-    """The keys (RoPE applied) and values one layer of a dense model caches: [B, S, Hkv, D] each."""
-    pos = jnp.arange(ids_BxS.shape[1])[None]
-    x = params["embed_tokens"]["embedding"][ids_BxS]
-    for i in range(layer):
-        x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
-    h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
-    _, k, v = Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
-                                      method=Attention.project_qkv)
-    return k, v
-
-
 def probe(args) -> None:
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
@@ -213,7 +207,7 @@ def probe(args) -> None:
                   if args.sinks <= p <= last - w and p not in needed]
         cand = np.asarray(needed + others)
         for layer in range(config.num_hidden_layers):
-            k, v = (np.asarray(x[0]) for x in cached_kv(config, params, jnp.asarray([ids]), layer))  # [S, Hkv, D]
+            k, v = (np.asarray(x[0]) for x in project_qkv(config, params, jnp.asarray([ids]), layer)[1:])  # [S, Hkv, D]
             for name, x in (("key", k), ("value", v)):
                 x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-9)
                 later = np.stack([x[t + 1: t + w + 1] for t in cand])  # [C, w, Hkv, D]

@@ -5,19 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from helpers import TINY_HF_CONFIGS
-from eval.diagnose import _auc, cached_kv
+from eval.diagnose import _auc, project_qkv
 from kvpop_jax import Qwen3Config
 from kvpop_jax.cache import init_dense_cache
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 
 
-def test_cached_kv_is_what_the_dense_cache_holds(rng):
+def test_project_qkv_is_what_the_dense_cache_holds(rng):
     config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
     params = init_params(config, jax.random.key(4))
     ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 9)))
     cache = Qwen3ForCausalLM(config).apply({"params": params}, ids, cache=init_dense_cache(config, 2, 9)).cache
     for layer in range(config.num_hidden_layers):
-        k, v = cached_kv(config, params, ids, layer)  # [B, S, Hkv, D]; the cache is [B, Hkv, T, D]
+        _, k, v = project_qkv(config, params, ids, layer)  # [B, S, Hkv, D]; the cache is [B, Hkv, T, D]
         np.testing.assert_allclose(np.swapaxes(np.asarray(k), 1, 2), np.asarray(cache.layers[layer].k),
                                    rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.swapaxes(np.asarray(v), 1, 2), np.asarray(cache.layers[layer].v),

@@ -47,21 +47,21 @@ def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
 
 def init_state(cfg: PretrainConfig, optimizer) -> TrainState:
     if cfg.init_from:
-        return TrainState(step=jnp.zeros((), jnp.int32), params=(params := load_init(cfg)),
-                          opt_state=optimizer.init(params))
-    params = init_params(cfg.model, jax.random.key(cfg.seed))
-    params = init_offset_heads(params, cfg.model, cfg.offset_heads)
-    if cfg.lookup_circuit:
-        params = plant_lookup_circuit(params, cfg.model, cfg.seed, recall_head=cfg.recall_head)
+        params = load_init(cfg)
+    else:
+        params = init_params(cfg.model, jax.random.key(cfg.seed))
+        params = init_offset_heads(params, cfg.model, cfg.offset_heads)
+        if cfg.lookup_circuit:
+            params = plant_lookup_circuit(params, cfg.model, cfg.seed, recall_head=cfg.recall_head)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
 def load_init(cfg: PretrainConfig) -> dict:
     """The weights of the exported teacher `cfg.init_from`, checked against `cfg.model`."""
     model_config, params = load_pretrained(cfg.init_from)
-    if model_config.to_hf() != cfg.model.to_hf():
-        diff = {k: (v, cfg.model.to_hf().get(k)) for k, v in model_config.to_hf().items()
-                if cfg.model.to_hf().get(k) != v}
+    saved, wanted = model_config.to_hf(), cfg.model.to_hf()
+    if saved != wanted:
+        diff = {k: (v, wanted.get(k)) for k, v in saved.items() if wanted.get(k) != v}
         raise ValueError(f"init_from={cfg.init_from!r} is a different model than the flags ask for "
                          f"(checkpoint vs flags): {diff}")
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
