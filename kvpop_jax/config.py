@@ -189,6 +189,7 @@ MLSTM_INITS = ("identity", "random")
 AGGREGATIONS = ("max", "mean")
 NORMALIZERS = ("sparse", "dense")
 TARGET_REDUCTIONS = ("sum", "max")
+RETENTION_LABELS = ("hard", "soft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +223,7 @@ class KVpopConfig:
     gamma_max: float = 0.999999
     decay_step: int = 1  # n in Eq. 5; only 1 supports static priorities
     loss_temperature: float = 1.0  # τ in Eq. 7
+    retention_labels: str = "hard"  # hard: Eq. 7's keep/drop y | soft: the target's σ(Δ_tgt/τ) (not in the paper)
     margin_weighting: bool = True  # Eq. 23
     omega_min: float = 0.1  # ω_min in Eq. 23
     tau_omega: float = 1.0  # τ_ω in Eq. 23
@@ -236,6 +238,8 @@ class KVpopConfig:
     target_lookahead: int | None = None  # L: only queries t + w <= d <= t + w + L count, N_t <= L + 1 (B.2)
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
+    rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
+    target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0
     retention_loss_weight: float = 1.0
@@ -301,6 +305,14 @@ class KVpopConfig:
             raise ValueError(
                 f"KVpopConfig needs 0 < balance_min <= balance_max, got {self.balance_min!r}, {self.balance_max!r}"
             )
+        if self.retention_labels not in RETENTION_LABELS:
+            raise ValueError(f"KVpopConfig.retention_labels must be one of {RETENTION_LABELS}, "
+                             f"got {self.retention_labels!r}")
+        if not isinstance(self.rank_pairs, int) or isinstance(self.rank_pairs, bool) or self.rank_pairs < 0:
+            raise ValueError(f"KVpopConfig.rank_pairs must be an int >= 0, got {self.rank_pairs!r}")
+        if not isinstance(self.target_head_samples, int) or isinstance(self.target_head_samples, bool) \
+                or self.target_head_samples < 0:
+            raise ValueError(f"KVpopConfig.target_head_samples must be an int >= 0, got {self.target_head_samples!r}")
         if not 0.0 <= self.late_bias_fraction <= 1.0:
             raise ValueError(f"KVpopConfig.late_bias_fraction must be in [0, 1], got {self.late_bias_fraction!r}")
 

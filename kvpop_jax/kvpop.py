@@ -192,13 +192,24 @@ def retention_objective(
     t_ranks = policy.ranks_from_priority(t_priority)
     t_cutoffs = policy.running_topk_cutoff(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk)
     boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk, cutoffs=t_cutoffs)
+    loss_q = q_idx
+    if c.target_head_samples:
+        head_q = losses.target_head_queries(target, num=c.target_head_samples, min_q=c.budget, window=c.window)
+        loss_q = jnp.concatenate([jnp.broadcast_to(q_idx[:, None], head_q.shape[:2] + q_idx.shape[1:]), head_q], -1)
     loss, metrics = losses.retention_loss(
-        scores, log_gamma, target, boundary, q_idx,
+        scores, log_gamma, target, boundary, loss_q,
         temperature=c.loss_temperature, margin_weighting=c.margin_weighting, omega_min=c.omega_min,
         tau_omega=c.tau_omega, balance_weighting=c.balance_weighting, balance_min=c.balance_min,
-        balance_max=c.balance_max,
+        balance_max=c.balance_max, labels=c.retention_labels,
     )
     metrics = dict(metrics)
+    if c.rank_pairs:
+        partners = losses.sample_rank_partners(q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
+        pair_loss, pair_metrics = losses.pairwise_rank_loss(
+            scores, log_gamma, target, q_idx, partners, window=c.window, temperature=c.loss_temperature,
+            margin_weighting=c.margin_weighting, omega_min=c.omega_min, tau_omega=c.tau_omega)
+        loss = loss + pair_loss
+        metrics.update(pair_metrics)
     metrics["teacher_recall"] = teacher_recall(
         ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
     )

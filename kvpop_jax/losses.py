@@ -20,8 +20,9 @@ import jax.numpy as jnp
 
 
 def _gather_q(x: jax.Array, q_idx: jax.Array) -> jax.Array:
-    """x [B, H, S] at q_idx [B, Nq] -> [B, H, Nq]."""
-    idx = jnp.broadcast_to(q_idx[:, None, :], (x.shape[0], x.shape[1], q_idx.shape[1]))
+    """x [B, H, S] at q_idx [B, Nq] (shared by the heads) or [B, H, Nq] (per head) -> [B, H, Nq]."""
+    idx = q_idx if q_idx.ndim == 3 else q_idx[:, None, :]
+    idx = jnp.broadcast_to(idx, (x.shape[0], x.shape[1], q_idx.shape[-1]))
     return jnp.take_along_axis(x, idx, axis=2)
 
 
@@ -85,6 +86,7 @@ def retention_loss(
     balance_weighting: bool,
     balance_min: float,
     balance_max: float,
+    labels: str = "hard",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Boundary-aware retention loss (Eq. 7) at sampled query positions.
 
@@ -94,8 +96,16 @@ def retention_loss(
       target_scores: float [B, H, S], r_tgt (stop-gradient; only enters the weights).
       boundary: any object with fields `t_new`, `t_bnd` (int), `y` (±1) and `valid`
         (bool), each [B, H, S] indexed by query position q (policy.teacher_boundary).
-      q_idx: int [B, Nq] sampled query positions (`sample_query_positions`).
+      q_idx: int [B, Nq] sampled query positions (`sample_query_positions`), shared by the heads,
+        or [B, H, Nq], one set per head (`target_head_queries` appended to the shared ones).
       temperature: τ of Eq. 7. The other knobs: see `boundary_weights`.
+      labels: "hard" (Eq. 7: the teacher's keep/drop y) or "soft": the pairwise logistic loss
+        against the target's own preference p = σ(Δ_tgt / τ), Δ_tgt = r_tgt_new(q) − r_tgt_bnd(q)
+        with the decay term, as KL(p ‖ σ(Δ̂ / τ)) (0 at Δ̂ = Δ_tgt). Hard labels stop pushing once
+        a kept token clears the boundary, so a token the target ranks far above every other kept
+        one (a fact read again and again, later) ends up scored like any token that barely
+        made it, and the policy evicts it by chance; soft labels ask for the target's margin.
+        Not in the paper (RankNet-style graded labels); `KVpopConfig.retention_labels`.
 
     Returns:
       (loss, metrics): loss is the float32 scalar mean over valid examples of
@@ -110,8 +120,9 @@ def retention_loss(
         field = getattr(boundary, name)
         if field.shape != scores.shape:
             raise ValueError(f"boundary.{name} must be [B, H, S] = {scores.shape}, got {field.shape}")
-    if q_idx.ndim != 2 or q_idx.shape[0] != scores.shape[0]:
-        raise ValueError(f"q_idx must be [B, Nq] with B = {scores.shape[0]}, got {q_idx.shape}")
+    if q_idx.ndim not in (2, 3) or q_idx.shape[0] != scores.shape[0] or (
+            q_idx.ndim == 3 and q_idx.shape[1] != scores.shape[1]):
+        raise ValueError(f"q_idx must be [B, Nq] or [B, H, Nq] with B, H = {scores.shape[:2]}, got {q_idx.shape}")
     scores = scores.astype(jnp.float32)
     target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
     log_gamma = jnp.asarray(log_gamma, jnp.float32)
@@ -140,7 +151,12 @@ def retention_loss(
         balance_min=balance_min,
         balance_max=balance_max,
     )
-    per_example = jax.nn.softplus(-y * diff / temperature)  # Eq. 7
+    if labels == "hard":
+        per_example = jax.nn.softplus(-y * diff / temperature)  # Eq. 7
+    elif labels == "soft":
+        per_example = _soft_pair_kl(diff, target_diff, temperature)
+    else:
+        raise ValueError(f"labels must be 'hard' or 'soft', got {labels!r}")
     validf = valid.astype(jnp.float32)
     num_valid = validf.sum()
     denom = jnp.maximum(num_valid, 1.0)
@@ -152,6 +168,86 @@ def retention_loss(
         "num_valid": num_valid,
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _soft_pair_kl(diff: jax.Array, target_diff: jax.Array, temperature: float) -> jax.Array:
+    """KL(σ(Δ_tgt / τ) ‖ σ(Δ̂ / τ)) elementwise, written stably; 0 iff Δ̂ = Δ_tgt."""
+    z, zt = diff / temperature, target_diff / temperature
+    p = jax.nn.sigmoid(zt)
+    return jax.nn.softplus(z) - p * z - (jax.nn.softplus(zt) - p * zt)
+
+
+def sample_rank_partners(q_idx: jax.Array, *, num: int, sinks: int, window: int) -> jax.Array:
+    """Partners for `pairwise_rank_loss`: per sampled query q, `num` tokens drawn uniformly from
+    the long-range candidates older than t_new = q − w, i.e. [sinks, q − w), int32 [B, Nq, num]
+    (−1 where that range is empty). Deterministic in q_idx: the key is folded from the sampled
+    positions themselves, so a training step stays a pure function of (state, batch)."""
+    if num < 1:
+        raise ValueError(f"num must be >= 1, got {num}")
+    weights = jnp.arange(1, q_idx.size + 1, dtype=jnp.uint32).reshape(q_idx.shape)
+    key = jax.random.fold_in(jax.random.PRNGKey(0x6B7670), jnp.sum(q_idx.astype(jnp.uint32) * weights))
+    u = jax.random.uniform(key, q_idx.shape + (num,), jnp.float32)
+    hi = (q_idx - window)[..., None]  # exclusive: t_new itself is not its own partner
+    t = sinks + jnp.floor(u * (hi - sinks)).astype(jnp.int32)
+    return jnp.where(hi > sinks, jnp.clip(t, sinks, jnp.maximum(hi - 1, sinks)), -1).astype(jnp.int32)
+
+
+def pairwise_rank_loss(
+    scores: jax.Array,
+    log_gamma: jax.Array,
+    target_scores: jax.Array,
+    q_idx: jax.Array,
+    partners: jax.Array,
+    *,
+    window: int,
+    temperature: float,
+    margin_weighting: bool,
+    omega_min: float,
+    tau_omega: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Global pairwise ranking of the newly eligible token against older candidates (not in the paper).
+
+    Why: the boundary loss (Eq. 7) compares t_new only with the teacher's weakest kept token, so
+    it never orders two kept tokens. With static priorities (Eq. 20) the running top-k keeps, at
+    every q, the global top-k of the priorities seen so far; a token the target ranks far above
+    the other kept ones but that the student scores like any of them is then evicted by chance
+    as later keeps arrive. Here t_new = q − w is compared with `partners` (random older
+    candidates, `sample_rank_partners`) on the same decayed scores as Eq. 7,
+    Δ̂ = r̂_new(q) − r̂_j(q), against the target's preference σ(Δ_tgt / τ) (soft labels: near-ties
+    ask for little, a token read again and again much later asks for its full margin).
+
+    Args:
+      scores, target_scores: float [B, H, S]; log_gamma: [H] or broadcastable to [B, H, 1].
+      q_idx: int [B, Nq] sampled saturated queries; partners: int [B, Nq, M] (−1: none).
+      window: w; temperature: τ; margin_weighting, omega_min, tau_omega: Eq. 23 on |Δ_tgt|.
+
+    Returns:
+      (loss, metrics): loss the float32 mean over valid pairs of ω · KL (0 when none);
+      metrics: `pair_accuracy`, the share of valid pairs the student orders as the target does.
+    """
+    scores = scores.astype(jnp.float32)
+    target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
+    log_gamma = jnp.asarray(log_gamma, jnp.float32)
+    if log_gamma.ndim == 1:
+        log_gamma = log_gamma[None, :, None]
+    b, h, _ = scores.shape
+    nq, m = partners.shape[1], partners.shape[2]
+    t_new = jnp.broadcast_to((q_idx - window)[:, None, :, None], (b, h, nq, m)).reshape(b, h, nq * m)
+    t_pair = jnp.broadcast_to(partners[:, None], (b, h, nq, m)).reshape(b, h, nq * m)
+    valid = (t_pair >= 0) & (t_new > t_pair)
+    age_gap = (t_pair - t_new).astype(jnp.float32)
+    diff = _gather_t(scores, t_new) - _gather_t(scores, t_pair) + age_gap * log_gamma
+    target_diff = _gather_t(target_scores, t_new) - _gather_t(target_scores, t_pair)
+    target_diff = target_diff + age_gap * jax.lax.stop_gradient(log_gamma)
+    validf = valid.astype(jnp.float32)
+    w = validf
+    if margin_weighting:
+        w = w * (omega_min + (1.0 - omega_min) * jax.nn.sigmoid(jnp.abs(target_diff) / tau_omega))
+    w = jax.lax.stop_gradient(w / jnp.maximum(w.sum() / jnp.maximum(validf.sum(), 1.0), 1e-12))
+    denom = jnp.maximum(validf.sum(), 1.0)
+    loss = jnp.sum(jnp.where(valid, w * _soft_pair_kl(diff, target_diff, temperature), 0.0)) / denom
+    agree = valid & (diff * target_diff > 0)
+    return loss, {"pair_accuracy": jax.lax.stop_gradient(jnp.sum(agree.astype(jnp.float32)) / denom)}
 
 
 def boundary_auc(margin: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
@@ -208,6 +304,37 @@ def sample_query_positions(
     late = min_q + jnp.floor(span * jnp.sqrt(u)).astype(jnp.int32)
     late = jnp.clip(late, min_q, seq_len - 1)  # float rounding guard
     return jnp.concatenate([uniform, late], axis=1)
+
+
+def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int) -> jax.Array:
+    """Per head, the query positions at which the target's `num` highest tokens become eligible.
+
+    The uniform and late-biased samples (`sample_query_positions`) meet a token only when its own
+    leave-time position is drawn; the few tokens a head's target ranks far above the rest (a fact
+    read again and again, long after) then appear in a handful of examples among hundreds decided
+    by near-ties at the cutoff. These samples put every such token into the loss once per row: for
+    each (row, head), the `num` tokens t with the highest target among those whose leave time
+    q = t + w is saturated (min_q <= q < S), returned as q. Not in the paper (App. B.6 samples
+    uniform and late-biased positions only); off by default (`KVpopConfig.target_head_samples`).
+
+    Args:
+      target: float [B, H, S], the future-attention target (stop-gradient).
+      num: samples per (row, head), 1 <= num <= S - max(min_q, w).
+      min_q: s + w + k, the first saturated query position; window: w.
+
+    Returns:
+      int32 [B, H, num], each in [max(min_q, w), S).
+    """
+    s = target.shape[-1]
+    first = max(min_q, window)
+    if not 1 <= num <= s - first:
+        raise ValueError(f"target_head_samples must be in [1, {s - first}] for S = {s}, min_q = {min_q}, "
+                         f"w = {window}, got {num}")
+    t = jnp.arange(s)
+    eligible = (t + window >= first) & (t + window < s)
+    masked = jnp.where(eligible, jax.lax.stop_gradient(target.astype(jnp.float32)), -jnp.inf)
+    _, top_t = jax.lax.top_k(masked, num)
+    return (top_t + window).astype(jnp.int32)
 
 
 def teacher_topk(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -124,3 +124,41 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
     ids = jnp.zeros((1, 8), jnp.int32) + 3
     with pytest.raises(ValueError, match="do(es)? not reset at segment boundaries"):
         Qwen3ForCausalLM(config).apply({"params": params}, ids, segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
+    """retention_labels="soft", rank_pairs and target_head_samples (training options, not in the paper):
+    each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the pairwise
+    ranking loss, rebuilt here from the layer's own scores, target and boundary; only scorer and decay
+    receive its gradient."""
+    from kvpop_jax import losses
+
+    s = 48
+    kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, retention_labels="soft",
+                     rank_pairs=3, target_head_samples=5)
+    _, config, params = _models(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
+    q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(2, 8)))
+    model = Qwen3ForCausalLM(config)
+    out = model.apply({"params": params}, ids, query_samples=q_idx, return_policy=True)
+    knobs = dict(temperature=kv.loss_temperature, margin_weighting=kv.margin_weighting, omega_min=kv.omega_min,
+                 tau_omega=kv.tau_omega)
+    for layer in out.aux["layers"]:
+        head_q = losses.target_head_queries(layer["target"], num=5, min_q=kv.budget, window=kv.window)
+        all_q = jnp.concatenate([jnp.broadcast_to(q_idx[:, None], (2, head_q.shape[1], 8)), head_q], -1)
+        want, _ = losses.retention_loss(layer["scores"], layer["log_gamma"], layer["target"], layer["boundary"], all_q,
+                                        balance_weighting=kv.balance_weighting, balance_min=kv.balance_min,
+                                        balance_max=kv.balance_max, labels="soft", **knobs)
+        partners = losses.sample_rank_partners(q_idx, num=3, sinks=kv.sinks, window=kv.window)
+        pair, _ = losses.pairwise_rank_loss(layer["scores"], layer["log_gamma"], layer["target"], q_idx, partners,
+                                            window=kv.window, **knobs)
+        np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair), rtol=1e-5)
+        assert float(pair) > 0
+    plain = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=dataclasses.replace(
+        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0)))
+    assert float(plain.apply({"params": params}, ids, query_samples=q_idx).aux["retention_loss"]) != \
+        pytest.approx(float(out.aux["retention_loss"]))
+    grads = traverse_util.flatten_dict(jax.grad(
+        lambda p: model.apply({"params": p}, ids, query_samples=q_idx).aux["retention_loss"])(params), sep="/")
+    assert all(not np.any(np.asarray(g)) for k, g in grads.items() if "/kvpop/" not in k)
+    assert any(np.abs(np.asarray(g)).max() > 0 for k, g in grads.items() if "/kvpop/scorer/" in k)

@@ -29,19 +29,20 @@ def _random_problem(rng, valid_frac=0.7):
     return scores, log_gamma, target, boundary, q_idx
 
 
-def _loop_retention_loss(scores, log_gamma, target, bd, q_idx, *, margin_weighting, balance_weighting):
+def _loop_retention_loss(scores, log_gamma, target, bd, q_idx, *, margin_weighting, balance_weighting,
+                         labels="hard"):
     """Eq. 7, 22–24 one example at a time in python floats."""
     ex = []
     for b in range(B):
         for h in range(H):
-            for q in q_idx[b]:
+            for q in (q_idx[b, h] if q_idx.ndim == 3 else q_idx[b]):
                 if not bd.valid[b, h, q]:
                     continue
                 tn, tb, y = int(bd.t_new[b, h, q]), int(bd.t_bnd[b, h, q]), float(bd.y[b, h, q])
                 lg = float(log_gamma[h])
                 diff = scores[b, h, tn] + (q - tn) * lg - (scores[b, h, tb] + (q - tb) * lg)  # Eq. 5
                 tdiff = target[b, h, tn] + (q - tn) * lg - (target[b, h, tb] + (q - tb) * lg)
-                ex.append(dict(h=h, y=y, diff=float(diff), margin=y * float(tdiff)))
+                ex.append(dict(h=h, y=y, diff=float(diff), tdiff=float(tdiff), margin=y * float(tdiff)))
     if not ex:
         return 0.0, 0.0, 0.0, 0
     w = []
@@ -57,9 +58,15 @@ def _loop_retention_loss(scores, log_gamma, target, bd, q_idx, *, margin_weighti
             wi *= min(max(raw, KNOBS["balance_min"]), KNOBS["balance_max"])
         w.append(wi)
     mean_w = sum(w) / len(w)
-    loss = sum(
-        wi / mean_w * math.log1p(math.exp(-e["y"] * e["diff"] / KNOBS["temperature"])) for wi, e in zip(w, ex)
-    ) / len(ex)
+    def per_example(e):
+        tau = KNOBS["temperature"]
+        if labels == "hard":
+            return math.log1p(math.exp(-e["y"] * e["diff"] / tau))
+        sig = lambda z: 1.0 / (1.0 + math.exp(-z))  # noqa: E731
+        p, s = sig(e["tdiff"] / tau), sig(e["diff"] / tau)
+        return p * math.log(p / s) + (1 - p) * math.log((1 - p) / (1 - s))  # KL(p || s)
+
+    loss = sum(wi / mean_w * per_example(e) for wi, e in zip(w, ex)) / len(ex)
     acc = sum(e["y"] * e["diff"] > 0 for e in ex) / len(ex)
     keep = sum(e["y"] > 0 for e in ex) / len(ex)
     return loss, acc, keep, len(ex)
@@ -80,6 +87,56 @@ def test_retention_loss_matches_python_loop(rng, margin_weighting, balance_weigh
     np.testing.assert_allclose(float(metrics["boundary_accuracy"]), acc, rtol=1e-6)
     np.testing.assert_allclose(float(metrics["keep_rate"]), keep, rtol=1e-6)
     assert float(metrics["num_valid"]) == n
+
+
+@pytest.mark.parametrize("margin_weighting", [True, False])
+def test_soft_label_retention_loss_matches_python_loop(rng, margin_weighting):
+    scores, log_gamma, target, bd, q_idx = _random_problem(rng)
+    loss, _ = losses.retention_loss(scores, log_gamma, target, bd, q_idx, margin_weighting=margin_weighting,
+                                    balance_weighting=True, labels="soft", **KNOBS)
+    want, *_ = _loop_retention_loss(scores, log_gamma, target, bd, q_idx, margin_weighting=margin_weighting,
+                                    balance_weighting=True, labels="soft")
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+
+
+def test_soft_labels_are_zero_where_the_student_matches_the_target_margin(rng):
+    _, log_gamma, target, bd, q_idx = _random_problem(rng)
+    soft = dict(margin_weighting=True, balance_weighting=True, labels="soft", **KNOBS)
+    loss, _ = losses.retention_loss(target, log_gamma, target, bd, q_idx, **soft)  # student scores = target
+    assert abs(float(loss)) < 1e-6
+    off, _ = losses.retention_loss(target * 0.5, log_gamma, target, bd, q_idx, **soft)
+    assert float(off) > 1e-3  # a flatter ranking than the target's costs, even where its order is right
+    with pytest.raises(ValueError, match="labels"):
+        losses.retention_loss(target, log_gamma, target, bd, q_idx, **{**soft, "labels": "graded"})
+
+
+def test_retention_loss_with_per_head_queries_matches_python_loop(rng):
+    scores, log_gamma, target, bd, _ = _random_problem(rng)
+    q_idx = rng.integers(0, S, size=(B, H, NQ)).astype(np.int32)  # a different set per head
+    loss, metrics = losses.retention_loss(scores, log_gamma, target, bd, q_idx, margin_weighting=True,
+                                          balance_weighting=True, **KNOBS)
+    want, acc, _, n = _loop_retention_loss(scores, log_gamma, target, bd, q_idx, margin_weighting=True,
+                                           balance_weighting=True)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["boundary_accuracy"]), acc, rtol=1e-6)
+    assert float(metrics["num_valid"]) == n
+    with pytest.raises(ValueError, match="q_idx"):
+        losses.retention_loss(scores, log_gamma, target, bd, q_idx[:, :2], margin_weighting=True,
+                              balance_weighting=True, **KNOBS)
+
+
+def test_target_head_queries_match_numpy(rng):
+    target = rng.normal(size=(B, H, S)).astype(np.float32)
+    min_q, w, num = 9, 4, 5
+    got = np.asarray(losses.target_head_queries(jnp.asarray(target), num=num, min_q=min_q, window=w))
+    assert got.shape == (B, H, num) and got.dtype == np.int32
+    for b in range(B):
+        for h in range(H):
+            eligible = [t for t in range(S) if min_q <= t + w < S]
+            want = sorted(eligible, key=lambda t: -target[b, h, t])[:num]
+            assert sorted(got[b, h] - w) == sorted(want)
+    with pytest.raises(ValueError, match="target_head_samples must be in"):
+        losses.target_head_queries(jnp.asarray(target), num=S, min_q=min_q, window=w)
 
 
 def test_weights_have_mean_one_over_valid(rng):
@@ -272,3 +329,50 @@ def test_boundary_auc_matches_pairwise_count(rng):
     assert float(losses.boundary_auc(jnp.asarray(margin), jnp.asarray(y), jnp.zeros_like(jnp.asarray(valid)))) == 0.5
     perfect = np.where(y > 0, 1.0, -1.0).astype(np.float32)  # a margin that orders every pair right
     assert float(losses.boundary_auc(jnp.asarray(perfect), jnp.asarray(y), jnp.asarray(valid))) == 1.0
+
+
+def test_rank_partners_are_older_candidates_and_deterministic():
+    q_idx = jnp.asarray([[40, 41, 9, 63], [50, 12, 30, 33]], jnp.int32)
+    sinks, w = 4, 8
+    a = np.asarray(losses.sample_rank_partners(q_idx, num=6, sinks=sinks, window=w))
+    assert a.shape == (2, 4, 6) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, np.asarray(losses.sample_rank_partners(q_idx, num=6, sinks=sinks, window=w)))
+    t_new = np.asarray(q_idx)[..., None] - w
+    has = t_new > sinks
+    assert ((a >= sinks) & (a < t_new))[np.broadcast_to(has, a.shape)].all()
+    assert (a[~np.broadcast_to(has, a.shape)] == -1).all()  # q = 9, 12: no older candidate
+    other = np.asarray(losses.sample_rank_partners(q_idx + 1, num=6, sinks=sinks, window=w))
+    assert (other != a).any()  # the draw follows the sampled queries
+
+
+@pytest.mark.parametrize("margin_weighting", [True, False])
+def test_pairwise_rank_loss_matches_python_loop(rng, margin_weighting):
+    scores, log_gamma, target, _, _ = _random_problem(rng)
+    w = 4
+    q_idx = rng.integers(w + 1, S, size=(B, NQ)).astype(np.int32)
+    partners = rng.integers(0, S, size=(B, NQ, 3)).astype(np.int32)
+    partners[0, 0, 0] = -1
+    loss, metrics = losses.pairwise_rank_loss(
+        scores, log_gamma, target, q_idx, partners, window=w, temperature=KNOBS["temperature"],
+        margin_weighting=margin_weighting, omega_min=KNOBS["omega_min"], tau_omega=KNOBS["tau_omega"])
+    sig = lambda z: 1.0 / (1.0 + math.exp(-z))  # noqa: E731
+    ex = []
+    for b in range(B):
+        for h in range(H):
+            for i, q in enumerate(q_idx[b]):
+                tn = q - w
+                for tj in partners[b, i]:
+                    if tj < 0 or tj >= tn:
+                        continue
+                    lg = float(log_gamma[h])
+                    d = scores[b, h, tn] - scores[b, h, tj] + (tj - tn) * lg
+                    td = target[b, h, tn] - target[b, h, tj] + (tj - tn) * lg
+                    p, s = sig(td / KNOBS["temperature"]), sig(d / KNOBS["temperature"])
+                    kl = p * math.log(p / s) + (1 - p) * math.log((1 - p) / (1 - s))
+                    om = KNOBS["omega_min"] + (1 - KNOBS["omega_min"]) * sig(abs(td) / KNOBS["tau_omega"]) \
+                        if margin_weighting else 1.0
+                    ex.append((om, kl, d * td > 0))
+    mean_w = sum(e[0] for e in ex) / len(ex)
+    want = sum(e[0] / mean_w * e[1] for e in ex) / len(ex)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["pair_accuracy"]), sum(e[2] for e in ex) / len(ex), rtol=1e-6)

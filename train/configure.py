@@ -50,10 +50,12 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             mlstm_skip=f.mlstm_skip, mlstm_norm=f.mlstm_norm, mlstm_init=f.mlstm_init,
             mlstm_gate_softcap=f.mlstm_gate_softcap, target_lookahead=f.target_lookahead,
             gamma_min=f.gamma_min, gamma_max=f.gamma_max,
-            loss_temperature=f.loss_temperature, margin_weighting=f.margin_weighting,
+            loss_temperature=f.loss_temperature, retention_labels=f.retention_labels,
+            margin_weighting=f.margin_weighting,
             balance_weighting=f.balance_weighting, normalizer=f.normalizer, aggregate=f.aggregate,
             target_reduce=f.target_reduce,
             num_query_samples=f.num_query_samples, late_bias_fraction=f.late_bias_fraction,
+            target_head_samples=f.target_head_samples, rank_pairs=f.rank_pairs,
             kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
         )
     except ValueError as e:

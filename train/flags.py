@@ -55,6 +55,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("gamma_min", 0.999, "Decay min.", **d)
     flags.DEFINE_float("gamma_max", 0.999999, "Decay max.", **d)
     flags.DEFINE_float("loss_temperature", 1.0, "Pairwise (retention) loss temperature τ.", **d)
+    flags.DEFINE_enum("retention_labels", "hard", ["hard", "soft"], "Retention loss labels: the teacher's "
+                      "keep/drop (Eq. 7) or the target's own preference sigma(margin / tau) (not in the paper).", **d)
     flags.DEFINE_bool("margin_weighting", True, "Margin weighting of the retention loss (Eq. 23).", **d)
     flags.DEFINE_bool("balance_weighting", True, "Keep/drop balance weighting (Eq. 24).", **d)
     flags.DEFINE_enum("normalizer", "sparse", NORMALIZERS, "LSE of the future-attention target.", **d)
@@ -67,6 +69,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "default: unbounded).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
+    flags.DEFINE_integer("rank_pairs", 0, "Per sampled query, pairs of the newly eligible token with random "
+                         "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
+    flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "
+                         "target's top tokens (not in the paper; 0 = off).", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
     flags.DEFINE_integer("kl_topk", 256, "Teacher top-k logits for the KL.", **d)
     flags.DEFINE_float("kl_temperature", 1.0, "KL temperature.", **d)
