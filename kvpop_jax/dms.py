@@ -154,7 +154,7 @@ def dms_mask(s: int, evict: jax.Array, window: int) -> jax.Array:
 # ------------------------------------------------------------------------------ attention
 
 
-def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None, block_q: int = 512):
+def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None, block_q: int | None = None):
     """DMS-masked causal attention in plain XLA, one query block at a time.
 
     Args:
@@ -163,7 +163,10 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
         q - t >= window (training: log(1 - α_t); inference: 0 or NEG_INF).
       window: w >= 1, the newest keys every query sees unbiased (itself included).
       block_q: queries per block; memory O(S * block_q) per head, in autodiff too (each block is
-        rematerialized), so no S x S array exists at long S.
+        rematerialized), so no S x S array exists at long S. A block that covers all S queries
+        runs as one plain call, without the rematerialization (the backward pass then keeps the
+        S x S probabilities instead of recomputing them). Default None: one block up to
+        `attention.DENSE_BLOCKWISE_MIN_QUERIES` queries (dense attention's rule), else 512.
 
     Returns:
       out [B, S, Hq, D] (q's dtype) and lse [B, Hq, S] float32. Differentiable in q, k, v and
@@ -180,7 +183,13 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
         bias = jnp.where(diff >= window, log_keep[:, :, None, :], 0.0)  # [B, Hkv, Q, T]
         return attn_lib.attend(q_blk, k, v, (diff >= 0)[None, None, None], scale, bias=bias[:, :, None])
 
-    out, lse = attn_lib.map_query_blocks(one_block, [attn_lib.group_queries(q, k.shape[2])], [1], block=block_q)
+    if block_q is None:
+        block_q = s if s <= attn_lib.DENSE_BLOCKWISE_MIN_QUERIES else 512
+    q_grouped = attn_lib.group_queries(q, k.shape[2])
+    if block_q >= s:
+        out, lse = one_block(jnp.int32(0), q_grouped)
+    else:
+        out, lse = attn_lib.map_query_blocks(one_block, [q_grouped], [1], block=block_q)
     return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 

@@ -81,7 +81,7 @@ def test_hard_mask_matches_definition(rng):
             np.testing.assert_array_equal(mask[:, :, q, t], want)
 
 
-@pytest.mark.parametrize("s,window,block", [(23, 4, 8), (16, 1, 16), (9, 12, 4)])
+@pytest.mark.parametrize("s,window,block", [(23, 4, 8), (16, 1, 16), (9, 12, 4), (21, 5, None), (12, 3, 64)])
 def test_training_attention_matches_numpy_and_its_gradient(rng, s, window, block):
     q, k, v = random_qkv(rng, 2, s, 4, 2, 8)
     log_keep = jnp.asarray(-rng.exponential(2.0, size=(2, 2, s)).astype(np.float32))
