@@ -70,8 +70,12 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     proc = subprocess.run(train_cmd(argv), cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The two variants read the same rows: the teacher ran once, into files both distilled from.
+    assert "shared by the variants" in proc.stderr and len(os.listdir(os.path.join(run, "teacher_topk"))) == 3
     for name, topk in (("kvpop-mlp", 16), ("streamingllm+", 0)):
         config, _ = load_pretrained(os.path.join(run, name, "export"))
+        assert json.load(open(os.path.join(run, name, "train_config.json")))["teacher_logits_dir"] == \
+            os.path.join(run, "teacher_topk")
         assert config.kvpop.topk == topk and config.kvpop.budget == 36
         assert len(open(os.path.join(run, name, "metrics.jsonl")).readlines()) == 3
     out = os.path.join(run, "eval")

@@ -223,14 +223,22 @@ def test_teacher_topk_files_round_trip(tmp_path, arch):
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(tmp_path)))
     values = np.random.default_rng(0).normal(size=(4, 128, 16)).astype(np.float32)
     indices = np.random.default_rng(1).integers(0, 128, (4, 128, 16)).astype(np.int32)
-    write_teacher_topk(str(tmp_path), 3, values, indices)
-    rows = {"input_ids": np.zeros((4, 128), np.int32), "positions": np.zeros((4, 128), np.int32),
+    ids = np.random.default_rng(2).integers(0, 128, (4, 128)).astype(np.int32)
+    write_teacher_topk(str(tmp_path), 3, values, indices, ids)
+    rows = {"input_ids": ids, "positions": np.zeros((4, 128), np.int32),
             "loss_mask": np.ones((4, 128), np.float32)}
     batch = host_batch(cfg, rows, 3)
     assert batch["teacher_values"].shape == (2, 2, 128, 16)
     np.testing.assert_array_equal(batch["teacher_indices"].reshape(4, 128, 16), indices)
     with pytest.raises(FileNotFoundError, match="step_00000004.npz"):
         host_batch(cfg, rows, 4)
+    # Rows other than those the file was written for (another --data or seed): refused, not distilled from.
+    other = dict(rows, input_ids=np.roll(ids, 1, axis=0))
+    with pytest.raises(ValueError, match="written for other rows"):
+        host_batch(cfg, other, 3)
+    np.savez(str(tmp_path / "step_00000005.npz"), values=values, indices=indices)  # an old file: no hashes
+    with pytest.raises(ValueError, match="no row_hashes"):
+        host_batch(cfg, rows, 5)
 
 
 def test_non_finite_loss_names_step_and_term():

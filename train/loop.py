@@ -59,7 +59,7 @@ def host_batch(cfg: TrainConfig, rows: dict[str, np.ndarray], step: int) -> dict
     """This host's rows [rows, S] -> micro-batches [A, rows / A, S] (+ precomputed teacher top-k)."""
     out = {k: np.asarray(rows[k]) for k in BATCH_KEYS}
     if cfg.teacher_logits_dir:
-        out.update(read_teacher_topk(cfg, step, len(out["input_ids"])))
+        out.update(read_teacher_topk(cfg, step, out["input_ids"]))
     a = cfg.grad_accum
     return {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in out.items()}
 

@@ -2,13 +2,17 @@
 
 One file per optimizer step, `step_{N:08d}.npz` with `values` float32 and `indices` int32 of
 shape [global batch, S, kl_topk]: the global batch's teacher top-k, so a run can distill
-without holding the teacher.
+without holding the teacher. Each file also holds `row_hashes` uint64 [global batch], a hash of
+every row's token ids: a run whose data differs from the one the file was written for (another
+--data, seed, seq_len or batch) stops with an error instead of distilling from the wrong rows.
+The demo recipe writes one such directory and shares it between its variants (`train.recipe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 
 import jax
@@ -26,26 +30,46 @@ def teacher_file(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.npz")
 
 
-def write_teacher_topk(directory: str, step: int, values: np.ndarray, indices: np.ndarray) -> None:
+def row_hashes(input_ids: np.ndarray) -> np.ndarray:
+    """uint64 [rows]: an 8-byte BLAKE2b digest of each row's int32 token ids."""
+    rows = np.ascontiguousarray(np.asarray(input_ids, np.int32))
+    return np.asarray([int.from_bytes(hashlib.blake2b(r.tobytes(), digest_size=8).digest(), "little") for r in rows],
+                      np.uint64)
+
+
+def write_teacher_topk(directory: str, step: int, values: np.ndarray, indices: np.ndarray,
+                       input_ids: np.ndarray) -> None:
     """Stores the global batch's teacher top-k of optimizer step `step` (0-based): [B, S, K] each
-    (float32 values + int32 indices: 8 bytes per entry, ~4.3 GB per step of the paper's recipe)."""
+    (float32 values + int32 indices: 8 bytes per entry, ~4.3 GB per step of the paper's recipe),
+    with the hashes of the rows `input_ids` [B, S] it was computed from. Atomic (tmp + rename)."""
     os.makedirs(directory, exist_ok=True)
     path = teacher_file(directory, step)
     with open(path + ".tmp", "wb") as f:
-        np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32))
+        np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32),
+                 row_hashes=row_hashes(input_ids))
     os.replace(path + ".tmp", path)
 
 
-def read_teacher_topk(cfg: TrainConfig, step: int, host_rows: int) -> dict[str, np.ndarray]:
+def read_teacher_topk(cfg: TrainConfig, step: int, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """This host's rows of step `step`'s teacher top-k, checked against the rows it trains on:
+    input_ids [host rows, S] must be the rows the file was written for."""
     path = teacher_file(cfg.teacher_logits_dir, step)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--teacher_logits_dir: {path} is missing (one file per optimizer step)")
     with np.load(path) as f:
         values, indices = f["values"], f["indices"]
+        hashes = f["row_hashes"] if "row_hashes" in f.files else None
     want = (cfg.global_batch, cfg.seq_len, cfg.kvpop.kl_topk)
     if values.shape != want or indices.shape != want:
         raise ValueError(f"{path}: values/indices must be {want}, got {values.shape}, {indices.shape}")
+    host_rows = len(input_ids)
     lo = jax.process_index() * host_rows
+    if hashes is None:
+        raise ValueError(f"{path} has no row_hashes: it was written before they were recorded, so nothing shows "
+                         "it matches this run's data; rewrite it with --write_teacher_logits")
+    if not np.array_equal(hashes[lo:lo + host_rows], row_hashes(input_ids)):
+        raise ValueError(f"{path} was written for other rows than step {step} of this run trains on (another "
+                         "--data, seed, seq_len or batch?); rewrite --teacher_logits_dir with --write_teacher_logits")
     return {"teacher_values": values[lo:lo + host_rows].astype(np.float32),
             "teacher_indices": indices[lo:lo + host_rows]}
 
@@ -82,5 +106,5 @@ def write_teacher_logits(cfg: TrainConfig) -> int:
             ids, pos = (jax.device_put(rows[k][lo:lo + b], rows_sh) for k in ("input_ids", "positions"))
             parts.append(jax.device_get(topk(params, ids, pos)))
         write_teacher_topk(cfg.teacher_logits_dir, step, np.concatenate([p[0] for p in parts]),
-                           np.concatenate([p[1] for p in parts]))
+                           np.concatenate([p[1] for p in parts]), rows["input_ids"])
     return cfg.steps
