@@ -154,19 +154,28 @@ def dms_mask(s: int, evict: jax.Array, window: int) -> jax.Array:
 # ------------------------------------------------------------------------------ attention
 
 
-def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None, block_q: int | None = None):
+DMS_CAUSAL_BLOCK = 128  # query block of the unrolled causal path (short sequences; 128 measured fastest on CPU)
+
+
+def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None, block_q: int | None = None,
+                  unrolled_max: int | None = None):
     """DMS-masked causal attention in plain XLA, one query block at a time.
+
+    Two paths, the same result:
+    - up to `unrolled_max` queries (default `attention.DENSE_BLOCKWISE_MIN_QUERIES`, dense
+      attention's threshold): the query blocks are unrolled and block i reads only the keys it can
+      see, [0, end of block i) (static slices: the causal upper triangle is never computed), with
+      no rematerialization. At S = 1024 and blocks of 128 that is 56% of the S x S work; one DMS
+      training layer's fwd+bwd at B 4, S 1024 on CPU takes 0.14 s this way against 0.58 s mapped.
+    - longer: `attention.map_query_blocks` over blocks of 512 queries against all S keys, each block
+      rematerialized in autodiff, so memory is O(S * block_q) per head and no S x S array exists.
 
     Args:
       q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] (query head h*G + g reads KV head h).
       log_keep: float32 [B, Hkv, S], added to the logit of key t for every query with
         q - t >= window (training: log(1 - α_t); inference: 0 or NEG_INF).
       window: w >= 1, the newest keys every query sees unbiased (itself included).
-      block_q: queries per block; memory O(S * block_q) per head, in autodiff too (each block is
-        rematerialized), so no S x S array exists at long S. A block that covers all S queries
-        runs as one plain call, without the rematerialization (the backward pass then keeps the
-        S x S probabilities instead of recomputing them). Default None: one block up to
-        `attention.DENSE_BLOCKWISE_MIN_QUERIES` queries (dense attention's rule), else 512.
+      block_q: queries per block (default `DMS_CAUSAL_BLOCK` unrolled, 512 mapped).
 
     Returns:
       out [B, S, Hq, D] (q's dtype) and lse [B, Hq, S] float32. Differentiable in q, k, v and
@@ -174,22 +183,27 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
     """
     b, s, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
-    k_pos = jnp.arange(s, dtype=jnp.int32)
     log_keep = log_keep.astype(jnp.float32)
+    unrolled = s <= (attn_lib.DENSE_BLOCKWISE_MIN_QUERIES if unrolled_max is None else unrolled_max)
+    block_q = block_q or (DMS_CAUSAL_BLOCK if unrolled else 512)
 
-    def one_block(start, q_blk):
+    def one_block(start, q_blk, keys: int):
+        """Queries [start, start + Q) over keys [0, keys)."""
         q_pos = start + jnp.arange(q_blk.shape[1], dtype=jnp.int32)
-        diff = q_pos[:, None] - k_pos[None, :]  # [Q, T]
-        bias = jnp.where(diff >= window, log_keep[:, :, None, :], 0.0)  # [B, Hkv, Q, T]
-        return attn_lib.attend(q_blk, k, v, (diff >= 0)[None, None, None], scale, bias=bias[:, :, None])
+        diff = q_pos[:, None] - jnp.arange(keys, dtype=jnp.int32)[None, :]  # [Q, T]
+        bias = jnp.where(diff >= window, log_keep[:, :, None, :keys], 0.0)  # [B, Hkv, Q, T]
+        return attn_lib.attend(q_blk, k[:, :keys], v[:, :keys], (diff >= 0)[None, None, None], scale,
+                               bias=bias[:, :, None])
 
-    if block_q is None:
-        block_q = s if s <= attn_lib.DENSE_BLOCKWISE_MIN_QUERIES else 512
     q_grouped = attn_lib.group_queries(q, k.shape[2])
-    if block_q >= s:
-        out, lse = one_block(jnp.int32(0), q_grouped)
+    if unrolled:
+        parts = [one_block(jnp.int32(lo), q_grouped[:, lo:min(lo + block_q, s)], min(lo + block_q, s))
+                 for lo in range(0, s, block_q)]
+        out = jnp.concatenate([o for o, _ in parts], axis=1)
+        lse = jnp.concatenate([lse_i for _, lse_i in parts], axis=-1)
     else:
-        out, lse = attn_lib.map_query_blocks(one_block, [q_grouped], [1], block=block_q)
+        out, lse = attn_lib.map_query_blocks(lambda start, q_blk: one_block(start, q_blk, s), [q_grouped], [1],
+                                             block=block_q)
     return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 

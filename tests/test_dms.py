@@ -3,6 +3,7 @@ and auxiliary loss against numpy, and the key invariant: teacher-forced decoding
 pool == the hard-masked parallel forward while the pool is not overflowing."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,11 +82,13 @@ def test_hard_mask_matches_definition(rng):
             np.testing.assert_array_equal(mask[:, :, q, t], want)
 
 
+@pytest.mark.parametrize("unrolled_max", [None, 0])  # the unrolled causal blocks, and the rematerialized map
 @pytest.mark.parametrize("s,window,block", [(23, 4, 8), (16, 1, 16), (9, 12, 4), (21, 5, None), (12, 3, 64)])
-def test_training_attention_matches_numpy_and_its_gradient(rng, s, window, block):
+def test_training_attention_matches_numpy_and_its_gradient(rng, s, window, block, unrolled_max):
     q, k, v = random_qkv(rng, 2, s, 4, 2, 8)
     log_keep = jnp.asarray(-rng.exponential(2.0, size=(2, 2, s)).astype(np.float32))
-    out, lse = dms_lib.dms_attention(q, k, v, log_keep, window=window, block_q=block)
+    attention = functools.partial(dms_lib.dms_attention, window=window, block_q=block, unrolled_max=unrolled_max)
+    out, lse = attention(q, k, v, log_keep)
     want = biased_attention_np(q, k, v, dms_bias_np(log_keep, s, window), window)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
     assert lse.shape == (2, 4, s)
@@ -97,7 +100,7 @@ def test_training_attention_matches_numpy_and_its_gradient(rng, s, window, block
         return jnp.einsum("bhgqt,bthd->bqhgd", jax.nn.softmax(logits, -1), v).reshape(2, s, 4, 8)
 
     cot = jnp.asarray(rng.normal(size=out.shape).astype(np.float32))
-    g_block = jax.grad(lambda lk: jnp.sum(dms_lib.dms_attention(q, k, v, lk, window=window, block_q=block)[0] * cot))
+    g_block = jax.grad(lambda lk: jnp.sum(attention(q, k, v, lk)[0] * cot))
     g_whole = jax.grad(lambda lk: jnp.sum(whole(lk) * cot))
     np.testing.assert_allclose(np.asarray(g_block(log_keep)), np.asarray(g_whole(log_keep)), atol=2e-5)
     if s > window:
