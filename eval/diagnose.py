@@ -17,6 +17,11 @@ small table; each takes under a minute on CPU.
           teacher: AUC of the facts against the other binding values for the best delayed feature
           a [k; v] scorer could compute by matching (max cosine of a token's key, or value, with
           those of the w tokens after it) next to the attention-free insertion-time baseline (0.5)
+  learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
+          (`--scorer` mlstm or mlp, s, w of the flags) on one layer / KV head of the dense teacher
+          with the answer given directly: balanced logistic loss, marked facts 1 vs the other
+          binding values 0, on train-split problems; prints the AUC on validation problems as it
+          goes. A diagnosis, not a training method: KVpop never sees these labels.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from demo.task import TASKS, generate_dataset
 from eval.recall import policy_arrays
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import kept_long_range
 from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
+from kvpop_jax.scorers import make_scorer
 
 
 def project_qkv(config, params, ids_BxS, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -222,7 +230,71 @@ def probe(args) -> None:
         print(f"  {name:5s}:", (value / len(problems)).round(3).tolist())
 
 
-DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe}
+def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, sinks: int, window: int):
+    """k, v [N, S, 1, D] of one KV head, labels y (marked facts) and candidates m (binding values
+    eligible at the last prompt token) [N, S]."""
+    ks, vs, ys, ms = [], [], [], []
+    for ex in problems:
+        ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
+        _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer)
+        last = len(ids) - 1
+        y, m = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+        m[[p for p in ex["meta"]["binding_value_positions"] if sinks <= p <= last - window]] = 1
+        y[[f["value_pos"] for f in ex["meta"]["facts"]]] = 1
+        ks.append(k[0, :, kv_head:kv_head + 1]), vs.append(v[0, :, kv_head:kv_head + 1])
+        ys.append(y), ms.append(np.maximum(m, y))
+    return jnp.stack(ks), jnp.stack(vs), jnp.asarray(np.stack(ys)), jnp.asarray(np.stack(ms))
+
+
+def learn(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    data = {split: _learn_data(config, params, tokenizer,
+                               generate_dataset(n, args.seed, split, task=args.task, seq_len=args.prompt_len),
+                               args.layer, args.kv_head, args.sinks, args.window)
+            for split, n in (("train", args.problems), ("validation", max(8, args.problems // 2)))}
+    kv = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
+                     scorer=args.scorer)
+    scorer = make_scorer(kv, 1, config.head_dim)
+    k_tr, v_tr, y_tr, m_tr = data["train"]
+    weights = scorer.init(jax.random.key(args.seed), k_tr[:1], v_tr[:1])
+    tx = optax.adam(1e-2)
+    opt = tx.init(weights)
+
+    def loss_fn(w, k, v, y, m):
+        logits = scorer.apply(w, k, v)[:, 0]
+        balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
+        return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
+
+    @jax.jit
+    def step(w, opt, i):
+        idx = (jnp.arange(8) + 8 * i) % k_tr.shape[0]
+        loss, g = jax.value_and_grad(loss_fn)(w, k_tr[idx], v_tr[idx], y_tr[idx], m_tr[idx])
+        updates, opt = tx.update(g, opt, w)
+        return optax.apply_updates(w, updates), opt, loss
+
+    def auc(w, split) -> float:  # ties count 1/2 (a fresh mLSTM scores every token alike)
+        k, v, y, m = data[split]
+        scores, y, m = np.asarray(scorer.apply(w, k, v))[:, 0], np.asarray(y) > 0, np.asarray(m) > 0
+        per = []
+        for s_, y_, m_ in zip(scores, y, m):
+            diff = s_[y_][:, None] - s_[m_ & ~y_][None, :]
+            per.append(np.mean((diff > 0) + 0.5 * (diff == 0)))
+        return float(np.mean(per))
+
+    print(f"{args.scorer} scorer on layer {args.layer}, KV head {args.kv_head} of {args.teacher}, told which "
+          f"binding values are marked ({args.task}, {args.problems} train problems): AUC of the marked facts "
+          "against the other eligible binding values")
+    for i in range(args.steps + 1):
+        if i % max(1, args.steps // 4) == 0:
+            print(f"  step {i:4d}: train {auc(weights, 'train'):.3f}, validation {auc(weights, 'validation'):.3f}",
+                  flush=True)
+        if i < args.steps:
+            weights, opt, _ = step(weights, opt, i)
+
+
+DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
+               "learn": learn}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -236,10 +308,12 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt_len", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=123, help="B at which keep sets are measured")
-    parser.add_argument("--sinks", type=int, default=4, help="maxtgt: s")
-    parser.add_argument("--window", type=int, default=32, help="maxtgt: w")
-    parser.add_argument("--layer", type=int, default=1, help="maxtgt: the layer")
-    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt: the KV head")
+    parser.add_argument("--sinks", type=int, default=4, help="maxtgt, learn: s")
+    parser.add_argument("--window", type=int, default=32, help="maxtgt, learn: w")
+    parser.add_argument("--layer", type=int, default=1, help="maxtgt, learn: the layer")
+    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn: the KV head")
+    parser.add_argument("--scorer", default="mlstm", choices=["mlstm", "mlp"], help="learn: the scorer")
+    parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]
     DIAGNOSTICS[args.what](args)

@@ -29,3 +29,30 @@ def test_auc_counts_pairs_ranked_right(rng):
     needed, others = [0, 3, 5], [1, 2, 4, 6, 7, 8, 9, 10, 11]
     brute = np.mean([ranks[0, n] < ranks[0, o] for n in needed for o in others])
     np.testing.assert_allclose(_auc(ranks, needed, others)[0], brute)
+
+
+def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys):
+    """`diagnose learn`'s data: y marks exactly the marked facts' value tokens, m the binding values
+    eligible at the last prompt token (facts included); the run prints one AUC line per checkpoint."""
+    import argparse
+
+    from demo.task import generate_dataset
+    from eval.diagnose import _learn_data, learn
+    from kvpop_jax import load_pretrained
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+
+    teacher = "checkpoints/demo-teacher"
+    config, params = load_pretrained(teacher)
+    problems = generate_dataset(2, 5, "train", task="reuse", seq_len=1024)
+    k, v, y, m = _learn_data(config, params, checkpoint_tokenizer(teacher), problems, 1, 0, 4, 32)
+    assert k.shape == v.shape == (2, 1024, 1, config.head_dim) and y.shape == m.shape == (2, 1024)
+    for i, ex in enumerate(problems):
+        assert set(np.nonzero(np.asarray(y[i]))[0]) == {f["value_pos"] for f in ex["meta"]["facts"]}
+        eligible = {p for p in ex["meta"]["binding_value_positions"] if 4 <= p <= 1023 - 32}
+        assert set(np.nonzero(np.asarray(m[i]))[0]) == eligible | {f["value_pos"] for f in ex["meta"]["facts"]}
+    args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1, kv_head=0,
+                              sinks=4, window=32, budget=123, scorer="mlp", steps=4)
+    learn(args)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
+    assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
+    assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
