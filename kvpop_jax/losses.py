@@ -31,6 +31,22 @@ def _gather_t(x: jax.Array, t: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, jnp.clip(t, 0, x.shape[2] - 1), axis=2)
 
 
+def _decayed_diffs(scores, target_scores, log_gamma, t_a, t_b) -> tuple[jax.Array, jax.Array]:
+    """Student and target differences of tokens t_a over t_b [B, H, N] on the decayed scores of Eq. 5
+    (n = 1): r_a − r_b + (t_b − t_a) log γ_h; log γ gets its gradient through the student's only.
+    scores, target_scores float32 [B, H, S]; log_gamma float32 broadcastable to [B, H, 1]."""
+    age_gap = (t_b - t_a).astype(jnp.float32)  # (q − t_a) − (q − t_b)
+    diff = _gather_t(scores, t_a) - _gather_t(scores, t_b) + age_gap * log_gamma
+    target_diff = _gather_t(target_scores, t_a) - _gather_t(target_scores, t_b)
+    return diff, target_diff + age_gap * jax.lax.stop_gradient(log_gamma)
+
+
+def _as_head_column(log_gamma) -> jax.Array:
+    """log γ as float32, [H] -> [1, H, 1] (other shapes must already broadcast to [B, H, N])."""
+    log_gamma = jnp.asarray(log_gamma, jnp.float32)
+    return log_gamma[None, :, None] if log_gamma.ndim == 1 else log_gamma
+
+
 def boundary_weights(
     target_margin: jax.Array,
     y: jax.Array,
@@ -125,9 +141,7 @@ def retention_loss(
         raise ValueError(f"q_idx must be [B, Nq] or [B, H, Nq] with B, H = {scores.shape[:2]}, got {q_idx.shape}")
     scores = scores.astype(jnp.float32)
     target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
-    log_gamma = jnp.asarray(log_gamma, jnp.float32)
-    if log_gamma.ndim == 1:
-        log_gamma = log_gamma[None, :, None]
+    log_gamma = _as_head_column(log_gamma)
 
     t_new = _gather_q(boundary.t_new, q_idx)
     t_bnd = _gather_q(boundary.t_bnd, q_idx)
@@ -135,11 +149,7 @@ def retention_loss(
     valid = _gather_q(boundary.valid, q_idx).astype(bool)
     valid &= (t_new >= 0) & (t_bnd >= 0)  # an invalid index never reaches the loss
     y = jnp.where(valid, y, 1.0)
-    age_gap = (t_bnd - t_new).astype(jnp.float32)  # (q − t_new) − (q − t_bnd), Eq. 5 with n = 1
-
-    diff = _gather_t(scores, t_new) - _gather_t(scores, t_bnd) + age_gap * log_gamma
-    target_diff = _gather_t(target_scores, t_new) - _gather_t(target_scores, t_bnd)
-    target_diff = target_diff + age_gap * jax.lax.stop_gradient(log_gamma)
+    diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_bnd)
     weights = boundary_weights(
         y * target_diff,  # Eq. 22
         y,
@@ -227,18 +237,13 @@ def pairwise_rank_loss(
     """
     scores = scores.astype(jnp.float32)
     target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
-    log_gamma = jnp.asarray(log_gamma, jnp.float32)
-    if log_gamma.ndim == 1:
-        log_gamma = log_gamma[None, :, None]
+    log_gamma = _as_head_column(log_gamma)
     b, h, _ = scores.shape
     nq, m = partners.shape[1], partners.shape[2]
     t_new = jnp.broadcast_to((q_idx - window)[:, None, :, None], (b, h, nq, m)).reshape(b, h, nq * m)
     t_pair = jnp.broadcast_to(partners[:, None], (b, h, nq, m)).reshape(b, h, nq * m)
     valid = (t_pair >= 0) & (t_new > t_pair)
-    age_gap = (t_pair - t_new).astype(jnp.float32)
-    diff = _gather_t(scores, t_new) - _gather_t(scores, t_pair) + age_gap * log_gamma
-    target_diff = _gather_t(target_scores, t_new) - _gather_t(target_scores, t_pair)
-    target_diff = target_diff + age_gap * jax.lax.stop_gradient(log_gamma)
+    diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_pair)
     validf = valid.astype(jnp.float32)
     w = validf
     if margin_weighting:
