@@ -251,7 +251,7 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
@@ -308,11 +308,6 @@ class KVpopConfig:
         if self.retention_labels not in RETENTION_LABELS:
             raise ValueError(f"KVpopConfig.retention_labels must be one of {RETENTION_LABELS}, "
                              f"got {self.retention_labels!r}")
-        if not isinstance(self.rank_pairs, int) or isinstance(self.rank_pairs, bool) or self.rank_pairs < 0:
-            raise ValueError(f"KVpopConfig.rank_pairs must be an int >= 0, got {self.rank_pairs!r}")
-        if not isinstance(self.target_head_samples, int) or isinstance(self.target_head_samples, bool) \
-                or self.target_head_samples < 0:
-            raise ValueError(f"KVpopConfig.target_head_samples must be an int >= 0, got {self.target_head_samples!r}")
         if not 0.0 <= self.late_bias_fraction <= 1.0:
             raise ValueError(f"KVpopConfig.late_bias_fraction must be in [0, 1], got {self.late_bias_fraction!r}")
 

@@ -244,12 +244,10 @@ def pairwise_rank_loss(
     t_pair = jnp.broadcast_to(partners[:, None], (b, h, nq, m)).reshape(b, h, nq * m)
     valid = (t_pair >= 0) & (t_new > t_pair)
     diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_pair)
-    validf = valid.astype(jnp.float32)
-    w = validf
-    if margin_weighting:
-        w = w * (omega_min + (1.0 - omega_min) * jax.nn.sigmoid(jnp.abs(target_diff) / tau_omega))
-    w = jax.lax.stop_gradient(w / jnp.maximum(w.sum() / jnp.maximum(validf.sum(), 1.0), 1e-12))
-    denom = jnp.maximum(validf.sum(), 1.0)
+    w = boundary_weights(jnp.abs(target_diff), jnp.ones_like(target_diff), valid, margin_weighting=margin_weighting,
+                         omega_min=omega_min, tau_omega=tau_omega, balance_weighting=False, balance_min=1.0,
+                         balance_max=1.0)  # Eq. 23 on |Δ_tgt| (a pair has no keep/drop side to balance)
+    denom = jnp.maximum(valid.astype(jnp.float32).sum(), 1.0)
     loss = jnp.sum(jnp.where(valid, w * _soft_pair_kl(diff, target_diff, temperature), 0.0)) / denom
     agree = valid & (diff * target_diff > 0)
     return loss, {"pair_accuracy": jax.lax.stop_gradient(jnp.sum(agree.astype(jnp.float32)) / denom)}

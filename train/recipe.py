@@ -20,7 +20,8 @@ The variants read the same rows in the same order, so the frozen teacher's top-k
 same for all of them: when they fit in `SHARED_TEACHER_MAX_BYTES` (the demo: 126 MB), the
 teacher runs once over the training batches (`train.teacher_cache`, files checked against each
 row) and every variant distills from those files instead of running the teacher at every step
-(about 0.15 s of a 0.8 s demo step). Larger recipes run the teacher inline as before.
+(about 0.4 s of a 0.8 s demo step: the teacher's dense S x S forward). Larger recipes run the
+teacher inline as before.
 
 Decoding is greedy (one rollout per problem), so the tables are deterministic. The dense
 checkpoint serves dense, StreamingLLM, TOVA and H2O; the variants are decoded with their
