@@ -190,6 +190,7 @@ AGGREGATIONS = ("max", "mean")
 NORMALIZERS = ("sparse", "dense")
 TARGET_REDUCTIONS = ("sum", "max")
 RETENTION_LABELS = ("hard", "soft")
+SCORER_KEYS = ("rotated", "unrotated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +211,9 @@ class KVpopConfig:
     topk: int = 2016  # k, long-range budget
     scorer: str = "mlp"  # linear | mlp | mlstm
     scorer_hidden: int = 64  # MLP hidden width per KV head
+    # the keys a scorer reads: rotated (the cached keys as the attention uses them, RoPE applied; the
+    # paper's [k; v]) | unrotated (RoPE undone: no absolute position for the scorer to learn, not in the paper)
+    scorer_keys: str = "rotated"
     mlstm_dim: int | None = None  # d, feature dim of q~/k~ per head; None: head_dim (App. A)
     mlstm_feature_map: str = "hedgehog"  # hedgehog ([softmax(x); softmax(-x)] of a d/2 projection) | softmax
     mlstm_value: str = "projection"  # v~: projection (2D -> d/2, Eq. 37) | cached (v itself, E.5)
@@ -238,6 +242,9 @@ class KVpopConfig:
     target_lookahead: int | None = None  # L: only queries t + w <= d <= t + w + L count, N_t <= L + 1 (B.2)
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
+    # sampled queries q <= S - 1 - query_horizon: the newly eligible token's target then averages at
+    # least query_horizon + 1 future queries (0: the paper, up to the last token; not in the paper)
+    query_horizon: int = 0
     rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
@@ -251,7 +258,7 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "query_horizon"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
@@ -305,6 +312,8 @@ class KVpopConfig:
             raise ValueError(
                 f"KVpopConfig needs 0 < balance_min <= balance_max, got {self.balance_min!r}, {self.balance_max!r}"
             )
+        if self.scorer_keys not in SCORER_KEYS:
+            raise ValueError(f"KVpopConfig.scorer_keys must be one of {SCORER_KEYS}, got {self.scorer_keys!r}")
         if self.retention_labels not in RETENTION_LABELS:
             raise ValueError(f"KVpopConfig.retention_labels must be one of {RETENTION_LABELS}, "
                              f"got {self.retention_labels!r}")
@@ -354,6 +363,11 @@ class KVpopConfig:
             raise ValueError(
                 f"sequence length {seq_len} must exceed the KVpop budget B = s + w + k = "
                 f"{self.sinks} + {self.window} + {self.topk} = {self.budget}; nothing would be evicted"
+            )
+        if self.topk > 0 and seq_len - self.query_horizon <= self.budget:
+            raise ValueError(
+                f"sequence length {seq_len} minus query_horizon {self.query_horizon} must exceed the KVpop "
+                f"budget B = {self.budget}: no saturated query position is left to sample"
             )
 
     @staticmethod

@@ -26,6 +26,7 @@ from kvpop_jax import attention as attn_lib
 from kvpop_jax import cache as cache_lib
 from kvpop_jax import losses, policy, targets
 from kvpop_jax.config import KVpopConfig
+from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer, mlstm_step
 from pallas_kernels.common import NEG_INF
 
@@ -33,13 +34,21 @@ RECALL_QUERIES = 32  # sampled positions the recall metric looks at (it is O(S) 
 
 
 class KVpopHead(nn.Module):
-    """Scorer and learned decay of one layer (Eq. 21, Section 3.3)."""
+    """Scorer and learned decay of one layer (Eq. 21, Section 3.3).
+
+    The scorer reads the layer's keys as cached (RoPE applied) or, with
+    `config.scorer_keys == "unrotated"`, with the rotation undone by `rope_theta` (the model's).
+    """
 
     config: KVpopConfig
     num_kv_heads: int
     head_dim: int
+    rope_theta: float | None = None
 
     def setup(self):
+        if self.config.scorer_keys == "unrotated" and self.rope_theta is None:
+            raise ValueError("KVpopConfig.scorer_keys='unrotated' needs the model's rope_theta "
+                             "(KVpopHead(..., rope_theta=config.rope_theta))")
         self.scorer = make_scorer(self.config, self.num_kv_heads, self.head_dim)
         # α = 0 puts log γ halfway between log γ_min and log γ_max.
         self.decay_alpha = self.param("decay_alpha", nn.initializers.zeros, (self.num_kv_heads,), jnp.float32)
@@ -49,9 +58,19 @@ class KVpopHead(nn.Module):
         c = self.config
         return policy.decay_log_gamma(self.decay_alpha, gamma_min=c.gamma_min, gamma_max=c.gamma_max)
 
-    def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """k, v [B, S, Hkv, D] -> raw scores [B, Hkv, S] float32 and log γ [Hkv]."""
-        return self.scorer(k, v).astype(jnp.float32), self.log_gamma()
+    def scorer_keys(self, k: jax.Array, positions=None) -> jax.Array:
+        """The keys the scorer reads: k [B, S, Hkv, D] rotated at `positions` (int, broadcastable
+        to [B, S]; None: 0..S-1) as they are, or unrotated (`config.scorer_keys`)."""
+        if self.config.scorer_keys == "rotated":
+            return k
+        if positions is None:
+            positions = jnp.arange(k.shape[1])[None]
+        return unrotate(k, positions, self.rope_theta)
+
+    def __call__(self, k: jax.Array, v: jax.Array, positions=None) -> tuple[jax.Array, jax.Array]:
+        """k, v [B, S, Hkv, D] (k rotated at `positions`, None: 0..S-1) -> raw scores [B, Hkv, S]
+        float32 and log γ [Hkv]."""
+        return self.scorer(self.scorer_keys(k, positions), v).astype(jnp.float32), self.log_gamma()
 
     # -- decoding with the bounded cache (cache.py) ------------------------------------
 
@@ -77,12 +96,12 @@ class KVpopHead(nn.Module):
         return out, self.prefill_cache(k, v, scores, log_gamma), aux
 
     def prefill_cache(self, k, v, scores, log_gamma) -> cache_lib.KVpopLayerCache:
-        """Cache after a prefill of P tokens. k, v [B, P, Hkv, D]; scores [B, Hkv, P]."""
+        """Cache after a prefill of P tokens at positions 0..P-1. k, v [B, P, Hkv, D]; scores [B, Hkv, P]."""
         p = k.shape[1]
         priority = policy.static_priority(scores, log_gamma)
         state, known = None, None
         if self.is_mlstm:
-            _, kk, vv, i_pre, log_f = self.scorer.features(k, v)  # [B, P, H, ...]
+            _, kk, vv, i_pre, log_f = self.scorer.features(self.scorer_keys(k), v)  # [B, P, H, ...]
             step = lambda st, xs: (mlstm_step(st, *xs), None)  # noqa: E731
             xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
             state, _ = jax.lax.scan(step, self.init_scorer_state(k.shape[0]), xs)
@@ -100,15 +119,16 @@ class KVpopHead(nn.Module):
         k_t, v_t = k_tok[:, 0], v_tok[:, 0]  # [B, H, D]
         b, h = k_t.shape[:2]
         state = lc.scorer_state
+        ks_t = self.scorer_keys(k_tok, position)[:, 0]  # what the scorer reads (k_t is what is cached)
         if self.is_mlstm:
-            state = self.scorer.step(state, k_t, v_t)
+            state = self.scorer.step(state, ks_t, v_t)
         if self.delayed:
             prio_t = jnp.full((b, h), NEG_INF, jnp.float32)
         else:
             if self.is_mlstm:
-                score_t = self.scorer.readout(state, k_t, v_t)
+                score_t = self.scorer.readout(state, ks_t, v_t)
             else:
-                score_t = self.scorer(k_t[:, None], v_t[:, None])[:, :, 0]
+                score_t = self.scorer(ks_t[:, None], v_t[:, None])[:, :, 0]
             prio_t = cache_lib.static_priority_at(score_t, log_gamma, position)
         slot = cache_lib.ring_slot(position, kv)
         if kv.topk > 0:
@@ -116,7 +136,8 @@ class KVpopHead(nn.Module):
             leaving = jnp.broadcast_to(u >= kv.sinks, (b, h))
             k_u, v_u = lc.k[:, :, slot], lc.v[:, :, slot]
             if self.delayed:
-                prio_u = cache_lib.static_priority_at(self.scorer.readout(state, k_u, v_u), log_gamma, u)
+                ks_u = self.scorer_keys(k_u[:, None], u)[:, 0]
+                prio_u = cache_lib.static_priority_at(self.scorer.readout(state, ks_u, v_u), log_gamma, u)
             else:
                 prio_u = lc.priority[:, :, slot]
             lc = cache_lib.admit_to_long_range(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u, leaving, kv)

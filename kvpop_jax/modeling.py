@@ -35,6 +35,7 @@ from kvpop_jax.cache import Cache
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.dms import DMS_SUBTREE, DMSGate, dms_layer_attention
 from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
+from kvpop_jax.rope import apply_rope, rope_cos_sin
 
 Dtype = Any
 
@@ -94,23 +95,6 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """positions int [B, S] -> cos, sin float32 [B, S, D] (HF layout: two halves repeated)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [B, S, H, D]; cos, sin [B, S, D]."""
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
-
-
 class Attention(nn.Module):
     config: Qwen3Config
     dtype: Dtype = jnp.float32
@@ -128,7 +112,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
         if c.kvpop is not None:
-            self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim, name=KVPOP_SUBTREE)
+            self.kvpop = KVpopHead(c.kvpop, c.num_key_value_heads, c.head_dim, rope_theta=c.rope_theta,
+                                   name=KVPOP_SUBTREE)
         if c.dms is not None:
             self.dms = DMSGate(c.dms, c.num_key_value_heads, c.head_dim, name=DMS_SUBTREE)
 
@@ -170,7 +155,7 @@ class Attention(nn.Module):
             out, aux = dms_layer_attention(q, k, v, g, c.dms, noise=noise, return_policy=return_policy)
             return self.o_proj(out), None, aux
         if policy is not None:
-            scores, log_gamma = policy(k, v)
+            scores, log_gamma = policy(k, v, positions)
             out, aux = kvpop_layer_attention(
                 q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, return_policy=return_policy
             )
@@ -386,7 +371,8 @@ def retrofit_params(config: Qwen3Config, base_params: dict, rng: jax.Array) -> d
     small per-layer heads are initialized (layer i uses `fold_in(rng, i)`).
     """
     if config.kvpop is not None:
-        head, subtree = KVpopHead(config.kvpop, config.num_key_value_heads, config.head_dim), KVPOP_SUBTREE
+        head = KVpopHead(config.kvpop, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
+        subtree = KVPOP_SUBTREE
     elif config.dms is not None:
         head, subtree = DMSGate(config.dms, config.num_key_value_heads, config.head_dim), DMS_SUBTREE
     else:

@@ -118,13 +118,13 @@ class KVpopLayer(CacheLayerMixin):
         """The masked parallel forward's mask over the prompt, and the cache after its last token."""
         s, w, topk = self.settings.sinks, self.settings.window, self.settings.topk
         b, h, p, _ = k.shape
-        k_bshd, v_bshd = k.transpose(1, 2), v.transpose(1, 2)
+        t = torch.arange(p, device=k.device)
+        k_bshd, v_bshd = self.head.scorer_keys(k.transpose(1, 2), t[None]), v.transpose(1, 2)
         scorer = self.head.scorer
         if self.settings.scorer == "mlstm":
             scores, self.state = scorer.scores_and_state(k_bshd, v_bshd)
         else:
             scores = scorer(k_bshd, v_bshd)
-        t = torch.arange(p, device=k.device)
         priority = static_priority(scores, self.head.log_gamma(), t)
         last_kept = policy.last_kept_query(policy.ranks_from_priority(priority), sinks=s, window=w, topk=topk)
         mask = KVpopMask(prefill_last_kept=last_kept, sinks=s, window=w)
@@ -156,20 +156,22 @@ class KVpopLayer(CacheLayerMixin):
         k_t, v_t = k[:, :, 0], v[:, :, 0]  # [B, H, D]
         log_gamma = self.head.log_gamma()
         at = lambda pos: torch.tensor(pos, device=k.device)  # noqa: E731
+        ks_t = self.head.scorer_keys(k_t[:, None], at(q))[:, 0]  # what the scorer reads (k_t is cached)
         if cfg.scorer == "mlstm":
-            self.state = scorer.step(self.state, k_t, v_t)
+            self.state = scorer.step(self.state, ks_t, v_t)
         if cfg.delayed:
             prio_t = torch.full(k_t.shape[:2], policy.NEG_INF, device=k.device)
         else:
-            score_t = scorer.readout(self.state, k_t, v_t) if cfg.scorer == "mlstm" else \
-                scorer(k_t[:, None], v_t[:, None])[:, :, 0]
+            score_t = scorer.readout(self.state, ks_t, v_t) if cfg.scorer == "mlstm" else \
+                scorer(ks_t[:, None], v_t[:, None])[:, :, 0]
             prio_t = static_priority(score_t[..., None], log_gamma, at(q))[..., 0]
         slot = ring_slot(q, cfg)
         u = q - cfg.window  # leaves the window now: the token in the ring slot q takes
         if cfg.topk > 0 and u >= cfg.sinks:
             k_u, v_u = self.keys[:, :, slot], self.values[:, :, slot]
             if cfg.delayed:
-                prio_u = static_priority(scorer.readout(self.state, k_u, v_u)[..., None], log_gamma, at(u))[..., 0]
+                ks_u = self.head.scorer_keys(k_u[:, None], at(u))[:, 0]
+                prio_u = static_priority(scorer.readout(self.state, ks_u, v_u)[..., None], log_gamma, at(u))[..., 0]
             else:
                 prio_u = self.priority[:, :, slot]
             self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; _admit writes only long-range slots

@@ -44,6 +44,7 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
     settings = KVpopSettings.from_dict(config["kvpop"])
     heads_kv = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
     files = weight_files(directory)
     heads = []
     for i in range(config["num_hidden_layers"]):
@@ -52,7 +53,7 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         for name in (n for n in files if n.startswith(prefix)):
             with safe_open(files[name], framework="pt") as f:
                 state[name[len(prefix):]] = f.get_tensor(name)
-        head = KVpopHead(settings, heads_kv, head_dim)
+        head = KVpopHead(settings, heads_kv, head_dim, rope_theta=rope_theta)
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"layer {i} of {os.fspath(directory)!r}: missing KVpop tensors "

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 SCORERS = ("linear", "mlp", "mlstm")
 FEATURE_MAPS = ("hedgehog", "softmax")
 MLSTM_VALUES = ("projection", "cached")
+SCORER_KEYS = ("rotated", "unrotated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class KVpopSettings:
     topk: int = 2016  # k
     scorer: str = "mlp"  # linear | mlp | mlstm
     scorer_hidden: int = 64
+    scorer_keys: str = "rotated"  # rotated (cached keys) | unrotated (RoPE undone before the scorer)
     mlstm_dim: int | None = None  # d; None: head_dim
     mlstm_feature_map: str = "hedgehog"
     mlstm_value: str = "projection"
@@ -50,7 +52,7 @@ class KVpopSettings:
         if self.window < 1:
             raise ValueError(f"kvpop.window must be >= 1, got {self.window}")
         for name, allowed in (("scorer", SCORERS), ("mlstm_feature_map", FEATURE_MAPS),
-                              ("mlstm_value", MLSTM_VALUES)):
+                              ("mlstm_value", MLSTM_VALUES), ("scorer_keys", SCORER_KEYS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"kvpop.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.decay_step != 1:

@@ -1,7 +1,7 @@
 """The KVpop scorers in torch: linear, MLP and mLSTM, the same math as `kvpop_jax/scorers.py`.
 
 Every scorer reads one layer's cached keys and values `k, v [B, S, Hkv, D]` (after RoPE, as
-cached), forms `x = [k; v]` per KV head in float32 and returns raw scores `[B, Hkv, S]` in
+cached, or with the rotation undone: `KVpopHead.scorer_keys`), forms `x = [k; v]` per KV head in float32 and returns raw scores `[B, Hkv, S]` in
 float32. Parameters keep the export's names and shapes (one matrix per KV head, leading
 `Hkv` axis), so `KVpopHead.load_state_dict` takes the tensors saved as
 `model.layers.{i}.self_attn.kvpop.<name>` with the prefix stripped.
@@ -248,14 +248,39 @@ class MLSTMScorer(nn.Module):
 SCORER_CLASSES = {"linear": LinearScorer, "mlp": MLPScorer, "mlstm": MLSTMScorer}
 
 
-class KVpopHead(nn.Module):
-    """One layer's scorer and decay parameter α per KV head (`self_attn.kvpop` of the export)."""
+def unrotate(k: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Undoes rotate-half RoPE (`kvpop_jax.rope.unrotate`): k [B, S, Hkv, D] rotated at positions
+    (int, broadcastable to [B, S]) -> float32, the key before its rotation."""
+    d = k.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=k.device) / d))
+    freqs = positions.to(device=k.device, dtype=torch.float32)[..., None] * inv_freq  # [B, S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [B, S, 1, D]
+    x = k.float()
+    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * torch.cos(emb) - rotated * torch.sin(emb)
 
-    def __init__(self, settings: KVpopSettings, num_kv_heads: int, head_dim: int):
+
+class KVpopHead(nn.Module):
+    """One layer's scorer and decay parameter α per KV head (`self_attn.kvpop` of the export).
+
+    `rope_theta` (the model's) is needed when the scorer reads unrotated keys (`settings.scorer_keys`).
+    """
+
+    def __init__(self, settings: KVpopSettings, num_kv_heads: int, head_dim: int, rope_theta: float | None = None):
         super().__init__()
-        self.settings = settings
+        if settings.scorer_keys == "unrotated" and rope_theta is None:
+            raise ValueError("kvpop.scorer_keys='unrotated' needs the model's rope_theta (config.json has none)")
+        self.settings, self.rope_theta = settings, rope_theta
         self.scorer = SCORER_CLASSES[settings.scorer](settings, num_kv_heads, head_dim)
         self.decay_alpha = _param(num_kv_heads)
+
+    def scorer_keys(self, k: torch.Tensor, positions) -> torch.Tensor:
+        """The keys the scorer reads: k [B, S, Hkv, D] (rotated at `positions`, int broadcastable to
+        [B, S]) as cached, or unrotated."""
+        if self.settings.scorer_keys == "rotated":
+            return k
+        positions = torch.as_tensor(positions, device=k.device).expand(k.shape[0], k.shape[1])
+        return unrotate(k, positions, self.rope_theta)
 
     def log_gamma(self) -> torch.Tensor:
         """log γ_h = log γ_min + sigmoid(α_h) (log γ_max − log γ_min), float32 [Hkv] (Eq. 21)."""

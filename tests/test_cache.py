@@ -77,6 +77,23 @@ def test_non_delayed_mlstm_decodes_too(rng):
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scorer,delayed", [("mlp", True), ("mlstm", True), ("mlstm", False)])
+def test_unrotated_scorer_keys_decode_equals_masked_forward(rng, scorer, delayed):
+    """scorer_keys="unrotated": the scorers read each key with its RoPE undone at its own position,
+    in the parallel forward, the prefill and every decode step alike."""
+    kv = KVpopConfig(sinks=1, window=4, topk=6, scorer=scorer, mlstm_chunk=8, delayed_readout=delayed,
+                     scorer_keys="unrotated")
+    model, params = kvpop_model(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 36)))
+    full = model.apply({"params": params}, ids).logits
+    for prompt_len in (5, 20):
+        decoded, _ = teacher_forced(model, params, ids, prompt_len)
+        np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
+    # The option changes the model: the same parameters reading rotated keys evict differently.
+    rotated = Qwen3ForCausalLM(dataclasses.replace(BASE, kvpop=dataclasses.replace(kv, scorer_keys="rotated")))
+    assert np.abs(np.asarray(rotated.apply({"params": params}, ids).logits - full)).max() > 1e-3
+
+
 def test_cache_memory_is_constant(rng):
     kv = KVpopConfig(sinks=2, window=4, topk=5, scorer="mlstm", mlstm_chunk=8)
     model, params = kvpop_model(kv, rng)
@@ -92,6 +109,7 @@ def test_cache_memory_is_constant(rng):
 @pytest.mark.parametrize("options", [
     dict(mlstm_feature_map="softmax", mlstm_value="cached", mlstm_norm=True),
     dict(mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_init="random", mlstm_dim=8),
+    dict(scorer_keys="unrotated", mlstm_skip=True),
 ])
 def test_mlstm_variants_decode_equals_masked_forward(rng, options):
     """Every App. E.5 option keeps the key invariant (prompt shorter than B, then longer)."""

@@ -299,3 +299,56 @@ def test_state_slots_and_memory_matched_topk():
         KVpopConfig(mlstm_feature_map="relu")
     with pytest.raises(ValueError, match="mlstm_gate_softcap"):
         KVpopConfig(mlstm_gate_softcap=-1.0)
+
+
+def test_unrotate_inverts_rope_against_numpy(rng):
+    """rope.unrotate undoes the attention's rotation at each key's position (a numpy rotation by
+    -position per frequency pair), for fresh random keys and positions."""
+    from kvpop_jax.rope import apply_rope, rope_cos_sin, unrotate
+
+    b, s, h, d, theta = 2, 7, 3, 16, 10_000.0
+    x = rng.normal(size=(b, s, h, d)).astype(np.float32)
+    pos = rng.integers(0, 5000, size=(b, s))
+    cos, sin = rope_cos_sin(jnp.asarray(pos), d, theta)
+    rotated = apply_rope(jnp.asarray(x), cos, sin)
+    np.testing.assert_allclose(np.asarray(unrotate(rotated, pos, theta)), x, atol=2e-5, rtol=0)
+    # numpy: pair (i, i + d/2) rotated by -pos * theta^(-2i/d)
+    ang = -pos[..., None] * theta ** (-np.arange(0, d, 2) / d)  # [b, s, d/2]
+    r = np.asarray(rotated, np.float64)
+    lo, hi = r[..., : d // 2], r[..., d // 2:]
+    c, sn = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    ref = np.concatenate([lo * c - hi * sn, hi * c + lo * sn], -1)
+    # float32 angles (pos * freq, pos < 5000) against float64 ones: ~1e-4 apart; a wrong sign or pair is O(1)
+    np.testing.assert_allclose(np.asarray(unrotate(rotated, pos, theta)), ref, atol=5e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlstm"])
+def test_unrotated_scorer_keys_are_position_free(rng, kind):
+    """With scorer_keys="unrotated" a KVpop head's scores of a sequence do not depend on where it
+    starts (the attention is shift-invariant under RoPE, so only the scorer could see absolute
+    position); with the cached, rotated keys they do."""
+    from kvpop_jax.kvpop import KVpopHead
+    from kvpop_jax.rope import apply_rope, rope_cos_sin
+
+    s, theta = 24, 10_000.0
+    pre, v = _kv(rng, s)
+    scores = {}
+    variables = _randomized(KVpopHead(_config(scorer=kind), H, D, rope_theta=theta), rng, pre, v)
+    for keys in ("rotated", "unrotated"):
+        head = KVpopHead(_config(scorer=kind, scorer_keys=keys), H, D, rope_theta=theta)
+        for offset in (0, 700):
+            pos = jnp.arange(s)[None] + offset
+            k = apply_rope(pre, *rope_cos_sin(jnp.broadcast_to(pos, (B, s)), D, theta))
+            scores[keys, offset] = np.asarray(head.apply(variables, k, v, pos)[0])
+    np.testing.assert_allclose(scores["unrotated", 0], scores["unrotated", 700], atol=1e-4, rtol=0)
+    assert np.abs(scores["rotated", 0] - scores["rotated", 700]).max() > 1e-2
+
+
+def test_unrotated_scorer_keys_need_rope_theta():
+    from kvpop_jax.kvpop import KVpopHead
+
+    k = jnp.zeros((1, 4, H, D))
+    with pytest.raises(ValueError, match="rope_theta"):
+        KVpopHead(_config(scorer_keys="unrotated"), H, D).init(jax.random.key(0), k, k)
+    with pytest.raises(ValueError, match="scorer_keys must be one of"):
+        _config(scorer_keys="pre_rope")

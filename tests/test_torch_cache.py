@@ -38,6 +38,8 @@ CASES = [
     (Qwen3Config(**TINY_HF_CONFIGS["g4_bias"]),  # GQA 4, attention biases, 3 layers
      dict(scorer="mlstm", sinks=2, window=4, topk=6, mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_dim=8,
           mlstm_init="random"), (5, 20)),
+    (BASE, dict(scorer="mlstm", sinks=2, window=4, topk=5, scorer_keys="unrotated"), (3, 25)),  # RoPE undone
+    (BASE, dict(scorer="mlp", sinks=1, window=3, topk=8, scorer_keys="unrotated"), (5, 30)),
 ]
 
 

@@ -46,6 +46,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     try:
         kvpop = KVpopConfig(
             sinks=f.sinks, window=f.window, topk=f.topk, scorer=f.scorer, scorer_hidden=f.scorer_hidden,
+            scorer_keys=f.scorer_keys,
             mlstm_dim=f.mlstm_dim, mlstm_feature_map=f.mlstm_feature_map, mlstm_value=f.mlstm_value,
             mlstm_skip=f.mlstm_skip, mlstm_norm=f.mlstm_norm, mlstm_init=f.mlstm_init,
             mlstm_gate_softcap=f.mlstm_gate_softcap, target_lookahead=f.target_lookahead,
@@ -55,6 +56,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             balance_weighting=f.balance_weighting, normalizer=f.normalizer, aggregate=f.aggregate,
             target_reduce=f.target_reduce,
             num_query_samples=f.num_query_samples, late_bias_fraction=f.late_bias_fraction,
+            query_horizon=f.query_horizon,
             target_head_samples=f.target_head_samples, rank_pairs=f.rank_pairs,
             kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORERS,
+from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORER_KEYS, SCORERS,
                               TARGET_REDUCTIONS)
 from kvpop_jax.modeling import REMAT_POLICIES
 from train.config import DTYPES, RETROFITS, VARIANTS
@@ -42,6 +42,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("topk", 2016, "k: long-range budget (0: StreamingLLM+, a fixed pattern).", **d)
     flags.DEFINE_enum("scorer", "mlstm", SCORERS, "Importance scorer.", **d)
     flags.DEFINE_integer("scorer_hidden", 64, "MLP scorer hidden width per KV head.", **d)
+    flags.DEFINE_enum("scorer_keys", "rotated", list(SCORER_KEYS), "Keys the scorer reads: as cached (RoPE "
+                      "applied, the paper's [k; v]) or unrotated (no absolute position; not in the paper).", **d)
     flags.DEFINE_integer("mlstm_dim", None, "mLSTM feature dim d per head (default: head_dim, App. A).", **d)
     flags.DEFINE_enum("mlstm_feature_map", "hedgehog", list(FEATURE_MAPS), "mLSTM feature map (Eq. 37).", **d)
     flags.DEFINE_enum("mlstm_value", "projection", list(MLSTM_VALUES),
@@ -69,6 +71,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "default: unbounded).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
+    flags.DEFINE_integer("query_horizon", 0, "Sampled queries stop this many tokens before the row's end, so "
+                         "every compared token's target averages at least this many + 1 future queries (not in "
+                         "the paper; 0 = up to the last token).", **d)
     flags.DEFINE_integer("rank_pairs", 0, "Per sampled query, pairs of the newly eligible token with random "
                          "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
     flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "
