@@ -242,9 +242,6 @@ class KVpopConfig:
     target_lookahead: int | None = None  # L: only queries t + w <= d <= t + w + L count, N_t <= L + 1 (B.2)
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
-    # sampled queries q <= S - 1 - query_horizon: the newly eligible token's target then averages at
-    # least query_horizon + 1 future queries (0: the paper, up to the last token; not in the paper)
-    query_horizon: int = 0
     rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
@@ -258,7 +255,7 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "query_horizon"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
@@ -363,11 +360,6 @@ class KVpopConfig:
             raise ValueError(
                 f"sequence length {seq_len} must exceed the KVpop budget B = s + w + k = "
                 f"{self.sinks} + {self.window} + {self.topk} = {self.budget}; nothing would be evicted"
-            )
-        if self.topk > 0 and seq_len - self.query_horizon <= self.budget:
-            raise ValueError(
-                f"sequence length {seq_len} minus query_horizon {self.query_horizon} must exceed the KVpop "
-                f"budget B = {self.budget}: no saturated query position is left to sample"
             )
 
     @staticmethod

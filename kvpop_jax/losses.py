@@ -309,15 +309,6 @@ def sample_query_positions(
     return jnp.concatenate([uniform, late], axis=1)
 
 
-def training_query_positions(rng: jax.Array, config, *, batch: int, seq_len: int) -> jax.Array:
-    """The retention loss's sampled queries for rows of `seq_len` under a `KVpopConfig`: int32
-    [batch, config.num_query_samples], saturated (q >= B) and, with `config.query_horizon` = H,
-    q <= seq_len - 1 - H, so the newly eligible token's target averages >= H + 1 future queries."""
-    return sample_query_positions(rng, batch=batch, seq_len=seq_len - config.query_horizon,
-                                  num=config.num_query_samples, min_q=config.budget,
-                                  late_bias_fraction=config.late_bias_fraction)
-
-
 def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int) -> jax.Array:
     """Per head, the query positions at which the target's `num` highest tokens become eligible.
 

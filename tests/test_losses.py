@@ -234,25 +234,6 @@ def test_sampler_bounds_determinism_and_bias():
     assert np.all(edge == 7)  # a single saturated position
 
 
-def test_training_queries_keep_the_horizon():
-    """query_horizon H: every sampled q leaves H future queries after it (q <= S - 1 - H), the
-    late-biased ones still reach that last position; H = 0 is the paper's sampler."""
-    from kvpop_jax.config import KVpopConfig
-
-    key = jax.random.PRNGKey(5)
-    base = KVpopConfig(sinks=2, window=8, topk=30, num_query_samples=500)
-    paper = np.asarray(losses.training_query_positions(key, base, batch=3, seq_len=200))
-    np.testing.assert_array_equal(paper, np.asarray(losses.sample_query_positions(
-        key, batch=3, seq_len=200, num=500, min_q=40, late_bias_fraction=0.5)))
-    q = np.asarray(losses.training_query_positions(key, KVpopConfig(**{**base.to_dict(), "query_horizon": 64}),
-                                                   batch=3, seq_len=200))
-    assert q.min() >= 40 and q.max() == 200 - 1 - 64
-    with pytest.raises(ValueError, match="minus query_horizon 160 must exceed the KVpop budget B = 40"):
-        KVpopConfig(**{**base.to_dict(), "query_horizon": 160}).check_sequence_length(200)
-    with pytest.raises(ValueError, match="query_horizon must be an int >= 0"):
-        KVpopConfig(query_horizon=-1)
-
-
 def test_sampler_rejects_sequences_within_budget():
     with pytest.raises(ValueError, match=r"min_q = s \+ w \+ k = 64 >= seq_len = 64"):
         losses.sample_query_positions(jax.random.PRNGKey(0), batch=1, seq_len=64, num=4, min_q=64,

@@ -71,9 +71,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "default: unbounded).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
-    flags.DEFINE_integer("query_horizon", 0, "Sampled queries stop this many tokens before the row's end, so "
-                         "every compared token's target averages at least this many + 1 future queries (not in "
-                         "the paper; 0 = up to the last token).", **d)
     flags.DEFINE_integer("rank_pairs", 0, "Per sampled query, pairs of the newly eligible token with random "
                          "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
     flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "

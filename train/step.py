@@ -153,7 +153,10 @@ def make_loss_fn(sc: StepConfig) -> Callable:
             t_values, t_indices = teacher_topk_logits(teacher, teacher_params, ids, pos, distill.kl_topk, chunk)
         q_samples = None
         if kv is not None and kv.topk > 0:
-            q_samples = losses.training_query_positions(rng, kv, batch=ids.shape[0], seq_len=ids.shape[1])
+            q_samples = losses.sample_query_positions(
+                rng, batch=ids.shape[0], seq_len=ids.shape[1], num=kv.num_query_samples, min_q=kv.budget,
+                late_bias_fraction=kv.late_bias_fraction,
+            )
         rngs = {modeling.DMS_RNG: jax.random.fold_in(rng, 1)} if dms is not None else {}
         out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True, rngs=rngs)
         x, aux = out.hidden, out.aux
