@@ -17,6 +17,14 @@ small table; each takes under a minute on CPU.
           teacher: AUC of the facts against the other binding values for the best delayed feature
           a [k; v] scorer could compute by matching (max cosine of a token's key, or value, with
           those of the w tokens after it) next to the attention-free insertion-time baseline (0.5)
+  shift   does a scorer read absolute position? Per export, the rank of each queried fact among the
+          tokens eligible at the last prompt token in one layer / KV head (`--layer`, `--kv_head`),
+          with the prompt's positions started at 0 and at each `--offsets`: the dense attention and
+          every hidden state are the same under RoPE, only the keys' rotation moves, so a change
+          comes from the scorer alone (`KVpopConfig.scorer_keys="unrotated"` cannot change)
+  margin  how far the future-attention target puts the facts above the rest: per normalizer, in one
+          layer / KV head of an export, the queried facts' log-target minus that of the 1st, 10th,
+          30th, k-th and 200th other eligible token at the last prompt token (median over facts)
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly: balanced logistic loss, marked facts 1 vs the other
@@ -40,15 +48,16 @@ from eval.recall import policy_arrays
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.kvpop import kept_long_range
+from kvpop_jax.kvpop import KVpopHead, kept_long_range
 from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
 from kvpop_jax.scorers import make_scorer
 
 
-def project_qkv(config, params, ids_BxS, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(config, params, ids_BxS, layer: int, offset: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, S, Hq, D], k and v [B, S, Hkv, D] (RoPE applied) of one layer of a dense model: what its
-    attention computes with and what its cache holds."""
-    pos = jnp.arange(ids_BxS.shape[1])[None]
+    attention computes with and what its cache holds. `offset` starts the positions there instead of
+    at 0 (the attention is unchanged under RoPE; only the rotation of q and k moves)."""
+    pos = jnp.arange(ids_BxS.shape[1])[None] + offset
     x = params["embed_tokens"]["embedding"][ids_BxS]
     for i in range(layer):
         x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
@@ -200,6 +209,60 @@ def rank(args) -> None:
         print("  target :", (target_auc / n).round(3).tolist())
 
 
+def fact_ranks(config, params, ids, needed, layer: int, kv_head: int, offset: int = 0) -> list[int]:
+    """How many tokens eligible at the last of `ids` outrank each of `needed` in the KVpop export's
+    static priority (scorer + decay) of one layer / KV head, with the positions started at `offset`."""
+    kv = config.kvpop
+    _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer, offset)
+    head = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
+    pos = jnp.arange(len(ids))[None] + offset
+    scores, log_gamma = head.apply({"params": params[f"layers_{layer}"]["self_attn"]["kvpop"]}, k, v, pos)
+    t = np.arange(len(ids))
+    priority = np.asarray(scores)[0, kv_head] - (t + offset) * float(np.asarray(log_gamma)[kv_head])
+    eligible = (t >= kv.sinks) & (t <= len(ids) - 1 - kv.window)
+    return [int(np.sum(eligible & (priority > priority[n]))) for n in needed]
+
+
+def shift(args) -> None:
+    offsets = [0, *args.offsets]
+    for path in args.exports:
+        config, params = load_pretrained(path)
+        tokenizer, k = checkpoint_tokenizer(path), config.kvpop.retarget(args.budget, config.head_dim).topk
+        ranks = {o: [] for o in offsets}
+        for ex in _problems(args):
+            ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
+            for o in offsets:
+                ranks[o] += fact_ranks(config, params, ids, _needed(ex), args.layer, args.kv_head, o)
+        print(f"{path} ({config.kvpop.scorer_keys} keys): tokens outranking a queried fact at the last prompt token "
+              f"(layer {args.layer}, KV head {args.kv_head}, {args.problems} {args.task} problems), prompt positions "
+              f"starting at each offset: median, and share of facts within the k = {k} of B = {args.budget}")
+        for o in offsets:
+            r = np.asarray(ranks[o])
+            print(f"  offset {o:5d}: median {np.median(r):6.1f}, within k {np.mean(r < k):.2f}", flush=True)
+
+
+def margin(args) -> None:
+    config0, params = load_pretrained(args.exports[0])
+    tokenizer, problems = checkpoint_tokenizer(args.exports[0]), _problems(args)
+    kv0 = config0.kvpop.retarget(args.budget, config0.head_dim)
+    nth = [1, 10, 30, kv0.topk, 200]
+    for normalizer in ("sparse", "dense"):
+        config = dataclasses.replace(config0, kvpop=dataclasses.replace(kv0, normalizer=normalizer))
+        model, gaps = Qwen3ForCausalLM(config), []
+        for ex in problems:
+            ids = tokenizer(ex["text"])["input_ids"]
+            last = ex["meta"]["n_prompt_tokens"] - 1
+            arr = policy_arrays(model, params, jnp.asarray([ids]), jnp.asarray([[last]]))
+            target = np.asarray(arr["target"])[args.layer, 0, args.kv_head]
+            t = np.arange(len(ids))
+            facts = [f["value_pos"] for f in ex["meta"]["facts"]]  # queried or not: not "others"
+            others = np.sort(target[(t >= kv0.sinks) & (t <= last - kv0.window) & ~np.isin(t, facts)])[::-1]
+            gaps += [[target[n] - others[min(i, len(others)) - 1] for i in nth] for n in _needed(ex)]
+        print(f"{normalizer:6s} target, layer {args.layer} KV head {args.kv_head} of {args.exports[0]} at B {args.budget}: "
+              f"queried fact's log-target minus the {', '.join(map(str, nth))}-th other eligible token "
+              f"(median over {len(gaps)} facts):", np.round(np.median(gaps, 0), 2).tolist(), flush=True)
+
+
 def probe(args) -> None:
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
@@ -294,7 +357,7 @@ def learn(args) -> None:
 
 
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
-               "learn": learn}
+               "learn": learn, "shift": shift, "margin": margin}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -314,6 +377,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn: the KV head")
     parser.add_argument("--scorer", default="mlstm", choices=["mlstm", "mlp"], help="learn: the scorer")
     parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
+    parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]
+    args.offsets = [int(o) for o in args.offsets.split(",") if o]
     DIAGNOSTICS[args.what](args)

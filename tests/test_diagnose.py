@@ -56,3 +56,59 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
     assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
     assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
+
+
+def test_shift_ranks_move_only_with_a_position_reading_scorer(rng):
+    """`diagnose shift`: starting the positions elsewhere leaves project_qkv's values (every hidden
+    state) unchanged and only rotates the keys, so the facts' ranks stay put for a scorer of
+    unrotated keys and move for one of the cached, rotated keys (random scorer weights)."""
+    import dataclasses
+
+    from flax import traverse_util
+
+    from eval.diagnose import fact_ranks
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    ids = [int(x) for x in rng.integers(0, base.vocab_size, size=60)]
+    _, _, v0 = project_qkv(base, init_params(base, jax.random.key(4)), jnp.asarray([ids]), 1)
+    _, _, v9 = project_qkv(base, init_params(base, jax.random.key(4)), jnp.asarray([ids]), 1, offset=900)
+    np.testing.assert_allclose(np.asarray(v0), np.asarray(v9), atol=2e-4, rtol=0)
+    moved = {}
+    for keys in ("rotated", "unrotated"):
+        config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=10, scorer="mlstm",
+                                                             mlstm_chunk=8, scorer_keys=keys))
+        params = retrofit_params(config, init_params(base, jax.random.key(4)), jax.random.key(1))
+        flat = traverse_util.flatten_dict(params, sep="/")
+        flat = {k: jnp.asarray(np.random.default_rng(7).normal(size=v.shape).astype(np.float32))
+                if "/kvpop/scorer/" in k else v for k, v in flat.items()}
+        params = traverse_util.unflatten_dict(flat, sep="/")
+        needed = [10, 20, 30, 40]
+        ranks = [fact_ranks(config, params, ids, needed, 1, 0, offset) for offset in (0, 500, 1000)]
+        assert all(0 <= r <= 60 for rs in ranks for r in rs)
+        moved[keys] = ranks[1:] != ranks[:1] * 2
+    assert moved == {"rotated": True, "unrotated": False}
+
+
+def test_margin_and_shift_print_on_the_shipped_export(capsys):
+    """`diagnose margin` and `shift` run on the shipped KVpop export: the margins over the 1st, 10th,
+    30th, k-th and 200th other token can only grow down the list (the others are sorted), the exact
+    target's margin over the 200th is positive (a fact is read again and again), and shift prints
+    one line per offset with the offset-0 rank of `fact_ranks`."""
+    import argparse
+
+    from eval.diagnose import margin, shift
+
+    args = argparse.Namespace(exports=["checkpoints/demo-kvpop-mlstm"], problems=1, seed=0, task="reuse",
+                              prompt_len=1024, budget=123, layer=1, kv_head=0, offsets=[512])
+    margin(args)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["sparse", "dense"]
+    for line in lines:
+        gaps = [float(x) for x in line.split("[")[-1].rstrip("]").split(",")]
+        assert len(gaps) == 5 and gaps == sorted(gaps)
+    assert gaps[-1] > 0
+    shift(args)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out[1:]] == ["0:", "512:"]
