@@ -26,7 +26,7 @@ small table; each takes under a minute on CPU.
           layer / KV head of an export, the queried facts' log-target minus that of the 1st, 10th,
           30th, k-th and 200th other eligible token at the last prompt token (median over facts)
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
-          (`--scorer` mlstm or mlp, s, w of the flags) on one layer / KV head of the dense teacher
+          (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly: balanced logistic loss, marked facts 1 vs the other
           binding values 0, on train-split problems; prints the AUC on validation problems as it
           goes. A diagnosis, not a training method: KVpop never sees these labels.
@@ -50,6 +50,7 @@ from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead, kept_long_range
 from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
+from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer
 
 
@@ -293,13 +294,16 @@ def probe(args) -> None:
         print(f"  {name:5s}:", (value / len(problems)).round(3).tolist())
 
 
-def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, sinks: int, window: int):
-    """k, v [N, S, 1, D] of one KV head, labels y (marked facts) and candidates m (binding values
-    eligible at the last prompt token) [N, S]."""
+def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, sinks: int, window: int,
+                unrotated: bool = False):
+    """k, v [N, S, 1, D] of one KV head (k with its RoPE undone when `unrotated`), labels y (marked
+    facts) and candidates m (binding values eligible at the last prompt token) [N, S]."""
     ks, vs, ys, ms = [], [], [], []
     for ex in problems:
         ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
         _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer)
+        if unrotated:
+            k = unrotate(k, jnp.arange(len(ids))[None], config.rope_theta)
         last = len(ids) - 1
         y, m = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
         m[[p for p in ex["meta"]["binding_value_positions"] if sinks <= p <= last - window]] = 1
@@ -314,7 +318,7 @@ def learn(args) -> None:
     tokenizer = checkpoint_tokenizer(args.teacher)
     data = {split: _learn_data(config, params, tokenizer,
                                generate_dataset(n, args.seed, split, task=args.task, seq_len=args.prompt_len),
-                               args.layer, args.kv_head, args.sinks, args.window)
+                               args.layer, args.kv_head, args.sinks, args.window, args.scorer_keys == "unrotated")
             for split, n in (("train", args.problems), ("validation", max(8, args.problems // 2)))}
     kv = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
                      scorer=args.scorer)
@@ -345,7 +349,8 @@ def learn(args) -> None:
             per.append(np.mean((diff > 0) + 0.5 * (diff == 0)))
         return float(np.mean(per))
 
-    print(f"{args.scorer} scorer on layer {args.layer}, KV head {args.kv_head} of {args.teacher}, told which "
+    print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
+          f"{args.teacher}, told which "
           f"binding values are marked ({args.task}, {args.problems} train problems): AUC of the marked facts "
           "against the other eligible binding values")
     for i in range(args.steps + 1):
@@ -377,6 +382,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn: the KV head")
     parser.add_argument("--scorer", default="mlstm", choices=["mlstm", "mlp"], help="learn: the scorer")
     parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
+    parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],
+                        help="learn: the keys the scorer reads (KVpopConfig.scorer_keys)")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]

@@ -51,11 +51,15 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
         eligible = {p for p in ex["meta"]["binding_value_positions"] if 4 <= p <= 1023 - 32}
         assert set(np.nonzero(np.asarray(m[i]))[0]) == eligible | {f["value_pos"] for f in ex["meta"]["facts"]}
     args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1, kv_head=0,
-                              sinks=4, window=32, budget=123, scorer="mlp", steps=4)
+                              sinks=4, window=32, budget=123, scorer="mlp", steps=4, scorer_keys="rotated")
     learn(args)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
     assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
     assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
+    k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True)[0]
+    assert np.abs(np.asarray(k_u) - np.asarray(k[:1])).max() > 1e-2  # the keys' rotation is undone
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(k_u), axis=-1), np.linalg.norm(np.asarray(k[:1]), axis=-1),
+                               rtol=1e-4)  # a rotation: same norms
 
 
 def test_shift_ranks_move_only_with_a_position_reading_scorer(rng):
