@@ -198,7 +198,7 @@ def part_functions(config: Qwen3Config, seq_len: int, batch: int, seed: int) -> 
         "boundary": (jax.jit(lambda r, c: policy.teacher_boundary(r, cutoffs=c, **sizes)), (ranks, cutoffs)),
     }
     for scorer in ("mlp", "mlstm"):
-        head = KVpopHead(dataclasses.replace(kv, scorer=scorer), hkv, d)
+        head = KVpopHead(dataclasses.replace(kv, scorer=scorer), hkv, d, rope_theta=config.rope_theta)
         params = head.init(jax.random.key(seed), k[:, :8], v[:, :8])
         parts[f"scorer {scorer} fwd+bwd"] = (
             _fwd_bwd(lambda p, k, v, head=head: head.apply(p, k, v)[0], 0), (params, k, v, scores))

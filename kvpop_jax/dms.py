@@ -54,6 +54,7 @@ layer l, KV head h, token t of a sequence of S tokens:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -267,6 +268,7 @@ def gate_param_count(hidden: int, head_dim: int) -> int:
 def kvpop_head_param_count(kvpop: KVpopConfig, head_dim: int) -> int:
     """Parameters per KV head of a KVpop layer head (scorer + decay), counted from its pytree."""
     dummy = jax.ShapeDtypeStruct((1, 1, 1, head_dim), jnp.float32)
+    kvpop = dataclasses.replace(kvpop, scorer_keys="rotated")  # the same parameters, no rope_theta needed
     shapes = jax.eval_shape(lambda x: KVpopHead(kvpop, 1, head_dim).init(jax.random.key(0), x, x), dummy)
     return sum(int(x.size) for x in jax.tree.leaves(shapes))
 

@@ -157,6 +157,9 @@ def test_gate_matches_the_kvpop_scorer_parameter_count():
         count = sum(p.size for p in jax.tree.leaves(gate.init(jax.random.key(0), x, x)))
         assert count == 3 * dms_lib.gate_param_count(hidden, head_dim)
     assert dms_lib.kvpop_head_param_count(KVpopConfig(scorer="mlp", scorer_hidden=64), 64) == 130 * 64 + 2
+    # the keys a scorer reads do not change its parameters (nor need the model's rope_theta here)
+    assert dms_lib.kvpop_head_param_count(KVpopConfig(scorer="mlstm", scorer_keys="unrotated"), 64) == \
+        dms_lib.kvpop_head_param_count(KVpopConfig(scorer="mlstm"), 64)
 
 
 # --- the model and the bounded pool ----------------------------------------------------------

@@ -286,6 +286,7 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
     train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2)))
     saved_config = open(os.path.join(run, "train_config.json")).read()
     for overrides, message in ((dict(topk=24), "--topk 16 -> 24"), (dict(scorer="mlstm"), "--scorer 'mlp' -> 'mlstm'"),
+                               (dict(scorer_keys="unrotated"), "--scorer_keys 'rotated' -> 'unrotated'"),
                                (dict(demo_seq_len=384), "--demo_seq_len 256 -> 384")):
         with pytest.raises(FlagError, match=f"cannot resume {run}/checkpoints/2: {message}"):
             train(parse(tiny_flags(run, arch, steps=3, **overrides)))

@@ -37,12 +37,12 @@ RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tb", TRAIN_CONFIG_FILE)
 
 # Settings a resumed run must keep: the KVpop fields that shape the parameters or the policy
 # (flag name, or the field for those without a flag), the sequence length, batch and dtype.
-RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map",
-                       "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_chunk", "mlstm_gate_softcap",
+RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "scorer_keys", "mlstm_dim",
+                       "mlstm_feature_map", "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_chunk", "mlstm_gate_softcap",
                        "delayed_readout", "gamma_min", "gamma_max", "decay_step", "eps", "aggregate",
                        "count_normalize", "normalizer", "target_reduce", "target_lookahead")
-KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "mlstm_dim", "mlstm_feature_map", "mlstm_value",
-               "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
+KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "scorer_keys", "mlstm_dim", "mlstm_feature_map",
+               "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
                "normalizer", "target_reduce", "target_lookahead")
 RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "retrofit")
 # A DMS run (--retrofit=dms) also keeps the DMS fields that shape its gates or its eviction target.
