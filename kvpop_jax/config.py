@@ -243,7 +243,6 @@ class KVpopConfig:
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
     rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
-    rank_pairs_target: int = 0  # + per sampled query and head, pairs with older tokens drawn ∝ target mass (not in the paper)
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0
@@ -256,7 +255,7 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk", "rank_pairs", "rank_pairs_target", "target_head_samples"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")

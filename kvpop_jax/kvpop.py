@@ -224,15 +224,8 @@ def retention_objective(
         balance_max=c.balance_max, labels=c.retention_labels,
     )
     metrics = dict(metrics)
-    if c.rank_pairs or c.rank_pairs_target:
-        groups = []
-        if c.rank_pairs:
-            uniform = losses.sample_rank_partners(q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
-            groups.append(jnp.broadcast_to(uniform[:, None], (scores.shape[0], scores.shape[1]) + uniform.shape[1:]))
-        if c.rank_pairs_target:
-            groups.append(losses.sample_target_partners(q_idx, target, num=c.rank_pairs_target, sinks=c.sinks,
-                                                        window=c.window))
-        partners = jnp.concatenate(groups, axis=-1)
+    if c.rank_pairs:
+        partners = losses.sample_rank_partners(q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
         pair_loss, pair_metrics = losses.pairwise_rank_loss(
             scores, log_gamma, target, q_idx, partners, window=c.window, temperature=c.loss_temperature,
             margin_weighting=c.margin_weighting, omega_min=c.omega_min, tau_omega=c.tau_omega)

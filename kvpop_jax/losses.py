@@ -202,37 +202,6 @@ def sample_rank_partners(q_idx: jax.Array, *, num: int, sinks: int, window: int)
     return jnp.where(hi > sinks, jnp.clip(t, sinks, jnp.maximum(hi - 1, sinks)), -1).astype(jnp.int32)
 
 
-def sample_target_partners(q_idx: jax.Array, target_scores: jax.Array, *, num: int, sinks: int,
-                           window: int) -> jax.Array:
-    """Partners for `pairwise_rank_loss` drawn where the ranking is decided: per sampled query q and
-    head, `num` tokens from [sinks, q − w) with probability ∝ exp(r_tgt) = ε + m_t, the target's own
-    mass (inverse-CDF sampling, with replacement), int32 [B, H, Nq, num] (−1 where the range is empty).
-
-    Uniform partners (`sample_rank_partners`) rarely include the few tokens the target ranks far
-    above the rest, so t_new is seldom compared with them; these are. Not in the paper
-    (`KVpopConfig.rank_pairs_target`). Deterministic in q_idx, as `sample_rank_partners`.
-
-    Args:
-      q_idx: int [B, Nq] sampled queries; target_scores: float [B, H, S], r_tgt = log(ε + m).
-    """
-    if num < 1:
-        raise ValueError(f"num must be >= 1, got {num}")
-    b, h, s = target_scores.shape
-    weights = jnp.arange(1, q_idx.size + 1, dtype=jnp.uint32).reshape(q_idx.shape)
-    key = jax.random.fold_in(jax.random.PRNGKey(0x7467), jnp.sum(q_idx.astype(jnp.uint32) * weights))
-    t = jnp.arange(s)
-    mass = jnp.where(t >= sinks, jnp.exp(jax.lax.stop_gradient(target_scores.astype(jnp.float32))), 0.0)
-    cdf = jnp.cumsum(mass, axis=-1)  # [B, H, S]
-    hi = jnp.broadcast_to((q_idx - window)[:, None, :], (b, h, q_idx.shape[1]))  # exclusive
-    total = jnp.take_along_axis(cdf, jnp.clip(hi - 1, 0, s - 1), axis=-1)  # [B, H, Nq]
-    u = jax.random.uniform(key, (b, h, q_idx.shape[1], num), jnp.float32)
-    x = (u * total[..., None]).reshape(b, h, -1)
-    idx = jax.vmap(jax.vmap(lambda c, v: jnp.searchsorted(c, v, side="right")))(cdf, x).reshape(u.shape)
-    hi = hi[..., None]
-    picked = jnp.clip(idx, sinks, jnp.maximum(hi - 1, sinks)).astype(jnp.int32)
-    return jnp.where((hi > sinks) & (total[..., None] > 0), picked, -1).astype(jnp.int32)
-
-
 def pairwise_rank_loss(
     scores: jax.Array,
     log_gamma: jax.Array,
@@ -259,8 +228,7 @@ def pairwise_rank_loss(
 
     Args:
       scores, target_scores: float [B, H, S]; log_gamma: [H] or broadcastable to [B, H, 1].
-      q_idx: int [B, Nq] sampled saturated queries; partners: int [B, Nq, M] shared by the heads
-        or [B, H, Nq, M] per head (−1: none).
+      q_idx: int [B, Nq] sampled saturated queries; partners: int [B, Nq, M] (−1: none).
       window: w; temperature: τ; margin_weighting, omega_min, tau_omega: Eq. 23 on |Δ_tgt|.
 
     Returns:
@@ -271,10 +239,9 @@ def pairwise_rank_loss(
     target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
     log_gamma = _as_head_column(log_gamma)
     b, h, _ = scores.shape
-    nq, m = partners.shape[-2], partners.shape[-1]
+    nq, m = partners.shape[1], partners.shape[2]
     t_new = jnp.broadcast_to((q_idx - window)[:, None, :, None], (b, h, nq, m)).reshape(b, h, nq * m)
-    per_head = partners if partners.ndim == 4 else partners[:, None]
-    t_pair = jnp.broadcast_to(per_head, (b, h, nq, m)).reshape(b, h, nq * m)
+    t_pair = jnp.broadcast_to(partners[:, None], (b, h, nq, m)).reshape(b, h, nq * m)
     valid = (t_pair >= 0) & (t_new > t_pair)
     diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_pair)
     w = boundary_weights(jnp.abs(target_diff), jnp.ones_like(target_diff), valid, margin_weighting=margin_weighting,

@@ -127,15 +127,15 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
 
 
 def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
-    """retention_labels="soft", rank_pairs, rank_pairs_target and target_head_samples (training options,
-    not in the paper): each layer's loss is the soft-label boundary loss at the shared + per-head queries
-    plus the pairwise ranking loss over the uniform and the target-drawn partners together, rebuilt here
-    from the layer's own scores, target and boundary; only scorer and decay receive its gradient."""
+    """retention_labels="soft", rank_pairs and target_head_samples (training options, not in the paper):
+    each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the pairwise
+    ranking loss, rebuilt here from the layer's own scores, target and boundary; only scorer and decay
+    receive its gradient."""
     from kvpop_jax import losses
 
     s = 48
     kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, retention_labels="soft",
-                     rank_pairs=3, rank_pairs_target=2, target_head_samples=5)
+                     rank_pairs=3, target_head_samples=5)
     _, config, params = _models(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
     q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(2, 8)))
@@ -149,15 +149,13 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
         want, _ = losses.retention_loss(layer["scores"], layer["log_gamma"], layer["target"], layer["boundary"], all_q,
                                         balance_weighting=kv.balance_weighting, balance_min=kv.balance_min,
                                         balance_max=kv.balance_max, labels="soft", **knobs)
-        uniform = losses.sample_rank_partners(q_idx, num=3, sinks=kv.sinks, window=kv.window)
-        drawn = losses.sample_target_partners(q_idx, layer["target"], num=2, sinks=kv.sinks, window=kv.window)
-        partners = jnp.concatenate([jnp.broadcast_to(uniform[:, None], drawn.shape[:3] + (3,)), drawn], -1)
+        partners = losses.sample_rank_partners(q_idx, num=3, sinks=kv.sinks, window=kv.window)
         pair, _ = losses.pairwise_rank_loss(layer["scores"], layer["log_gamma"], layer["target"], q_idx, partners,
                                             window=kv.window, **knobs)
         np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair), rtol=1e-5)
         assert float(pair) > 0
     plain = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=dataclasses.replace(
-        kv, retention_labels="hard", rank_pairs=0, rank_pairs_target=0, target_head_samples=0)))
+        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0)))
     assert float(plain.apply({"params": params}, ids, query_samples=q_idx).aux["retention_loss"]) != \
         pytest.approx(float(out.aux["retention_loss"]))
     grads = traverse_util.flatten_dict(jax.grad(

@@ -73,9 +73,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
     flags.DEFINE_integer("rank_pairs", 0, "Per sampled query, pairs of the newly eligible token with random "
                          "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
-    flags.DEFINE_integer("rank_pairs_target", 0, "Per sampled query and head, pairs of the newly eligible token "
-                         "with older tokens drawn in proportion to their target mass (not in the paper; 0 = off).",
-                         **d)
     flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "
                          "target's top tokens (not in the paper; 0 = off).", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
