@@ -258,6 +258,8 @@ def margin(args) -> None:
             t = np.arange(len(ids))
             facts = [f["value_pos"] for f in ex["meta"]["facts"]]  # queried or not: not "others"
             others = np.sort(target[(t >= kv0.sinks) & (t <= last - kv0.window) & ~np.isin(t, facts)])[::-1]
+            if not len(others):
+                continue  # nothing else eligible to compare with (prompt within the budget)
             gaps += [[target[n] - others[min(i, len(others)) - 1] for i in nth] for n in _needed(ex)]
         print(f"{normalizer:6s} target, layer {args.layer} KV head {args.kv_head} of {args.exports[0]} at B {args.budget}: "
               f"queried fact's log-target minus the {', '.join(map(str, nth))}-th other eligible token "

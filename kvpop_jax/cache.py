@@ -227,16 +227,15 @@ class KVpopLayerCache:
 
     def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
         """The masked parallel forward over the prompt, then its retained set (`KVpopHead.prefill`)."""
-        del positions, length
+        del length
         _require_policy(policy)
-        return policy.prefill(q, k, v, return_policy=return_policy)
+        return policy.prefill(q, k, v, return_policy=return_policy, positions=positions)
 
     def decode(self, q, k, v, *, positions, length, policy):
         """One token against the cache (`KVpopHead.decode`)."""
-        del positions
         _require_policy(policy)
         one_token(q, "KVpop")
-        return policy.decode(self, q, k, v, length)
+        return policy.decode(self, q, k, v, length, rope_positions=positions)
 
 
 def _require_policy(policy) -> None:

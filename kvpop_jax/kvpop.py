@@ -86,22 +86,25 @@ class KVpopHead(nn.Module):
     def init_scorer_state(self, batch: int):
         return self.scorer.init_state(batch) if self.is_mlstm else None
 
-    def prefill(self, q, k, v, *, return_policy: bool = False):
+    def prefill(self, q, k, v, *, return_policy: bool = False, positions=None):
         """A prompt through the masked parallel forward, then the cache after its last token.
 
-        q [B, P, Hq, D], k/v [B, P, Hkv, D] -> (out [B, P, Hq, D], KVpopLayerCache, aux or None).
+        q [B, P, Hq, D], k/v [B, P, Hkv, D] (rotated at `positions`, int [B, P], None: 0..P-1) ->
+        (out [B, P, Hq, D], KVpopLayerCache, aux or None). The cache counts tokens from 0 whatever
+        the RoPE positions; those only tell an unrotated-key scorer how to undo the rotation.
         """
-        scores, log_gamma = self(k, v)
+        scores, log_gamma = self(k, v, positions)
         out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config, return_policy=return_policy)
-        return out, self.prefill_cache(k, v, scores, log_gamma), aux
+        return out, self.prefill_cache(k, v, scores, log_gamma, positions), aux
 
-    def prefill_cache(self, k, v, scores, log_gamma) -> cache_lib.KVpopLayerCache:
-        """Cache after a prefill of P tokens at positions 0..P-1. k, v [B, P, Hkv, D]; scores [B, Hkv, P]."""
+    def prefill_cache(self, k, v, scores, log_gamma, positions=None) -> cache_lib.KVpopLayerCache:
+        """Cache after a prefill of P tokens. k, v [B, P, Hkv, D] (rotated at `positions`, None:
+        0..P-1); scores [B, Hkv, P]."""
         p = k.shape[1]
         priority = policy.static_priority(scores, log_gamma)
         state, known = None, None
         if self.is_mlstm:
-            _, kk, vv, i_pre, log_f = self.scorer.features(self.scorer_keys(k), v)  # [B, P, H, ...]
+            _, kk, vv, i_pre, log_f = self.scorer.features(self.scorer_keys(k, positions), v)  # [B, P, H, ...]
             step = lambda st, xs: (mlstm_step(st, *xs), None)  # noqa: E731
             xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
             state, _ = jax.lax.scan(step, self.init_scorer_state(k.shape[0]), xs)
@@ -109,17 +112,22 @@ class KVpopHead(nn.Module):
             known = jnp.arange(p) + self.config.window <= p - 1
         return cache_lib.build_from_prefill(k, v, priority, self.config, state, known)
 
-    def decode(self, lc: cache_lib.KVpopLayerCache, q_tok, k_tok, v_tok, position):
-        """One decoding step. q_tok [B, 1, Hq, D], k_tok/v_tok [B, 1, Hkv, D]; position int [].
+    def decode(self, lc: cache_lib.KVpopLayerCache, q_tok, k_tok, v_tok, position, rope_positions=None):
+        """One decoding step. q_tok [B, 1, Hq, D], k_tok/v_tok [B, 1, Hkv, D]; position int [] (the
+        token's index in the cache); rope_positions int [B, 1] (where k_tok was rotated; None:
+        position), read only by an unrotated-key scorer, which undoes the rotation of the token
+        leaving the window at rope_positions - w (consecutive positions).
 
         Returns (out [B, 1, Hq, D], new layer cache).
         """
+        if rope_positions is None:
+            rope_positions = position
         kv = self.config
         log_gamma = self.log_gamma()
         k_t, v_t = k_tok[:, 0], v_tok[:, 0]  # [B, H, D]
         b, h = k_t.shape[:2]
         state = lc.scorer_state
-        ks_t = self.scorer_keys(k_tok, position)[:, 0]  # what the scorer reads (k_t is what is cached)
+        ks_t = self.scorer_keys(k_tok, rope_positions)[:, 0]  # what the scorer reads (k_t is what is cached)
         if self.is_mlstm:
             state = self.scorer.step(state, ks_t, v_t)
         if self.delayed:
@@ -136,7 +144,7 @@ class KVpopHead(nn.Module):
             leaving = jnp.broadcast_to(u >= kv.sinks, (b, h))
             k_u, v_u = lc.k[:, :, slot], lc.v[:, :, slot]
             if self.delayed:
-                ks_u = self.scorer_keys(k_u[:, None], u)[:, 0]
+                ks_u = self.scorer_keys(k_u[:, None], rope_positions - kv.window)[:, 0]
                 prio_u = cache_lib.static_priority_at(self.scorer.readout(state, ks_u, v_u), log_gamma, u)
             else:
                 prio_u = lc.priority[:, :, slot]

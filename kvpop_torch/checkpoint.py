@@ -45,6 +45,12 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
     heads_kv = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    if settings.scorer_keys == "unrotated":
+        for key in ("rope_scaling", "rope_parameters"):
+            kind = (config.get(key) or {}).get("rope_type", "default")
+            if kind != "default":
+                raise ValueError(f"{os.fspath(directory)!r}: kvpop.scorer_keys='unrotated' undoes plain RoPE, but "
+                                 f"config.json's {key} has rope_type {kind!r}")
     files = weight_files(directory)
     heads = []
     for i in range(config["num_hidden_layers"]):

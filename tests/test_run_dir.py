@@ -119,6 +119,12 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
                                (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'")):
         with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):
             check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, **overrides)), model, "ckpt/2")
+    # a run saved before a setting existed ran with its default: changing it is refused, keeping it is not
+    older = json.loads(json.dumps(saved))
+    del older["train_config"]["kvpop"]["scorer_keys"]
+    check_resume(older, cfg, model, "ckpt/2")
+    with pytest.raises(FlagError, match="--scorer_keys 'rotated' -> 'unrotated'"):
+        check_resume(older, parse(tiny_flags(str(tmp_path / "run"), arch, scorer_keys="unrotated")), model, "ckpt/2")
     with pytest.raises(FlagError, match="--retrofit 'kvpop' -> 'dms'"):
         check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms")), model, "ckpt/2")
     dms = parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms"))

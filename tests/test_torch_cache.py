@@ -95,6 +95,24 @@ def test_teacher_forced_decode_and_kept_slots_equal_kvpop_jax(tmp_path, rng, bas
         assert (layer.pos >= 0).all()
 
 
+def test_unrotated_keys_refuse_scaled_rope(tmp_path, rng):
+    """An unrotated-key export undoes plain RoPE with config.json's rope_theta; a config whose RoPE is
+    scaled (edited by hand: kvpop_jax never writes one) is refused by name, not decoded wrongly."""
+    import json
+
+    from kvpop_torch.checkpoint import load_heads
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlstm", sinks=1, window=3, topk=4, scorer_keys="unrotated"), rng)
+    settings, heads = load_heads(tmp_path)
+    assert settings.scorer_keys == "unrotated" and heads[0].rope_theta == BASE.rope_theta
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ValueError, match="undoes plain RoPE, but config.json's rope_scaling has rope_type 'yarn'"):
+        load_heads(tmp_path)
+
+
 def test_generate_idioms_and_misuse(tmp_path, rng):
     kv = KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4)
     kvpop_export(tmp_path, BASE, kv, rng)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import jax
 
-from kvpop_jax.config import Qwen3Config
+from kvpop_jax.config import KVpopConfig, Qwen3Config
 from train.config import FlagError, TrainConfig
 
 LOCK_FILE = "run.lock"
@@ -123,10 +123,12 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
     changes = []
     old_kvpop = old_run.get("kvpop") or {}
     new_kvpop = dataclasses.asdict(cfg.kvpop)
-    for field in RESUME_KVPOP_FIELDS:
-        if field in old_kvpop and old_kvpop[field] != new_kvpop[field]:
+    defaults = {f.name: f.default for f in dataclasses.fields(KVpopConfig)}
+    for field in RESUME_KVPOP_FIELDS if old_kvpop else ():
+        old = old_kvpop.get(field, defaults[field])  # a field newer than the saved run: it ran with the default
+        if old != new_kvpop[field]:
             name = f"--{field}" if field in KVPOP_FLAGS else f"kvpop.{field}"
-            changes.append(f"{name} {old_kvpop[field]!r} -> {new_kvpop[field]!r}")
+            changes.append(f"{name} {old!r} -> {new_kvpop[field]!r}")
     old_dms, new_dms = old_run.get("dms") or {}, dataclasses.asdict(cfg.dms) if cfg.dms is not None else {}
     for field in RESUME_DMS_FIELDS if cfg.retrofit == "dms" else ():
         if field in old_dms and old_dms[field] != new_dms[field]:
