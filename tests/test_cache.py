@@ -77,7 +77,7 @@ def test_non_delayed_mlstm_decodes_too(rng):
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("scorer,delayed", [("mlp", True), ("mlstm", True), ("mlstm", False)])
+@pytest.mark.parametrize("scorer,delayed", [("mlp", True), ("mlstm", False)])  # delayed mLSTM: the next test
 def test_unrotated_scorer_keys_decode_equals_masked_forward(rng, scorer, delayed):
     """scorer_keys="unrotated": the scorers read each key with its RoPE undone at its own position,
     in the parallel forward, the prefill and every decode step alike."""
@@ -98,7 +98,8 @@ def test_unrotated_scorer_keys_follow_the_rope_positions_given(rng):
     """A prompt placed at RoPE positions 300.. (positions= passed to prefill and every decode step):
     the bounded cache undoes each key's rotation where it was applied, so decoding still equals the
     masked forward at those positions, and the scores equal those at positions 0.. (position-free)."""
-    kv = KVpopConfig(sinks=1, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, scorer_keys="unrotated")
+    kv = KVpopConfig(sinks=1, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, scorer_keys="unrotated",
+                     mlstm_skip=True)
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 30)))
     pos = jnp.broadcast_to(300 + jnp.arange(30), (2, 30))
@@ -130,7 +131,6 @@ def test_cache_memory_is_constant(rng):
 @pytest.mark.parametrize("options", [
     dict(mlstm_feature_map="softmax", mlstm_value="cached", mlstm_norm=True),
     dict(mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_init="random", mlstm_dim=8),
-    dict(scorer_keys="unrotated", mlstm_skip=True),
 ])
 def test_mlstm_variants_decode_equals_masked_forward(rng, options):
     """Every App. E.5 option keeps the key invariant (prompt shorter than B, then longer)."""
