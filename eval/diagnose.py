@@ -49,6 +49,7 @@ from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead, kept_long_range
+from kvpop_jax.policy import static_priority
 from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
 from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer
@@ -218,8 +219,8 @@ def fact_ranks(config, params, ids, needed, layer: int, kv_head: int, offset: in
     head = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
     pos = jnp.arange(len(ids))[None] + offset
     scores, log_gamma = head.apply({"params": params[f"layers_{layer}"]["self_attn"]["kvpop"]}, k, v, pos)
+    priority = np.asarray(static_priority(scores[0], log_gamma, pos))[kv_head]  # Eq. 20 at the shifted t
     t = np.arange(len(ids))
-    priority = np.asarray(scores)[0, kv_head] - (t + offset) * float(np.asarray(log_gamma)[kv_head])
     eligible = (t >= kv.sinks) & (t <= len(ids) - 1 - kv.window)
     return [int(np.sum(eligible & (priority > priority[n]))) for n in needed]
 

@@ -93,18 +93,19 @@ class KVpopHead(nn.Module):
         (out [B, P, Hq, D], KVpopLayerCache, aux or None). The cache counts tokens from 0 whatever
         the RoPE positions; those only tell an unrotated-key scorer how to undo the rotation.
         """
-        scores, log_gamma = self(k, v, positions)
+        scorer_k = self.scorer_keys(k, positions)
+        scores, log_gamma = self.scorer(scorer_k, v).astype(jnp.float32), self.log_gamma()
         out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config, return_policy=return_policy)
-        return out, self.prefill_cache(k, v, scores, log_gamma, positions), aux
+        return out, self.prefill_cache(k, v, scores, log_gamma, scorer_k), aux
 
-    def prefill_cache(self, k, v, scores, log_gamma, positions=None) -> cache_lib.KVpopLayerCache:
-        """Cache after a prefill of P tokens. k, v [B, P, Hkv, D] (rotated at `positions`, None:
-        0..P-1); scores [B, Hkv, P]."""
+    def prefill_cache(self, k, v, scores, log_gamma, scorer_k=None) -> cache_lib.KVpopLayerCache:
+        """Cache after a prefill of P tokens. k, v [B, P, Hkv, D] (as cached); scores [B, Hkv, P];
+        scorer_k: the keys the scorer read (`scorer_keys`; None: k itself, as for rotated keys)."""
         p = k.shape[1]
         priority = policy.static_priority(scores, log_gamma)
         state, known = None, None
         if self.is_mlstm:
-            _, kk, vv, i_pre, log_f = self.scorer.features(self.scorer_keys(k, positions), v)  # [B, P, H, ...]
+            _, kk, vv, i_pre, log_f = self.scorer.features(k if scorer_k is None else scorer_k, v)  # [B, P, H, ...]
             step = lambda st, xs: (mlstm_step(st, *xs), None)  # noqa: E731
             xs = tuple(jnp.swapaxes(x, 0, 1) for x in (kk, vv, i_pre, log_f))
             state, _ = jax.lax.scan(step, self.init_scorer_state(k.shape[0]), xs)

@@ -27,13 +27,16 @@ def kvpop_model(kv: KVpopConfig, rng):
     return Qwen3ForCausalLM(config), traverse_util.unflatten_dict(flat, sep="/")
 
 
-def teacher_forced(model, params, ids, prompt_len):
+def teacher_forced(model, params, ids, prompt_len, positions=None):
+    """Prefill ids[:, :prompt_len], then one token per step; `positions` [B, S] (None: the cache's own
+    0, 1, ...) are the RoPE positions passed to every call."""
+    at = (lambda a, b: None) if positions is None else (lambda a, b: positions[:, a:b])  # noqa: E731
     cache = init_cache(model.config, ids.shape[0])
-    out = model.apply({"params": params}, ids[:, :prompt_len], cache=cache)
+    out = model.apply({"params": params}, ids[:, :prompt_len], positions=at(0, prompt_len), cache=cache)
     logits, cache = [out.logits], out.cache
-    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
+    step = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))
     for t in range(prompt_len, ids.shape[1]):
-        out = step(cache, ids[:, t : t + 1])
+        out = step(cache, ids[:, t : t + 1], at(t, t + 1))
         logits.append(out.logits)
         cache = out.cache
     return jnp.concatenate(logits, axis=1), cache
@@ -49,6 +52,15 @@ CASES = [
     ("mlstm", 1, 6, 7, 33),
     ("mlstm", 3, 2, 4, 12),
 ]
+
+
+def assert_decode_equals_forward(model, params, ids, prompt_lens, positions=None):
+    """Teacher-forced decoding from each prompt length == the masked forward; returns the last cache."""
+    full = model.apply({"params": params}, ids, positions=positions).logits
+    for prompt_len in prompt_lens:
+        decoded, cache = teacher_forced(model, params, ids, prompt_len, positions)
+        np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
+    return full, cache
 
 
 @pytest.mark.parametrize("scorer,s,w,k,prompt_len", CASES)
@@ -85,10 +97,7 @@ def test_unrotated_scorer_keys_decode_equals_masked_forward(rng, scorer, delayed
                      scorer_keys="unrotated")
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 36)))
-    full = model.apply({"params": params}, ids).logits
-    for prompt_len in (5, 20):
-        decoded, _ = teacher_forced(model, params, ids, prompt_len)
-        np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
+    full, _ = assert_decode_equals_forward(model, params, ids, (5, 20))
     # The option changes the model: the same parameters reading rotated keys evict differently.
     rotated = Qwen3ForCausalLM(dataclasses.replace(BASE, kvpop=dataclasses.replace(kv, scorer_keys="rotated")))
     assert np.abs(np.asarray(rotated.apply({"params": params}, ids).logits - full)).max() > 1e-3
@@ -103,14 +112,7 @@ def test_unrotated_scorer_keys_follow_the_rope_positions_given(rng):
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 30)))
     pos = jnp.broadcast_to(300 + jnp.arange(30), (2, 30))
-    full = model.apply({"params": params}, ids, positions=pos).logits
-    out = model.apply({"params": params}, ids[:, :12], positions=pos[:, :12], cache=init_cache(model.config, 2))
-    logits, cache = [out.logits], out.cache
-    for t in range(12, 30):
-        out = model.apply({"params": params}, ids[:, t:t + 1], positions=pos[:, t:t + 1], cache=cache)
-        logits.append(out.logits)
-        cache = out.cache
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(logits, 1)), np.asarray(full), atol=1e-4, rtol=0)
+    assert_decode_equals_forward(model, params, ids, (12,), positions=pos)
     scores = lambda p: model.apply({"params": params}, ids, positions=p, return_policy=True).aux["layers"][1]["scores"]  # noqa: E731
     # float32 RoPE angles near 330 rad carry ~2e-5 rad of rounding: scores agree to ~1e-4 (rotated keys: O(1))
     np.testing.assert_allclose(np.asarray(scores(pos)), np.asarray(scores(pos - 300)), atol=1e-3, rtol=0)
@@ -137,10 +139,7 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
     kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, **options)
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 36)))
-    full = model.apply({"params": params}, ids).logits
-    for prompt_len in (5, 20):
-        decoded, cache = teacher_forced(model, params, ids, prompt_len)
-        np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
+    _, cache = assert_decode_equals_forward(model, params, ids, (5, 20))
     state = cache.layers[0].scorer_state
     assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
 
