@@ -25,6 +25,12 @@ small table; each takes under a minute on CPU.
   margin  how far the future-attention target puts the facts above the rest: per normalizer, in one
           layer / KV head of an export, the queried facts' log-target minus that of the 1st, 10th,
           30th, k-th and 200th other eligible token at the last prompt token (median over facts)
+  reads   what the future-attention target rewards: per kind of eligible token (queried fact, other
+          marked fact, binding value whose name recurs later, one whose name does not, newline,
+          other) in one layer / KV head of the dense teacher at the last prompt token, the tokens per
+          problem, how many the exact (dense-normalizer) target's top-k holds, their log-target
+          (median, and 10th-90th percentile), and the median share of their future attention that comes from later occurrences of
+          their name (the name token or the one after it: a lookup of that name)
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly: balanced logistic loss, marked facts 1 vs the other
@@ -267,6 +273,78 @@ def margin(args) -> None:
               f"(median over {len(gaps)} facts):", np.round(np.median(gaps, 0), 2).tolist(), flush=True)
 
 
+KINDS = ("queried fact", "other marked fact", "binding value, name recurs", "binding value, name does not",
+         "newline", "other")
+
+
+def token_kinds(example, tokens: list[str], sinks: int, window: int) -> dict[str, list[int]]:
+    """The positions eligible at the last prompt token (s <= t <= last - w), by kind (`KINDS`).
+    A binding value's name is the token before it; it recurs if that token appears again later in
+    the prompt."""
+    last = example["meta"]["n_prompt_tokens"] - 1
+    facts = {f["value_pos"]: f["queried"] for f in example["meta"]["facts"]}
+    values = set(example["meta"]["binding_value_positions"])
+    kinds = {kind: [] for kind in KINDS}
+    for t in range(sinks, last - window + 1):
+        if t in facts:
+            kind = KINDS[0] if facts[t] else KINDS[1]
+        elif t in values:
+            kind = KINDS[2] if tokens[t - 1] in tokens[t + 1: last + 1] else KINDS[3]
+        else:
+            kind = KINDS[4] if tokens[t] == "\n" else KINDS[5]
+        kinds[kind].append(t)
+    return kinds
+
+
+def name_read_share(probs_H_S_S, tokens: list[str], t: int, window: int) -> float:
+    """Share of token t's future attention (queries d >= t + w, summed over the heads) that comes from
+    queries at a later occurrence of the name bound before it (the name token, or the token after it)."""
+    s = len(tokens)
+    mass = np.asarray(probs_H_S_S)[:, t + window:s, t].sum(0)  # [d - t - w]
+    name = tokens[t - 1]
+    at_name = np.array([tokens[d] == name or tokens[d - 1] == name for d in range(t + window, s)])
+    return float(mass[at_name].sum() / max(mass.sum(), 1e-30))
+
+
+def reads(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    k = args.budget - args.sinks - args.window
+    g = config.num_attention_heads // config.num_key_value_heads
+    heads = slice(args.kv_head * g, (args.kv_head + 1) * g)
+    table = {kind: {"n": 0, "top": 0, "target": [], "share": []} for kind in KINDS}
+    problems = _problems(args)
+    for ex in problems:
+        ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
+        tokens = [tokenizer.decode([i]) for i in ids]
+        s = len(ids)
+        probs = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), args.layer))[0][heads]
+        future = np.arange(s)[:, None] >= np.arange(s)[None] + args.window  # [d, t]
+        mean = np.where(future, probs, 0).sum(1) / np.maximum(1, s - (np.arange(s) + args.window))  # [G, t]
+        log_target = np.log(mean.max(0) + 1e-30)  # Eq. 3 with max over the group, exact normalizer, no decay
+        kinds = token_kinds(ex, tokens, args.sinks, args.window)
+        eligible = np.concatenate([np.asarray(v, int) for v in kinds.values()])
+        top = set(eligible[np.argsort(-log_target[eligible])[:k]].tolist())
+        for kind, positions in kinds.items():
+            row = table[kind]
+            row["n"] += len(positions)
+            row["top"] += sum(t in top for t in positions)
+            row["target"] += log_target[positions].tolist()
+            if kind in KINDS[:4]:
+                row["share"] += [name_read_share(probs, tokens, t, args.window) for t in positions]
+    n = len(problems)
+    print(f"{args.teacher}, layer {args.layer} KV head {args.kv_head}, {n} {args.task} problems, last prompt token: "
+          f"eligible tokens by kind, the exact target's top-{k} (B {args.budget}), and the share of their future "
+          "attention from later lookups of their own name")
+    print(f"  {'kind':30s} {'per problem':>11s} {'in top-k':>8s} {'log-target: median [p10, p90]':>30s} "
+          f"{'from name':>9s}")
+    for kind, row in table.items():
+        share = f"{np.median(row['share']):9.2f}" if row["share"] else f"{'-':>9s}"
+        spread = (f"{np.median(row['target']):8.2f} [{np.percentile(row['target'], 10):6.2f}, "
+                  f"{np.percentile(row['target'], 90):6.2f}]") if row["target"] else "-"
+        print(f"  {kind:30s} {row['n'] / n:11.1f} {row['top'] / n:8.1f} {spread:>30s} {share}", flush=True)
+
+
 def probe(args) -> None:
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
@@ -365,7 +443,7 @@ def learn(args) -> None:
 
 
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
-               "learn": learn, "shift": shift, "margin": margin}
+               "learn": learn, "shift": shift, "margin": margin, "reads": reads}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -373,7 +451,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("what", choices=sorted(DIAGNOSTICS))
     parser.add_argument("--exports", default="runs/tiny_cpu/kvpop-mlstm/export,runs/tiny_cpu/kvpop-mlp/export",
                         help="comma-separated KVpop exports (keep; target uses the first)")
-    parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt)")
+    parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt, probe, learn, reads)")
     parser.add_argument("--problems", type=int, default=24)
     parser.add_argument("--task", default="read_once", choices=sorted(TASKS), help="demo task of the problems")
     parser.add_argument("--seed", type=int, default=0)

@@ -98,6 +98,16 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
+def refuse_dms(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
+    """A DMS export (config.json's "dms" block, kvpop_jax/dms.py) has eviction gates this package does
+    not run: loading it as a dense model would silently decode with the full cache."""
+    if config.get("dms"):
+        raise ValueError(f"{os.fspath(directory)!r} is a DMS export (its config.json has a 'dms' block): kvpop_torch "
+                         "serves KVpop and dense exports only, and would drop its eviction gates. Decode it with "
+                         "kvpop_jax (kvpop_jax.generate, python -m eval.main generate/accuracy), or delete the "
+                         "'dms' block and the self_attn.dms.* tensors to use it as a dense model on purpose")
+
+
 def read_settings(directory: str | os.PathLike) -> KVpopSettings | None:
     """The export's KVpop settings, or None for a dense export (no "kvpop" block)."""
     block = read_config(directory).get("kvpop")

@@ -11,7 +11,7 @@ from transformers.utils import logging as hf_logging
 from kvpop_torch.attention import ATTENTION_NAME
 from kvpop_torch.cache import KVpopCache
 from kvpop_torch.checkpoint import load_heads
-from kvpop_torch.config import read_config
+from kvpop_torch.config import read_config, refuse_dms
 
 
 def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None):
@@ -19,9 +19,12 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
 
     A KVpop export loads with the "kvpop" attention and `make_cache()` returns a fresh
     `KVpopCache` (the scorers are loaded once and shared); a dense export loads with "sdpa"
-    and `make_cache()` returns a `DynamicCache`.
+    and `make_cache()` returns a `DynamicCache`. A DMS export is refused (its gates are not
+    implemented here).
     """
-    kvpop = bool(read_config(directory).get("kvpop"))
+    config = read_config(directory)
+    refuse_dms(directory, config)
+    kvpop = bool(config.get("kvpop"))
     # The kvpop tensors are ours, not the model's: load quietly, then report anything else.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()

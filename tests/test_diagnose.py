@@ -116,3 +116,42 @@ def test_margin_and_shift_print_on_the_shipped_export(capsys):
     shift(args)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in out[1:]] == ["0:", "512:"]
+
+
+def test_reads_kinds_partition_the_eligible_tokens_and_shares_match_a_brute_force(rng, capsys):
+    """`diagnose reads`: token_kinds splits exactly the positions eligible at the last prompt token,
+    the facts by their meta, a binding value by whether its name comes again; name_read_share is the
+    attention from the name's later occurrences over all of a token's future attention; the run prints
+    one row per kind."""
+    import argparse
+
+    from demo.task import generate_dataset
+    from eval.diagnose import KINDS, name_read_share, reads, token_kinds
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer("checkpoints/demo-teacher")
+    ex = generate_dataset(1, 3, "test", task="reuse", seq_len=1024)[0]
+    n = ex["meta"]["n_prompt_tokens"]
+    tokens = [tokenizer.decode([i]) for i in tokenizer(ex["text"])["input_ids"][:n]]
+    kinds = token_kinds(ex, tokens, sinks=4, window=32)
+    flat = sorted(t for positions in kinds.values() for t in positions)
+    assert flat == list(range(4, n - 32)) and list(kinds) == list(KINDS)
+    assert {f["value_pos"] for f in ex["meta"]["facts"] if f["queried"]} == set(kinds["queried fact"])
+    for t in kinds["binding value, name recurs"][:20] + kinds["binding value, name does not"][:20]:
+        recurs = any(tokens[d] == tokens[t - 1] for d in range(t + 1, n))
+        assert recurs == (t in kinds["binding value, name recurs"])
+    assert all(tokens[t] == "\n" for t in kinds["newline"]) and kinds["binding value, name recurs"]
+
+    s = 40
+    toks = [str(x) for x in rng.integers(0, 5, size=s)]
+    probs = rng.random((2, s, s))
+    t, w = 7, 4
+    brute = sum(probs[h, d, t] for h in range(2) for d in range(t + w, s)
+                if toks[d] == toks[t - 1] or toks[d - 1] == toks[t - 1])
+    total = probs[:, t + w:, t].sum()
+    np.testing.assert_allclose(name_read_share(probs, toks, t, w), brute / total, rtol=1e-6)
+
+    reads(argparse.Namespace(teacher="checkpoints/demo-teacher", problems=1, seed=0, task="reuse", prompt_len=1024,
+                             budget=106, sinks=4, window=32, layer=1, kv_head=0))
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row[2:32].strip() for row in rows] == list(KINDS)

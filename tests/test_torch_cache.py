@@ -113,6 +113,26 @@ def test_unrotated_keys_refuse_scaled_rope(tmp_path, rng):
         load_heads(tmp_path)
 
 
+def test_a_dms_export_is_refused_not_decoded_dense(tmp_path, rng):
+    """kvpop_torch does not run DMS's gates: a DMS export (config.json's "dms" block) is refused by
+    name by load and load_heads, where before load failed on its unexpected gate tensors and, with
+    those removed, would have decoded it as a dense model."""
+    import json
+
+    import kvpop_torch
+    from kvpop_torch.checkpoint import load_heads
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    del config["kvpop"]
+    config["dms"] = {"window": 3, "budget": 8}
+    json.dump(config, open(path, "w"))
+    for load in (kvpop_torch.load, load_heads):
+        with pytest.raises(ValueError, match="is a DMS export"):
+            load(tmp_path)
+
+
 def test_generate_idioms_and_misuse(tmp_path, rng):
     kv = KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4)
     kvpop_export(tmp_path, BASE, kv, rng)
