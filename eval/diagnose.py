@@ -33,9 +33,13 @@ small table; each takes under a minute on CPU.
           their name (the name token or the one after it: a lookup of that name)
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
-          with the answer given directly: balanced logistic loss, marked facts 1 vs the other
-          binding values 0, on train-split problems; prints the AUC on validation problems as it
-          goes. A diagnosis, not a training method: KVpop never sees these labels.
+          with the answer given directly (`--labels told`: balanced logistic loss, marked facts 1 vs
+          the other binding values 0), or by a squared-error fit of that head's exact
+          future-attention target (`--labels target_values`: over the eligible binding values,
+          `target_all`: over every eligible token; no labels) or a listwise cross-entropy against
+          softmax(target / `--tau`) over the eligible tokens (`target_listwise`, top-heavy at small
+          tau), on train-split problems; prints the
+          AUC of the facts on validation problems as it goes. A diagnosis, not a training method.
 """
 
 from __future__ import annotations
@@ -310,18 +314,14 @@ def reads(args) -> None:
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
     k = args.budget - args.sinks - args.window
-    g = config.num_attention_heads // config.num_key_value_heads
-    heads = slice(args.kv_head * g, (args.kv_head + 1) * g)
     table = {kind: {"n": 0, "top": 0, "target": [], "share": []} for kind in KINDS}
     problems = _problems(args)
     for ex in problems:
         ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
         tokens = [tokenizer.decode([i]) for i in ids]
-        s = len(ids)
-        probs = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), args.layer))[0][heads]
-        future = np.arange(s)[:, None] >= np.arange(s)[None] + args.window  # [d, t]
-        mean = np.where(future, probs, 0).sum(1) / np.maximum(1, s - (np.arange(s) + args.window))  # [G, t]
-        log_target = np.log(mean.max(0) + 1e-30)  # Eq. 3 with max over the group, exact normalizer, no decay
+        probs = group_probs(config, params, jnp.asarray([ids]), args.layer, args.kv_head)
+        log_target = exact_log_target(probs, args.window)[0]
+        probs = probs[0]
         kinds = token_kinds(ex, tokens, args.sinks, args.window)
         eligible = np.concatenate([np.asarray(v, int) for v in kinds.values()])
         top = set(eligible[np.argsort(-log_target[eligible])[:k]].tolist())
@@ -375,23 +375,43 @@ def probe(args) -> None:
         print(f"  {name:5s}:", (value / len(problems)).round(3).tolist())
 
 
+def group_probs(config, params, ids_BxS, layer: int, kv_head: int) -> np.ndarray:
+    """Dense attention weights of the query heads sharing one KV head: float [B, G, S, S]."""
+    g = config.num_attention_heads // config.num_key_value_heads
+    return np.asarray(dense_attention_probs(config, params, ids_BxS, layer))[:, kv_head * g:(kv_head + 1) * g]
+
+
+def exact_log_target(probs_BxGxSxS: np.ndarray, window: int) -> np.ndarray:
+    """The future-attention target of one KV head with the exact (dense) normalizer, float [B, S]:
+    log of the max over its query heads of the mean attention from queries d >= t + w (Eqs. 2-3
+    with count normalization, no decay, eps 1e-30)."""
+    s = probs_BxGxSxS.shape[-1]
+    future = np.arange(s)[:, None] >= np.arange(s)[None] + window  # [d, t]
+    mean = np.where(future, probs_BxGxSxS, 0).sum(2) / np.maximum(1, s - (np.arange(s) + window))  # [B, G, t]
+    return np.log(mean.max(1) + 1e-30)
+
+
 def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, sinks: int, window: int,
                 unrotated: bool = False):
     """k, v [N, S, 1, D] of one KV head (k with its RoPE undone when `unrotated`), labels y (marked
-    facts) and candidates m (binding values eligible at the last prompt token) [N, S]."""
-    ks, vs, ys, ms = [], [], [], []
+    facts), candidates m (binding values eligible at the last prompt token), eligible e (every token
+    eligible there) and the exact log-target r of that head, each [N, S]."""
+    ks, vs, ys, ms, es, rs = [], [], [], [], [], []
     for ex in problems:
         ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
         _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer)
         if unrotated:
             k = unrotate(k, jnp.arange(len(ids))[None], config.rope_theta)
         last = len(ids) - 1
-        y, m = np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32)
+        y, m, e = (np.zeros(len(ids), np.float32) for _ in range(3))
         m[[p for p in ex["meta"]["binding_value_positions"] if sinks <= p <= last - window]] = 1
+        e[sinks:last - window + 1] = 1
         y[[f["value_pos"] for f in ex["meta"]["facts"]]] = 1
         ks.append(k[0, :, kv_head:kv_head + 1]), vs.append(v[0, :, kv_head:kv_head + 1])
-        ys.append(y), ms.append(np.maximum(m, y))
-    return jnp.stack(ks), jnp.stack(vs), jnp.asarray(np.stack(ys)), jnp.asarray(np.stack(ms))
+        ys.append(y), ms.append(np.maximum(m, y)), es.append(e)
+        rs.append(exact_log_target(group_probs(config, params, jnp.asarray([ids]), layer, kv_head), window)[0])
+    return (jnp.stack(ks), jnp.stack(vs), jnp.asarray(np.stack(ys)), jnp.asarray(np.stack(ms)),
+            jnp.asarray(np.stack(es)), jnp.asarray(np.stack(rs), jnp.float32))
 
 
 def learn(args) -> None:
@@ -404,25 +424,31 @@ def learn(args) -> None:
     kv = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
                      scorer=args.scorer)
     scorer = make_scorer(kv, 1, config.head_dim)
-    k_tr, v_tr, y_tr, m_tr = data["train"]
+    k_tr, v_tr, y_tr, m_tr, e_tr, r_tr = data["train"]
     weights = scorer.init(jax.random.key(args.seed), k_tr[:1], v_tr[:1])
     tx = optax.adam(1e-2)
     opt = tx.init(weights)
 
-    def loss_fn(w, k, v, y, m):
+    def loss_fn(w, k, v, y, m, e, r):
         logits = scorer.apply(w, k, v)[:, 0]
-        balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
-        return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
+        if args.labels == "told":
+            balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
+            return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
+        if args.labels == "target_listwise":  # cross-entropy of softmax(score) against softmax(r / tau)
+            p = jax.nn.softmax(jnp.where(e > 0, r / args.tau, -jnp.inf), -1)
+            return -jnp.sum(p * jax.nn.log_softmax(jnp.where(e > 0, logits, -jnp.inf), -1).clip(-1e9)) / len(r)
+        over = m if args.labels == "target_values" else e  # regress the exact log-target, unweighted
+        return jnp.sum(over * (logits - r) ** 2) / jnp.maximum(over.sum(), 1)
 
     @jax.jit
     def step(w, opt, i):
         idx = (jnp.arange(8) + 8 * i) % k_tr.shape[0]
-        loss, g = jax.value_and_grad(loss_fn)(w, k_tr[idx], v_tr[idx], y_tr[idx], m_tr[idx])
+        loss, g = jax.value_and_grad(loss_fn)(w, k_tr[idx], v_tr[idx], y_tr[idx], m_tr[idx], e_tr[idx], r_tr[idx])
         updates, opt = tx.update(g, opt, w)
         return optax.apply_updates(w, updates), opt, loss
 
     def auc(w, split) -> float:  # ties count 1/2 (a fresh mLSTM scores every token alike)
-        k, v, y, m = data[split]
+        k, v, y, m = data[split][:4]
         scores, y, m = np.asarray(scorer.apply(w, k, v))[:, 0], np.asarray(y) > 0, np.asarray(m) > 0
         per = []
         for s_, y_, m_ in zip(scores, y, m):
@@ -430,9 +456,12 @@ def learn(args) -> None:
             per.append(np.mean((diff > 0) + 0.5 * (diff == 0)))
         return float(np.mean(per))
 
+    taught = {"told": "told which binding values are marked",
+              "target_values": "regressing the exact log-target of the eligible binding values",
+              "target_all": "regressing the exact log-target of every eligible token",
+              "target_listwise": f"listwise cross-entropy against softmax(exact log-target / {args.tau})"}[args.labels]
     print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
-          f"{args.teacher}, told which "
-          f"binding values are marked ({args.task}, {args.problems} train problems): AUC of the marked facts "
+          f"{args.teacher}, {taught} ({args.task}, {args.problems} train problems): AUC of the marked facts "
           "against the other eligible binding values")
     for i in range(args.steps + 1):
         if i % max(1, args.steps // 4) == 0:
@@ -465,6 +494,11 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
     parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],
                         help="learn: the keys the scorer reads (KVpopConfig.scorer_keys)")
+    parser.add_argument("--tau", type=float, default=1.0, help="learn --labels target_listwise: temperature")
+    parser.add_argument("--labels", default="told", choices=["told", "target_values", "target_all", "target_listwise"],
+                        help="learn: told (balanced logistic, marked facts vs the other binding values) or a "
+                             "squared-error fit of the exact future-attention target (no labels) over the "
+                             "eligible binding values / every eligible token")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]

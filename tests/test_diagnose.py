@@ -44,18 +44,27 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
     teacher = "checkpoints/demo-teacher"
     config, params = load_pretrained(teacher)
     problems = generate_dataset(2, 5, "train", task="reuse", seq_len=1024)
-    k, v, y, m = _learn_data(config, params, checkpoint_tokenizer(teacher), problems, 1, 0, 4, 32)
+    k, v, y, m, e, r = _learn_data(config, params, checkpoint_tokenizer(teacher), problems, 1, 0, 4, 32)
     assert k.shape == v.shape == (2, 1024, 1, config.head_dim) and y.shape == m.shape == (2, 1024)
     for i, ex in enumerate(problems):
         assert set(np.nonzero(np.asarray(y[i]))[0]) == {f["value_pos"] for f in ex["meta"]["facts"]}
         eligible = {p for p in ex["meta"]["binding_value_positions"] if 4 <= p <= 1023 - 32}
         assert set(np.nonzero(np.asarray(m[i]))[0]) == eligible | {f["value_pos"] for f in ex["meta"]["facts"]}
-    args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1, kv_head=0,
-                              sinks=4, window=32, budget=123, scorer="mlp", steps=4, scorer_keys="rotated")
-    learn(args)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
-    assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
-    assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
+    assert e.shape == r.shape == (2, 1024) and np.asarray(e).sum(1).tolist() == [1024 - 32 - 4] * 2
+    from eval.diagnose import dense_attention_probs
+    ids = checkpoint_tokenizer(teacher)(problems[0]["text"])["input_ids"][:1024]
+    probs = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), 1))[0, :2]  # KV head 0's queries
+    for t in (5, 300, 900):  # Eq. 2-3 by loops: max over the group of the mean over d >= t + w
+        brute = max(sum(probs[g, d, t] for d in range(t + 32, 1024)) / (1024 - t - 32) for g in range(2))
+        np.testing.assert_allclose(float(r[0, t]), np.log(brute), rtol=1e-4)
+    for labels in ("told", "target_values", "target_listwise"):
+        args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1,
+                                  kv_head=0, sinks=4, window=32, budget=123, scorer="mlp", steps=4,
+                                  scorer_keys="rotated", labels=labels, tau=0.5)
+        learn(args)
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
+        assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
+        assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
     k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True)[0]
     assert np.abs(np.asarray(k_u) - np.asarray(k[:1])).max() > 1e-2  # the keys' rotation is undone
     np.testing.assert_allclose(np.linalg.norm(np.asarray(k_u), axis=-1), np.linalg.norm(np.asarray(k[:1]), axis=-1),
