@@ -32,7 +32,8 @@ def teacher_forced(model, params, ids, prompt_len, positions=None):
     0, 1, ...) are the RoPE positions passed to every call."""
     at = (lambda a, b: None) if positions is None else (lambda a, b: positions[:, a:b])  # noqa: E731
     cache = init_cache(model.config, ids.shape[0])
-    out = model.apply({"params": params}, ids[:, :prompt_len], positions=at(0, prompt_len), cache=cache)
+    prefill = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))  # jit: op by op is slower
+    out = prefill(cache, ids[:, :prompt_len], at(0, prompt_len))
     logits, cache = [out.logits], out.cache
     step = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))
     for t in range(prompt_len, ids.shape[1]):
@@ -54,9 +55,14 @@ CASES = [
 ]
 
 
+def forward(model, params, ids, positions=None):
+    """The masked parallel forward's logits (jitted: op by op is slower on these tiny models)."""
+    return jax.jit(lambda i, p: model.apply({"params": params}, i, positions=p).logits)(ids, positions)
+
+
 def assert_decode_equals_forward(model, params, ids, prompt_lens, positions=None):
     """Teacher-forced decoding from each prompt length == the masked forward; returns the last cache."""
-    full = model.apply({"params": params}, ids, positions=positions).logits
+    full = forward(model, params, ids, positions)
     for prompt_len in prompt_lens:
         decoded, cache = teacher_forced(model, params, ids, prompt_len, positions)
         np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
@@ -68,12 +74,12 @@ def test_teacher_forced_decode_equals_masked_forward(rng, scorer, s, w, k, promp
     kv = KVpopConfig(sinks=s, window=w, topk=k, scorer=scorer, mlstm_chunk=8)
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 44)))
-    full = model.apply({"params": params}, ids).logits
+    full = forward(model, params, ids)
     decoded, cache = teacher_forced(model, params, ids, prompt_len)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
     # The mask did bite: these logits differ from an unbounded model's.
     dense_model = Qwen3ForCausalLM(dataclasses.replace(BASE, kvpop=dataclasses.replace(kv, topk=100)))
-    unbounded = dense_model.apply({"params": params}, ids).logits
+    unbounded = forward(dense_model, params, ids)
     assert np.abs(np.asarray(unbounded - full)).max() > 1e-3
     # Every slot is filled and every kept token is one the mask allows.
     layer = cache.layers[0]
@@ -84,7 +90,7 @@ def test_non_delayed_mlstm_decodes_too(rng):
     kv = KVpopConfig(sinks=1, window=4, topk=5, scorer="mlstm", mlstm_chunk=8, delayed_readout=False)
     model, params = kvpop_model(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, 30)))
-    full = model.apply({"params": params}, ids).logits
+    full = forward(model, params, ids)
     decoded, _ = teacher_forced(model, params, ids, 6)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=1e-4, rtol=0)
 

@@ -177,9 +177,9 @@ def dms_model(d: DMSConfig, rng, base=BASE, scale=1.0):
 
 def teacher_forced(model, params, ids, prompt_len):
     cache = dms_cache.init_cache(model.config, ids.shape[0])
-    out = model.apply({"params": params}, ids[:, :prompt_len], cache=cache)
+    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))  # jit: op by op is slower
+    out = step(cache, ids[:, :prompt_len])
     logits, cache = [out.logits], out.cache
-    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
     for t in range(prompt_len, ids.shape[1]):
         out = step(cache, ids[:, t : t + 1])
         logits.append(out.logits)
@@ -192,7 +192,7 @@ def test_teacher_forced_decode_equals_masked_forward(rng, window, prompt_len):
     s = 36
     model, params = dms_model(DMSConfig(window=window, budget=s, gate_hidden=8, logit_offset=0.0), rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
-    out = model.apply({"params": params}, ids, return_policy=True)
+    out = jax.jit(lambda i: model.apply({"params": params}, i, return_policy=True))(ids)
     decoded, cache = teacher_forced(model, params, ids, prompt_len)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(out.logits), atol=1e-4, rtol=0)
     evict = np.stack([np.asarray(a["evict"]) for a in out.aux["layers"]])  # [L, B, Hkv, S]
