@@ -240,12 +240,6 @@ def retention_objective(
             margin_weighting=c.margin_weighting, omega_min=c.omega_min, tau_omega=c.tau_omega)
         loss = loss + pair_loss
         metrics.update(pair_metrics)
-    if c.listwise_queries:
-        list_loss, list_metrics = losses.listwise_retention_loss(
-            scores, log_gamma, target, q_idx[:, :c.listwise_queries], sinks=c.sinks, window=c.window,
-            temperature=c.listwise_temperature)
-        loss = loss + list_loss
-        metrics.update(list_metrics)
     metrics["teacher_recall"] = teacher_recall(
         ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
     )
