@@ -170,18 +170,15 @@ def maxtgt(args) -> None:
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
     k = args.budget - args.sinks - args.window
-    g = config.num_attention_heads // config.num_key_value_heads
-    heads = slice(args.kv_head * g, (args.kv_head + 1) * g)
     hits = {"mean": [], "max": []}
     for ex in _problems(args):
         ids = tokenizer(ex["text"])["input_ids"]
         s, q = len(ids), ex["meta"]["n_prompt_tokens"] - 1
-        probs = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), args.layer))[0][heads]
+        probs = group_probs(config, params, jnp.asarray([ids]), args.layer, args.kv_head)
         future = np.arange(s)[:, None] >= np.arange(s)[None] + args.window  # [d, t]
-        mean = np.where(future, probs, 0).sum(1) / np.maximum(1, s - (np.arange(s) + args.window))
-        strongest = np.where(future, probs, 0).max(1)
+        strongest = np.where(future, probs[0], 0).max(1)
         eligible = np.arange(args.sinks, q - args.window + 1)
-        for name, value in (("mean", mean.max(0)), ("max", strongest.max(0))):
+        for name, value in (("mean", exact_log_target(probs, args.window)[0]), ("max", strongest.max(0))):
             top = set(eligible[np.argsort(-value[eligible])[:k]])
             hits[name].append(all(x in top for x in _needed(ex)))
     print({name: float(np.mean(v)) for name, v in hits.items()},
