@@ -411,7 +411,10 @@ def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, s
             jnp.asarray(np.stack(es)), jnp.asarray(np.stack(rs), jnp.float32))
 
 
-def learn(args) -> None:
+def learn(args) -> dict[str, list]:
+    """Prints the AUC lines; returns {"loss": the loss of every step, "auc": (step, train, validation)}."""
+    if args.labels == "target_listwise" and not args.tau > 0:
+        raise ValueError(f"--tau must be > 0, got {args.tau}")
     config, params = load_pretrained(args.teacher)
     tokenizer = checkpoint_tokenizer(args.teacher)
     data = {split: _learn_data(config, params, tokenizer,
@@ -460,12 +463,16 @@ def learn(args) -> None:
     print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
           f"{args.teacher}, {taught} ({args.task}, {args.problems} train problems): AUC of the marked facts "
           "against the other eligible binding values")
+    history = {"loss": [], "auc": []}
     for i in range(args.steps + 1):
         if i % max(1, args.steps // 4) == 0:
-            print(f"  step {i:4d}: train {auc(weights, 'train'):.3f}, validation {auc(weights, 'validation'):.3f}",
+            history["auc"].append((i, auc(weights, "train"), auc(weights, "validation")))
+            print(f"  step {i:4d}: train {history['auc'][-1][1]:.3f}, validation {history['auc'][-1][2]:.3f}",
                   flush=True)
         if i < args.steps:
-            weights, opt, _ = step(weights, opt, i)
+            weights, opt, loss = step(weights, opt, i)
+            history["loss"].append(float(loss))
+    return history
 
 
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
@@ -482,20 +489,23 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--task", default="read_once", choices=sorted(TASKS), help="demo task of the problems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt_len", type=int, default=1024)
-    parser.add_argument("--budget", type=int, default=123, help="B at which keep sets are measured")
-    parser.add_argument("--sinks", type=int, default=4, help="maxtgt, learn: s")
-    parser.add_argument("--window", type=int, default=32, help="maxtgt, learn: w")
-    parser.add_argument("--layer", type=int, default=1, help="maxtgt, learn: the layer")
-    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn: the KV head")
+    parser.add_argument("--budget", type=int, default=123,
+                        help="B at which keep sets are measured (maxtgt, reads: k = B - s - w)")
+    parser.add_argument("--sinks", type=int, default=4, help="maxtgt, learn, reads, probe: s")
+    parser.add_argument("--window", type=int, default=32, help="maxtgt, learn, reads, probe: w")
+    parser.add_argument("--layer", type=int, default=1, help="maxtgt, learn, reads, shift, margin: the layer")
+    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn, reads, shift, margin: the KV head")
     parser.add_argument("--scorer", default="mlstm", choices=["mlstm", "mlp"], help="learn: the scorer")
     parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
     parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],
                         help="learn: the keys the scorer reads (KVpopConfig.scorer_keys)")
-    parser.add_argument("--tau", type=float, default=1.0, help="learn --labels target_listwise: temperature")
+    parser.add_argument("--tau", type=float, default=1.0, help="learn --labels target_listwise: temperature (> 0)")
     parser.add_argument("--labels", default="told", choices=["told", "target_values", "target_all", "target_listwise"],
-                        help="learn: told (balanced logistic, marked facts vs the other binding values) or a "
+                        help="learn: told (balanced logistic, marked facts vs the other binding values), a "
                              "squared-error fit of the exact future-attention target (no labels) over the "
-                             "eligible binding values / every eligible token")
+                             "eligible binding values (target_values) or every eligible token (target_all), or "
+                             "target_listwise: cross-entropy of softmax(score) against softmax(target / --tau) "
+                             "over every eligible token")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]

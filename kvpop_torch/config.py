@@ -109,6 +109,8 @@ def refuse_dms(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
 
 
 def read_settings(directory: str | os.PathLike) -> KVpopSettings | None:
-    """The export's KVpop settings, or None for a dense export (no "kvpop" block)."""
-    block = read_config(directory).get("kvpop")
+    """The export's KVpop settings, or None for a dense export (no "kvpop" block); a DMS export is refused."""
+    config = read_config(directory)
+    refuse_dms(directory, config)
+    block = config.get("kvpop")
     return KVpopSettings.from_dict(block) if block else None

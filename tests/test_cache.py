@@ -32,10 +32,9 @@ def teacher_forced(model, params, ids, prompt_len, positions=None):
     0, 1, ...) are the RoPE positions passed to every call."""
     at = (lambda a, b: None) if positions is None else (lambda a, b: positions[:, a:b])  # noqa: E731
     cache = init_cache(model.config, ids.shape[0])
-    prefill = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))  # jit: op by op is slower
-    out = prefill(cache, ids[:, :prompt_len], at(0, prompt_len))
+    step = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))  # op by op is slower
+    out = step(cache, ids[:, :prompt_len], at(0, prompt_len))  # the prefill
     logits, cache = [out.logits], out.cache
-    step = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))
     for t in range(prompt_len, ids.shape[1]):
         out = step(cache, ids[:, t : t + 1], at(t, t + 1))
         logits.append(out.logits)

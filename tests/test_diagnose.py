@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from helpers import TINY_HF_CONFIGS
 from eval.diagnose import _auc, project_qkv
@@ -57,14 +58,24 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
     for t in (5, 300, 900):  # Eq. 2-3 by loops: max over the group of the mean over d >= t + w
         brute = max(sum(probs[g, d, t] for d in range(t + 32, 1024)) / (1024 - t - 32) for g in range(2))
         np.testing.assert_allclose(float(r[0, t]), np.log(brute), rtol=1e-4)
-    for labels in ("told", "target_values", "target_listwise"):
+    from eval.diagnose import exact_log_target, group_probs
+    probs1 = np.asarray(dense_attention_probs(config, params, jnp.asarray([ids]), 1))[0, 2:4]  # KV head 1's queries
+    r1 = exact_log_target(group_probs(config, params, jnp.asarray([ids]), 1, 1), 32)[0]
+    brute = max(sum(probs1[g, d, 300] for d in range(332, 1024)) / (1024 - 332) for g in range(2))
+    np.testing.assert_allclose(float(r1[300]), np.log(brute), rtol=1e-4)
+    for labels in ("told", "target_values", "target_listwise"):  # target_all: target_values with another mask
         args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1,
                                   kv_head=0, sinks=4, window=32, budget=123, scorer="mlp", steps=4,
                                   scorer_keys="rotated", labels=labels, tau=0.5)
-        learn(args)
+        history = learn(args)
         lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
         assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
         assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
+        assert len(history["loss"]) == 4 and np.isfinite(history["loss"]).all(), (labels, history["loss"])
+        if labels == "told":
+            assert history["auc"][-1][1] > 0.5  # four steps on the answer already rank the train facts higher
+    with pytest.raises(ValueError, match="--tau must be > 0, got 0.0"):
+        learn(argparse.Namespace(**{**vars(args), "tau": 0.0}))
     k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True)[0]
     assert np.abs(np.asarray(k_u) - np.asarray(k[:1])).max() > 1e-2  # the keys' rotation is undone
     np.testing.assert_allclose(np.linalg.norm(np.asarray(k_u), axis=-1), np.linalg.norm(np.asarray(k[:1]), axis=-1),
@@ -127,6 +138,34 @@ def test_margin_and_shift_print_on_the_shipped_export(capsys):
     assert [line.split()[1] for line in out[1:]] == ["0:", "512:"]
 
 
+def test_exact_log_target_equals_the_library_dense_normalizer_target(rng):
+    """diagnose's numpy target (`exact_log_target`, used by reads and learn) and kvpop_jax's transposed-
+    attention target with the dense normalizer (the model's aux, max aggregation, count normalized)
+    are the same numbers, per KV head: log(m + eps) from the library, log(m) here (random model)."""
+    import dataclasses
+
+    from eval.diagnose import dense_attention_probs, exact_log_target
+    from eval.recall import policy_arrays
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlp", normalizer="dense")
+    config = dataclasses.replace(base, kvpop=kv)
+    params = retrofit_params(config, init_params(base, jax.random.key(4)), jax.random.key(1))
+    s = 40
+    ids = jnp.asarray(rng.integers(0, base.vocab_size, size=(1, s)))
+    lib = np.asarray(policy_arrays(Qwen3ForCausalLM(config), params, ids, jnp.asarray([[s - 1]]))["target"])
+    g = config.num_attention_heads // config.num_key_value_heads
+    assert g > 1
+    for layer in range(config.num_hidden_layers):
+        probs = np.asarray(dense_attention_probs(config, params, ids, layer))
+        for h in range(config.num_key_value_heads):  # group_probs' slice: KV head h's query heads
+            mine = np.exp(exact_log_target(probs[:, h * g:(h + 1) * g], kv.window)[0, : s - kv.window])
+            theirs = np.exp(lib[layer, 0, h, : s - kv.window]) - kv.eps
+            np.testing.assert_allclose(theirs, mine, rtol=1e-4, atol=1e-7)
+
+
 def test_reads_kinds_partition_the_eligible_tokens_and_shares_match_a_brute_force(rng, capsys):
     """`diagnose reads`: token_kinds splits exactly the positions eligible at the last prompt token,
     the facts by their meta, a binding value by whether its name comes again; name_read_share is the
@@ -149,7 +188,7 @@ def test_reads_kinds_partition_the_eligible_tokens_and_shares_match_a_brute_forc
     for t in kinds["binding value, name recurs"][:20] + kinds["binding value, name does not"][:20]:
         recurs = any(tokens[d] == tokens[t - 1] for d in range(t + 1, n))
         assert recurs == (t in kinds["binding value, name recurs"])
-    assert all(tokens[t] == "\n" for t in kinds["newline"]) and kinds["binding value, name recurs"]
+    assert all(tokens[t] == "\n" for t in kinds["newline"]) and kinds["binding value, name recurs"] and kinds["newline"]
 
     s = 40
     toks = [str(x) for x in rng.integers(0, 5, size=s)]

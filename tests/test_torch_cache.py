@@ -124,11 +124,13 @@ def test_a_dms_export_is_refused_not_decoded_dense(tmp_path, rng):
 
     kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
     path = os.path.join(tmp_path, "config.json")
-    config = json.load(open(path))
+    with open(path) as f:
+        config = json.load(f)
     del config["kvpop"]
     config["dms"] = {"window": 3, "budget": 8}
-    json.dump(config, open(path, "w"))
-    for load in (kvpop_torch.load, load_heads):
+    with open(path, "w") as f:
+        json.dump(config, f)
+    for load in (kvpop_torch.load, load_heads, kvpop_torch.read_settings):
         with pytest.raises(ValueError, match="is a DMS export"):
             load(tmp_path)
 
