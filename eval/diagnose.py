@@ -175,8 +175,7 @@ def maxtgt(args) -> None:
         ids = tokenizer(ex["text"])["input_ids"]
         s, q = len(ids), ex["meta"]["n_prompt_tokens"] - 1
         probs = group_probs(config, params, jnp.asarray([ids]), args.layer, args.kv_head)
-        future = np.arange(s)[:, None] >= np.arange(s)[None] + args.window  # [d, t]
-        strongest = np.where(future, probs[0], 0).max(1)
+        strongest = np.where(future_mask(s, args.window), probs[0], 0).max(1)
         eligible = np.arange(args.sinks, q - args.window + 1)
         for name, value in (("mean", exact_log_target(probs, args.window)[0]), ("max", strongest.max(0))):
             top = set(eligible[np.argsort(-value[eligible])[:k]])
@@ -378,21 +377,26 @@ def group_probs(config, params, ids_BxS, layer: int, kv_head: int) -> np.ndarray
     return np.asarray(dense_attention_probs(config, params, ids_BxS, layer))[:, kv_head * g:(kv_head + 1) * g]
 
 
+def future_mask(s: int, window: int) -> np.ndarray:
+    """bool [d, t]: query d counts in key t's future attention (d >= t + w, Eq. 2)."""
+    return np.arange(s)[:, None] >= np.arange(s)[None] + window
+
+
 def exact_log_target(probs_BxGxSxS: np.ndarray, window: int) -> np.ndarray:
     """The future-attention target of one KV head with the exact (dense) normalizer, float [B, S]:
     log of the max over its query heads of the mean attention from queries d >= t + w (Eqs. 2-3
     with count normalization, no decay, eps 1e-30)."""
     s = probs_BxGxSxS.shape[-1]
-    future = np.arange(s)[:, None] >= np.arange(s)[None] + window  # [d, t]
-    mean = np.where(future, probs_BxGxSxS, 0).sum(2) / np.maximum(1, s - (np.arange(s) + window))  # [B, G, t]
+    count = np.maximum(1, s - (np.arange(s) + window))  # N_t
+    mean = np.where(future_mask(s, window), probs_BxGxSxS, 0).sum(2) / count  # [B, G, t]
     return np.log(mean.max(1) + 1e-30)
 
 
 def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, sinks: int, window: int,
-                unrotated: bool = False):
+                unrotated: bool = False, with_target: bool = True):
     """k, v [N, S, 1, D] of one KV head (k with its RoPE undone when `unrotated`), labels y (marked
     facts), candidates m (binding values eligible at the last prompt token), eligible e (every token
-    eligible there) and the exact log-target r of that head, each [N, S]."""
+    eligible there) and the exact log-target r of that head (zeros unless `with_target`), each [N, S]."""
     ks, vs, ys, ms, es, rs = [], [], [], [], [], []
     for ex in problems:
         ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
@@ -406,7 +410,8 @@ def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, s
         y[[f["value_pos"] for f in ex["meta"]["facts"]]] = 1
         ks.append(k[0, :, kv_head:kv_head + 1]), vs.append(v[0, :, kv_head:kv_head + 1])
         ys.append(y), ms.append(np.maximum(m, y)), es.append(e)
-        rs.append(exact_log_target(group_probs(config, params, jnp.asarray([ids]), layer, kv_head), window)[0])
+        rs.append(exact_log_target(group_probs(config, params, jnp.asarray([ids]), layer, kv_head), window)[0]
+                  if with_target else np.zeros(len(ids), np.float32))
     return (jnp.stack(ks), jnp.stack(vs), jnp.asarray(np.stack(ys)), jnp.asarray(np.stack(ms)),
             jnp.asarray(np.stack(es)), jnp.asarray(np.stack(rs), jnp.float32))
 
@@ -419,7 +424,8 @@ def learn(args) -> dict[str, list]:
     tokenizer = checkpoint_tokenizer(args.teacher)
     data = {split: _learn_data(config, params, tokenizer,
                                generate_dataset(n, args.seed, split, task=args.task, seq_len=args.prompt_len),
-                               args.layer, args.kv_head, args.sinks, args.window, args.scorer_keys == "unrotated")
+                               args.layer, args.kv_head, args.sinks, args.window, args.scorer_keys == "unrotated",
+                               with_target=args.labels != "told")
             for split, n in (("train", args.problems), ("validation", max(8, args.problems // 2)))}
     kv = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
                      scorer=args.scorer)

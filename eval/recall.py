@@ -180,9 +180,8 @@ def sample_saturated_queries(rng: np.random.Generator, n: int, *, seq_len: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-@functools.partial(jax.jit, static_argnums=0)  # the model (its config) is static: one compile per shape
 def policy_arrays(model: Qwen3ForCausalLM, params, ids_BxS, q_idx_BxQ=None) -> dict[str, jax.Array]:
-    """One KVpop forward with `return_policy`, per-layer arrays stacked on a layer axis (jitted).
+    """One KVpop forward with `return_policy`, per-layer arrays stacked on a layer axis.
 
     Returns scores float32, ranks and cutoffs int32 [L, B, Hkv, S]; log_gamma [L, Hkv];
     argmax int32 [B, S] (the next-token prediction). With `q_idx_BxQ` (int [B, Nq]) also the

@@ -13,7 +13,7 @@ import os
 
 from safetensors import safe_open
 
-from kvpop_torch.config import KVpopSettings, read_config, refuse_dms
+from kvpop_torch.config import KVpopSettings, read_config
 from kvpop_torch.scorers import KVpopHead
 
 SINGLE_FILE = "model.safetensors"
@@ -38,7 +38,6 @@ def weight_files(directory: str | os.PathLike) -> dict[str, str]:
 def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSettings, list[KVpopHead]]:
     """The export's KVpop settings and one `KVpopHead` (scorer + decay, float32) per layer."""
     config = read_config(directory)
-    refuse_dms(directory, config)
     if not config.get("kvpop"):
         raise ValueError(f"{os.fspath(directory)!r} is a dense export (its config.json has no 'kvpop' block): "
                          "decode it with transformers' own cache")

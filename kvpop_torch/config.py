@@ -90,12 +90,15 @@ class KVpopSettings:
 
 
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The export's config.json as a dict."""
+    """The export's config.json as a dict; a DMS export is refused (`refuse_dms`): every reader of an
+    export in this package goes through here."""
     path = os.path.join(os.fspath(directory), "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {os.fspath(directory)!r}")
     with open(path) as f:
-        return json.load(f)
+        config = json.load(f)
+    refuse_dms(directory, config)
+    return config
 
 
 def refuse_dms(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
@@ -110,7 +113,5 @@ def refuse_dms(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
 
 def read_settings(directory: str | os.PathLike) -> KVpopSettings | None:
     """The export's KVpop settings, or None for a dense export (no "kvpop" block); a DMS export is refused."""
-    config = read_config(directory)
-    refuse_dms(directory, config)
-    block = config.get("kvpop")
+    block = read_config(directory).get("kvpop")
     return KVpopSettings.from_dict(block) if block else None

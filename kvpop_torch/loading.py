@@ -11,7 +11,7 @@ from transformers.utils import logging as hf_logging
 from kvpop_torch.attention import ATTENTION_NAME
 from kvpop_torch.cache import KVpopCache
 from kvpop_torch.checkpoint import load_heads
-from kvpop_torch.config import read_config, refuse_dms
+from kvpop_torch.config import read_config
 
 
 def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None):
@@ -23,7 +23,6 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     implemented here).
     """
     config = read_config(directory)
-    refuse_dms(directory, config)
     kvpop = bool(config.get("kvpop"))
     # The kvpop tensors are ours, not the model's: load quietly, then report anything else.
     verbosity = hf_logging.get_verbosity()
