@@ -46,6 +46,13 @@ METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_au
                "teacher_recall", "tokens", "dms_loss", "eviction_rate", "target_eviction")
 
 
+def metric_keys(sc: "StepConfig") -> tuple[str, ...]:
+    """The step's scalar metrics: METRIC_KEYS, plus `pair_accuracy` (the share of ranking pairs
+    the scorer orders as the target does) when the retention loss has ranking pairs."""
+    kv = sc.model.kvpop
+    return METRIC_KEYS + (("pair_accuracy",) if kv is not None and kv.topk > 0 and kv.rank_pairs else ())
+
+
 @flax.struct.dataclass
 class TrainState:
     """step int32 []; params / opt_state pytrees; rng uint32 [2] (the run's base key)."""
@@ -139,6 +146,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
     kv, dms = sc.model.kvpop, sc.model.dms
     distill = kv if kv is not None else dms  # both carry kl_topk and kl_temperature
     chunk = sc.loss_chunk or sc.seq_len
+    keys = metric_keys(sc)
 
     def loss_fn(params, teacher_params, mb, rng, step):
         ids, pos, mask = mb["input_ids"], mb["positions"], mb["loss_mask"]
@@ -184,7 +192,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
         else:
             loss = kl + kv.retention_loss_weight * retention
         metrics["loss"] = loss
-        return loss, {k: jnp.asarray(metrics[k], jnp.float32) for k in METRIC_KEYS}
+        return loss, {k: jnp.asarray(metrics[k], jnp.float32) for k in keys}
 
     return loss_fn
 
@@ -216,7 +224,7 @@ def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None)
                 return (grads_acc, metrics_acc), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            zero_metrics = {k: jnp.zeros((), jnp.float32) for k in METRIC_KEYS}
+            zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_keys(sc)}
             (grads, metrics), _ = jax.lax.scan(
                 micro, (zeros, zero_metrics), (batch, jnp.arange(sc.grad_accum, dtype=jnp.int32)))
             grads = jax.tree.map(lambda g: g / sc.grad_accum, grads)
