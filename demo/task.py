@@ -201,6 +201,20 @@ def make_config(difficulty: str | None = None, task: str | None = None, **overri
 # ------------------------------------------------------------------------------ generation
 
 
+def min_seq_len(task: str | None = None, difficulty: str | None = None, *, up_to: int = 8192) -> int:
+    """The length from which on every seq_len (up to `up_to`) is valid for this task and
+    difficulty (integer rounding makes a few lengths just above the first valid one invalid)."""
+    last_bad = 0
+    for n in range(1, up_to + 1):
+        try:
+            make_config(difficulty, task, seq_len=n)
+        except ValueError:
+            last_bad = n
+    if last_bad == up_to:
+        raise ValueError(f"no seq_len up to {up_to} works for task {task!r}, difficulty {difficulty!r}")
+    return last_bad + 1
+
+
 def example_seed(seed: int, split: str, index: int) -> tuple[int, int, int]:
     """The entropy of example `index` of `split`: splits never share a seed."""
     return (int(seed), SPLITS[split], int(index))

@@ -47,7 +47,7 @@ from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
-from kvpop_jax.checkpoint import load_tokenizer
+from kvpop_jax.checkpoint import check_checkpoint, load_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
@@ -56,24 +56,33 @@ from kvpop_jax.sampling import SamplingConfig
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
-def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):
-    """(model, params, cache spec) for one method at budget B (None for dense)."""
+def method_config(method: str, checkpoint_config, budget: int | None, *, sinks: int):
+    """(model config, cache spec) for one method at budget B (None for dense), from the checkpoint's
+    config alone: every ValueError a method can raise at B (a dense checkpoint for a KVpop
+    method, a budget below s + w + the scorer's state) comes from here, before anything loads."""
     config = checkpoint_config
     if method == "dense" or method in BASELINES:
-        if config.kvpop is not None or config.dms is not None:  # run a retrofitted checkpoint's weights densely
-            config, params = strip_kvpop(config, params)
+        config = dataclasses.replace(config, kvpop=None, dms=None)  # a retrofit's weights, run densely
         if method == "dense":
-            return Qwen3ForCausalLM(config, dtype=dtype), params, "dense"
-        cfg = BaselineConfig(method, budget, sinks=min(sinks, budget - 1) if method == "streaming" else 0)
-        return Qwen3ForCausalLM(config, dtype=dtype), params, cfg
+            return config, "dense"
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        return config, BaselineConfig(method, budget, sinks=min(sinks, budget - 1) if method == "streaming" else 0)
     if config.dms is not None:
-        config = dataclasses.replace(config, dms=config.dms.retarget(budget, config.head_dim))
-        return Qwen3ForCausalLM(config, dtype=dtype), params, "dms"
+        return dataclasses.replace(config, dms=config.dms.retarget(budget, config.head_dim)), "dms"
     if config.kvpop is None:
         raise ValueError(f"method {method!r} needs a KVpop or DMS checkpoint (config.json with 'kvpop' or 'dms'), "
                          "got a dense one")
-    config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))
-    return Qwen3ForCausalLM(config, dtype=dtype), params, "kvpop"
+    return dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim)), "kvpop"
+
+
+def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):
+    """(model, params, cache spec) for one method at budget B (None for dense)."""
+    config, cache = method_config(method, checkpoint_config, budget, sinks=sinks)
+    if cache == "dense" or isinstance(cache, BaselineConfig):
+        if checkpoint_config.kvpop is not None or checkpoint_config.dms is not None:
+            config, params = strip_kvpop(checkpoint_config, params)
+    return Qwen3ForCausalLM(config, dtype=dtype), params, cache
 
 
 def _load_tokenizer(tokenizer, checkpoint: str):
@@ -133,7 +142,7 @@ def run_accuracy(
     sinks: int = 4,
     batch_size: int | None = None,
     limit: int | None = None,
-    split: str = "test",
+    split: str | None = None,
     chat_template: bool = False,
     seed: int = 0,
     dtype=None,
@@ -162,21 +171,50 @@ def run_accuracy(
     """
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
-    if problem_batch < 1:
-        raise ValueError(f"problem_batch must be >= 1, got {problem_batch}")
+    # Every input is checked before the first decode: a bad CR or checkpoint of the last method
+    # must not surface after hours of the first one's rollouts.
+    for name, value in (("problem_batch", problem_batch), ("n_rollouts", n_rollouts), ("context_len", context_len),
+                        ("max_new_tokens", max_new_tokens), ("batch_size", 1 if batch_size is None else batch_size)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")
-    settings = [(m, None) if m == "dense" else (m, float(cr)) for m in methods
-                for cr in ([None] if m == "dense" else compression_ratios)]
+    crs = list(dict.fromkeys(float(cr) for cr in compression_ratios))
+    if not crs and any(m != "dense" for m in methods):
+        raise ValueError("no compression ratios given")
+    budgets = {cr: KVpopConfig.budget_at(cr, context_len) for cr in crs}  # CR in [0, 1): checked here
+    settings = [(m, None) if m == "dense" else (m, cr) for m in methods for cr in ([None] if m == "dense" else crs)]
+    configs: dict[str, Any] = {}
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
         path = _checkpoint_for(checkpoints, method, cr)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: no such directory")
+        if path not in configs:
+            configs[path] = check_checkpoint(path)  # config.json and the weights' headers
+        try:
+            method_config(method, configs[path], None if cr is None else budgets[cr], sinks=sinks)
+        except ValueError as e:
+            at = "" if cr is None else f" at CR {cr:g} (B {budgets[cr]} of context_len {context_len})"
+            raise ValueError(f"method {method!r}{at} with checkpoint {path!r}: {e}") from None
     sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
-    benchmarks = {benchmark_name(s): load_benchmark(s, split=split, limit=limit) for s in sources}
+    benchmarks: dict[str, list[dict]] = {}
+    named: dict[str, str] = {}
+    for source in sources:
+        name = benchmark_name(source)
+        if name in named:
+            raise ValueError(f"benchmarks {named[name]!r} and {source!r} share the name {name!r} that reports, "
+                             "samples and records are keyed by: rename one of the files")
+        named[name] = source
+        benchmarks[name] = load_benchmark(source, split=split, limit=limit)
     tok = _load_tokenizer(tokenizer, _checkpoint_for(checkpoints, *settings[0]))
     encoded = {b: [_encode(tok, p["prompt"], chat_template) for p in probs] for b, probs in benchmarks.items()}
+    longest = max(len(ids) for enc in encoded.values() for ids in enc) + max_new_tokens
+    for cr, budget in budgets.items():
+        if budget >= longest and any(m != "dense" for m in methods):
+            raise ValueError(f"CR {cr:g} of context_len {context_len} is a budget of {budget} KV entries, more than "
+                             f"the longest prompt plus max_new_tokens ({longest} tokens): nothing would be evicted. "
+                             "Set context_len to the length the CR should be taken of (e.g. the prompt length)")
     batch = batch_size or n_rollouts
 
     loaded: dict[str, tuple] = {}
@@ -190,7 +228,7 @@ def run_accuracy(
             if path not in loaded:
                 loaded[path] = load_pretrained(path, dtype=dtype)
             config, params = loaded[path]
-            budget = None if cr is None else KVpopConfig.budget_at(cr, context_len)
+            budget = None if cr is None else budgets[cr]
             model, mparams, cache = method_setup(method, config, params, budget, sinks=sinks, dtype=dtype)
             eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
             eos |= set(config.eos_token_id if isinstance(config.eos_token_id, tuple) else
@@ -250,9 +288,15 @@ def parse_checkpoints(spec: str) -> dict[str, Any]:
         name, path = item.split("=", 1)
         if "@" in name:
             name, cr = name.split("@", 1)
+            if name == "dense":
+                raise ValueError(f"checkpoint spec {item!r}: dense runs once, without a CR; give it as dense=PATH")
+            try:
+                cr = float(cr)
+            except ValueError:
+                raise ValueError(f"checkpoint spec {item!r}: {cr!r} is not a compression ratio (NAME@0.88=PATH)") from None
             if isinstance(out.get(name), str):
                 raise ValueError(f"{name!r} has both a plain and a per-CR checkpoint")
-            out.setdefault(name, {})[float(cr)] = path
+            out.setdefault(name, {})[cr] = path
         else:
             if name in out:
                 raise ValueError(f"{name!r} is given twice")
@@ -260,4 +304,4 @@ def parse_checkpoints(spec: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["method_setup", "parse_checkpoints", "run_accuracy"]
+__all__ = ["method_config", "method_setup", "parse_checkpoints", "run_accuracy"]

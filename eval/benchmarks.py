@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 
-from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset
+from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config, min_seq_len
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
@@ -51,7 +51,17 @@ class DemoSpec:
         return f"{DEMO_PREFIX}{self.task}:{self.split}:seed={self.seed}:n={self.n}:len={self.len}" + (
             f":difficulty={self.difficulty}" if self.difficulty != "medium" else "")
 
+    def config(self):
+        """The task's DemoTaskConfig; a length too short for the task is a ValueError naming the
+        shortest one that works."""
+        try:
+            return make_config(self.difficulty, self.task, seq_len=self.len)
+        except ValueError as e:
+            raise ValueError(f"len={self.len}: {e}; the shortest {self.task} ({self.difficulty}) prompt is "
+                             f"len={min_seq_len(self.task, self.difficulty)}") from None
+
     def problems(self) -> list[dict]:
+        self.config()
         examples = generate_dataset(self.n, self.seed, self.split, task=self.task, difficulty=self.difficulty,
                                     seq_len=self.len)
         return [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
@@ -66,28 +76,41 @@ def parse_demo_spec(source: str) -> DemoSpec:
         raise ValueError(f"{source!r}: name a task, e.g. demo:reuse (tasks: {sorted(TASKS)})")
     fields: dict = {"task": parts[0]}
     for part in parts[1:]:
-        if "=" not in part:
-            fields["split"] = part
-            continue
-        key, value = part.split("=", 1)
-        if key not in ("seed", "n", "len", "difficulty"):
+        key, value = part.split("=", 1) if "=" in part else ("split", part)
+        if key not in ("split", "seed", "n", "len", "difficulty"):
             raise ValueError(f"{source!r}: unknown key {key!r} (seed, n, len, difficulty)")
+        if key in fields:
+            raise ValueError(f"{source!r}: {key} given twice ({fields[key]!r} and {value!r})")
+        if key == "split":
+            fields[key] = value
+            continue
         try:
             fields[key] = value if key == "difficulty" else int(value)
         except ValueError:
             raise ValueError(f"{source!r}: {key}={value!r} is not an integer") from None
     try:
-        return DemoSpec(**fields)
+        spec = DemoSpec(**fields)
+        spec.config()  # the task's own checks: is len long enough for it?
     except ValueError as e:
         raise ValueError(f"{source!r}: {e}") from None
+    return spec
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
-def load_benchmark(source: str, *, split: str = "test", limit: int | None = None) -> list[dict]:
+def load_benchmark(source: str, *, split: str | None = None, limit: int | None = None) -> list[dict]:
     """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON file, a local data
-    file `datasets` reads (parquet, csv), or a HF hub dataset name (`split`)."""
+    file `datasets` reads (parquet, csv), or a HF hub dataset name (`split`, default "test"; a
+    demo spec names its own split). limit: the first `limit` problems (>= 1; None: all)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (or None for every problem), got {limit}")
     if source.startswith(DEMO_PREFIX):
+        if split is not None:
+            raise ValueError(f"{source!r}: a demo spec names its own split (demo:TASK:SPLIT:...); "
+                             f"got split={split!r} beside it")
         rows = parse_demo_spec(source).problems()
+    elif source.rstrip("/") in ("demo", "demo.task"):
+        raise ValueError(f"benchmark {source!r}: a demo benchmark is a spec such as demo:reuse or "
+                         "demo:reuse:test:seed=123:n=100:len=2048 (note the colon)")
     elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
         with open(source) as f:
             text = f.read()
@@ -104,10 +127,16 @@ def load_benchmark(source: str, *, split: str = "test", limit: int | None = None
         if os.path.exists(source) and ext in ("parquet", "csv"):
             rows = datasets.load_dataset(ext, data_files=source, split="train")
         else:
-            rows = datasets.load_dataset(source, split=split)
+            try:
+                rows = datasets.load_dataset(source, split=split or "test")
+            except (ValueError, FileNotFoundError):
+                raise
+            except Exception as e:  # offline, no such dataset, gated: one line naming the source
+                raise ValueError(f"benchmark {source!r}: not a local file, and loading it as a hub dataset "
+                                 f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         rows = [dict(r) for r in rows]
     problems = []
-    for i, row in enumerate(rows[:limit] if limit else rows):
+    for i, row in enumerate(rows if limit is None else rows[:limit]):
         if not isinstance(row, dict):
             raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
         field = next((f for f in PROMPT_FIELDS if f in row), None)

@@ -96,7 +96,10 @@ def parse_token_ids(text: str, flag: str) -> list[int]:
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 0.75,0.88)") from None
 
 
 def cmd_accuracy(argv: Sequence[str]) -> None:
@@ -107,18 +110,22 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
                              "KVpop exports (e.g. kvpop-mlp=runs/x/export)")
     parser.add_argument("--methods", default="dense,streaming,tova,h2o",
                         help="comma-separated; KVpop methods are the names given in --checkpoints")
-    parser.add_argument("--benchmark", required=True, help="JSONL/parquet file(s) or hub name(s), comma-separated")
+    parser.add_argument("--benchmark", required=True,
+                        help="comma-separated: JSONL/JSON/parquet/csv files, hub dataset names, or generated demo "
+                             "problems demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D], e.g. "
+                             "demo:reuse:test:seed=123:n=100:len=2048 (then pass --context_len L too)")
     parser.add_argument("--n_rollouts", type=int, default=16)
     parser.add_argument("--compression_ratios", type=_floats, default=(0.75, 0.88))
-    parser.add_argument("--context_len", type=int, default=16384, help="CR = 1 - B / context_len")
+    parser.add_argument("--context_len", type=int, default=16384,
+                        help="CR = 1 - B / context_len (the paper's 16384; the prompt length for demo problems)")
     parser.add_argument("--max_new_tokens", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top_p", type=float, default=0.95)
     parser.add_argument("--top_k", type=int, default=20)
     parser.add_argument("--min_p", type=float, default=0.0)
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--limit", type=int, default=None, help="first N problems only")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=None, help="first N >= 1 problems only")
+    parser.add_argument("--split", default=None, help="hub datasets: the split (default test); a demo spec names its own")
     parser.add_argument("--chat_template", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--problem_batch", type=int, default=1,

@@ -169,6 +169,19 @@ def _open(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
+def check_checkpoint(path: str | os.PathLike) -> Qwen3Config:
+    """The config of the checkpoint directory `path`, after checking what can be checked without
+    reading the weights: config.json parses, and every safetensors file's header opens (a
+    truncated or non-safetensors file is a ValueError naming it). Cheap at any model size."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    config = Qwen3Config.from_hf(path)
+    for fn in sorted(set(_weight_files(path).values())):
+        _open(fn)
+    return config
+
+
 def load_pretrained(
     path: str | os.PathLike,
     dtype: Any = jnp.float32,

@@ -75,20 +75,20 @@ def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     rows = run_accuracy(
         ["dense", "streaming", "tova", "h2o", "kvpop-mlp"],
         {"dense": str(tmp_path / "dense"), "kvpop-mlp": str(tmp_path / "kvpop")},
-        str(bench), n_rollouts=2, compression_ratios=(0.5,), context_len=32, max_new_tokens=6,
+        str(bench), n_rollouts=2, compression_ratios=(0.5,), context_len=16, max_new_tokens=6,
         sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0), out_dir=str(out), progress=False,
     )
     assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [
-        ("dense", None, None), ("streaming", 0.5, 16), ("tova", 0.5, 16), ("h2o", 0.5, 16), ("kvpop-mlp", 0.5, 16)]
+        ("dense", None, None), ("streaming", 0.5, 8), ("tova", 0.5, 8), ("h2o", 0.5, 8), ("kvpop-mlp", 0.5, 8)]
     assert all(0.0 <= r["abs"] <= 1.0 for r in rows)
     for name in ("accuracy.md", "accuracy.png", "accuracy.json", "samples.jsonl"):
         assert os.path.getsize(out / name) > 0, name
-    assert "| 50% | 16 | kvpop-mlp |" in (out / "accuracy.md").read_text()
+    assert "| 50% | 8 | kvpop-mlp |" in (out / "accuracy.md").read_text()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 5 * 3 * 2
 
     # one greedy rollout per problem: decoding equal-length problems together changes nothing
-    greedy = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=6,
+    greedy = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=6,
                   sampling=SamplingConfig.greedy(), progress=False)
     checkpoints = {"dense": str(tmp_path / "dense"), "kvpop-mlp": str(tmp_path / "kvpop")}
     methods = ["dense", "tova", "kvpop-mlp"]
@@ -123,9 +123,17 @@ def test_demo_benchmark_spec_generates_fresh_problems():
     assert make_config(task="reuse").n_reuse == 3
     for bad, message in (("demo:", "name a task"), ("demo:chess", "task must be one of"),
                          ("demo:reuse:dev", "split must be one of"), ("demo:reuse:n=x", "n='x' is not an integer"),
-                         ("demo:reuse:k=3", "unknown key 'k'")):
+                         ("demo:reuse:k=3", "unknown key 'k'"), ("demo:reuse:n=2:n=3", "n given twice"),
+                         ("demo:reuse:test:train", "split given twice"),
+                         ("demo:reuse:len=300", r"len=300: .*too short.* the shortest reuse \(medium\) prompt is len=959")):
         with pytest.raises(ValueError, match=message):
             load_benchmark(bad)
+    with pytest.raises(ValueError, match="a demo spec names its own split"):
+        load_benchmark("demo:reuse:n=2", split="validation")
+    with pytest.raises(ValueError, match="note the colon"):
+        load_benchmark("demo")
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_benchmark(spec, limit=0)
 
 
 def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
@@ -153,10 +161,10 @@ def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
     bench = tmp_path / "bench.jsonl"
     bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n" for p, a in [("x3y5\nask x\n", "3")]))
     rows = run_accuracy(["dense", "dms"], {"dense": str(tmp_path / "dense"), "dms": str(tmp_path / "dms")},
-                        str(bench), n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=4,
+                        str(bench), n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=4,
                         sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"), progress=False)
-    assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [("dense", None, None), ("dms", 0.5, 16)]
-    assert "| 50% | 16 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
+    assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [("dense", None, None), ("dms", 0.5, 8)]
+    assert "| 50% | 8 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
 
 
 def _dense_checkpoint(path):
@@ -188,7 +196,7 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(accuracy, "generate", fake_generate)
     out = tmp_path / "out"
-    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=32, max_new_tokens=4,
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=4,
               sampling=SamplingConfig.greedy(), out_dir=str(out), progress=False)
     fail_at = None
     run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
@@ -256,3 +264,67 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
               "--out_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: checkpoint of 'dense' '{tmp_path / 'nope'}': no such directory"
+
+
+def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
+    """Every check runs before any method decodes: a bad CR, checkpoint or budget of the last
+    method must not surface after the first one's rollouts."""
+    import datasets
+
+    import eval.accuracy as accuracy
+
+    dense, config = _dense_checkpoint(tmp_path / "dense")
+    kv = dataclasses.replace(config, kvpop=KVpopConfig(sinks=2, window=4, topk=4, scorer="mlstm", mlstm_dim=8))
+    save_pretrained(kv, retrofit_params(kv, init_params(config, jax.random.key(0)), jax.random.key(1)),
+                    tmp_path / "kv")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        data = (tmp_path / "kv" / name).read_bytes()
+        (corrupt / name).write_bytes(data if name == "config.json" else data[: len(data) // 2])
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded before the inputs were checked")
+
+    monkeypatch.setattr(accuracy, "generate", no_decode)
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=4,
+              sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"), progress=False)
+    ckpts = {"dense": dense, "kv": str(tmp_path / "kv")}
+    run = lambda methods, checkpoints=ckpts, source=str(bench), **over: run_accuracy(  # noqa: E731
+        methods, checkpoints, source, **{**kw, **over})
+    with pytest.raises(ValueError, match=r"compression ratio must be in \[0, 1\), got 1.0"):
+        run(["dense", "tova"], compression_ratios=(0.5, 1.0))
+    with pytest.raises(ValueError, match=r"method 'kv' at CR 0.5 \(B 8 of context_len 16\) with checkpoint .*kv'"):
+        run(["dense", "tova", "kv"])  # B 8 < s + w + the mLSTM's state
+    with pytest.raises(ValueError, match=r"method 'x' .* '.*dense'.*needs a KVpop or DMS checkpoint"):
+        run(["dense", "x"], {"dense": dense, "x": dense})
+    with pytest.raises(ValueError, match=r"corrupt safetensors file '.*corrupt/model.safetensors'"):
+        run(["dense", "x"], {"dense": dense, "x": str(corrupt)})
+    for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
+            run(["dense", "tova"], **{name: value})
+    with pytest.raises(ValueError, match=r"CR 0.5 of context_len 64 is a budget of 32 KV entries, more than the "
+                                         r"longest prompt plus max_new_tokens \(14 tokens\): nothing would be evicted"):
+        run(["dense", "tova"], context_len=64)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "bench.jsonl").write_text(bench.read_text())
+    with pytest.raises(ValueError, match="share the name 'bench'"):
+        run(["dense"], source=[str(bench), str(other / "bench.jsonl")])
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
+        SamplingConfig(temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"'dense@0.75=/a': dense runs once"):
+        parse_checkpoints("dense@0.75=/a")
+    with pytest.raises(ValueError, match=r"'abc' is not a compression ratio"):
+        parse_checkpoints("kv@abc=/a")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'some_org/bench' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match=r"'some_org/bench': not a local file, and loading it as a hub dataset "
+                                         r"failed \(ConnectionError"):
+        load_benchmark("some_org/bench")
+    assert not (tmp_path / "out").exists()
