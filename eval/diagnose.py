@@ -53,10 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from demo.task import TASKS, generate_dataset
+from demo.task import TASKS, generate_dataset, min_seq_len
 from eval.recall import policy_arrays
 from kvpop_jax import load_pretrained
-from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead, kept_long_range
 from kvpop_jax.policy import static_priority
@@ -485,6 +485,41 @@ DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "
                "learn": learn, "shift": shift, "margin": margin, "reads": reads}
 
 
+TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads")  # the rest read --exports
+
+
+def check_args(args) -> None:
+    """Bad values refused by name before anything loads: counts, the budget against s + w, and
+    --layer / --kv_head against the models' config.json (an export for the export diagnostics)."""
+    for name, low in (("problems", 1), ("steps", 0), ("sinks", 0), ("window", 0), ("seed", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    shortest = min_seq_len(args.task)
+    if args.prompt_len < shortest:
+        raise ValueError(f"--prompt_len {args.prompt_len} is too short for {args.task}: the shortest is {shortest}")
+    if any(o < 0 for o in args.offsets):
+        raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
+    uses_teacher = args.what in TEACHER_DIAGNOSTICS
+    if uses_teacher and args.what != "read" and args.budget - args.sinks - args.window < 1:
+        raise ValueError(f"--budget {args.budget} leaves no long-range slot: {args.what} measures k = B - s - w = "
+                         f"{args.budget} - {args.sinks} - {args.window}, which must be >= 1")
+    paths = [args.teacher] if uses_teacher else args.exports
+    if not paths:
+        raise ValueError(f"diagnose {args.what} needs --exports")
+    for path in paths:
+        config = check_checkpoint(path)
+        if not uses_teacher and config.kvpop is None:
+            raise ValueError(f"diagnose {args.what} reads a KVpop export's policy; {path!r} is "
+                             f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
+        if not uses_teacher:
+            config.kvpop.retarget(args.budget, config.head_dim)  # --budget below s + w + state: named there
+        if not 0 <= args.layer < config.num_hidden_layers:
+            raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
+        if not 0 <= args.kv_head < config.num_key_value_heads:
+            raise ValueError(f"--kv_head {args.kv_head} is out of range: {path!r} has KV heads "
+                             f"0..{config.num_key_value_heads - 1}")
+
+
 def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.main diagnose", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=sorted(DIAGNOSTICS))
@@ -515,5 +550,9 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]
-    args.offsets = [int(o) for o in args.offsets.split(",") if o]
+    try:
+        args.offsets = [int(o) for o in args.offsets.split(",") if o.strip()]
+    except ValueError:
+        raise ValueError(f"--offsets must be comma-separated integers, got {args.offsets!r}") from None
+    check_args(args)
     DIAGNOSTICS[args.what](args)

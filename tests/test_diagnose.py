@@ -203,3 +203,32 @@ def test_reads_kinds_partition_the_eligible_tokens_and_shares_match_a_brute_forc
                              budget=106, sinks=4, window=32, layer=1, kv_head=0))
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [row[2:32].strip() for row in rows] == list(KINDS)
+
+
+def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
+    """What used to print nonsense (a budget with k < 1 counted every fact as kept), wrap around
+    (--layer -1) or end in a KeyError / ZeroDivisionError is refused by name, from config.json alone."""
+    from eval import diagnose
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(diagnose, "load_pretrained", no_load)
+    base = ["--teacher", "checkpoints/demo-teacher", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse"]
+    for argv, message in (
+        (["maxtgt", "--budget", "20"], r"--budget 20 leaves no long-range slot: maxtgt measures k = B - s - w = "
+                                       r"20 - 4 - 32"),
+        (["reads", "--budget", "-5"], "--budget -5 leaves no long-range slot"),
+        (["keep", "--budget", "20"], r"budget 20 < s \+ w"),
+        (["maxtgt", "--layer", "5"], r"--layer 5 is out of range: 'checkpoints/demo-teacher' has layers 0..1"),
+        (["margin", "--layer", "-1"], "--layer -1 is out of range"),
+        (["learn", "--kv_head", "2"], r"--kv_head 2 is out of range: .* has KV heads 0..1"),
+        (["reads", "--problems", "0"], "--problems must be >= 1, got 0"),
+        (["learn", "--steps", "-3"], "--steps must be >= 0, got -3"),
+        (["shift", "--offsets", "-5000"], "--offsets must be >= 0"),
+        (["shift", "--offsets", "abc"], "--offsets must be comma-separated integers"),
+        (["reads", "--prompt_len", "300"], "--prompt_len 300 is too short for reuse: the shortest is 959"),
+        (["keep", "--exports", "checkpoints/demo-teacher"], r"'checkpoints/demo-teacher' is a dense checkpoint"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            diagnose.main(base + argv)  # argparse: the later --exports wins
