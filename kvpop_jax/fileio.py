@@ -32,11 +32,28 @@ def write_synced(filename: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process's umask (read, not changed: /proc on Linux; elsewhere set and restored)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(filename: str, data: bytes) -> None:
-    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn file."""
+    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn
+    file. The file gets the mode a plain `open(filename, "w")` would (0666 less the umask), not
+    mkstemp's private 0600: reports and exports stay readable to whom the umask allows."""
     directory = os.path.dirname(filename) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

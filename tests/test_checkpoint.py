@@ -256,3 +256,21 @@ def test_resave_without_an_atomic_exchange_still_replaces_the_export(hf_checkpoi
     save_pretrained(config, _scaled(params, 2.0), tmp_path / "export")
     assert _params_equal(load_pretrained(tmp_path / "export")[1], _scaled(params, 2.0))
     assert sorted(os.listdir(tmp_path)) == ["export", "hf_g2_untied_0"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_get_the_mode_a_plain_open_would(tmp_path, umask):
+    """Not mkstemp's 0600: reports and exports on a shared cluster stay readable per the umask."""
+    from kvpop_jax.fileio import atomic_write_bytes, current_umask
+
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        atomic_write_bytes(str(tmp_path / "atomic.md"), b"x")
+        with open(tmp_path / "plain.md", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
+    assert mode("atomic.md") == mode("plain.md") == 0o666 & ~umask
+    assert (tmp_path / "atomic.md").read_bytes() == b"x"

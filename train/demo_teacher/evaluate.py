@@ -80,8 +80,6 @@ def export(cfg: PretrainConfig, params, results: list[dict], command: str, train
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), jax.device_get(params))
     save_pretrained(cfg.model, params, cfg.out_dir)
     save_tokenizer(cfg.out_dir)
-    for name in os.listdir(cfg.out_dir):  # save_pretrained's atomic writes leave files 0600
-        os.chmod(os.path.join(cfg.out_dir, name), 0o644)
     summary = [{k: r.get(k, "read_once") for k in ("task", "prompt_len", "split", "n", "accuracy")} for r in results]
     with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
         json.dump(dict(results=summary, samples={f"{r.get('task', 'read_once')}@{r['prompt_len']}": r["samples"][:3]
