@@ -98,8 +98,9 @@ class KVpopLayer(CacheLayerMixin):
             self._check_positions(kwargs.get("position_ids"), length)
             out = self._prefill(key_states, value_states)
         else:
-            raise NotImplementedError("a KVpop cache takes one prompt, then one token per call (no chunked "
-                                      "prefill, no multi-token continuation)")
+            raise NotImplementedError(f"a KVpop cache takes one prompt, then one token per call (no chunked "
+                                      f"prefill, no multi-token continuation); this one already holds {self.seen} "
+                                      "tokens: for a new generation pass a fresh cache (cache=make_cache())")
         self.seen += length
         kwargs["kvpop_mask"] = self._pending = out[2]
         return out[0], out[1]
@@ -274,6 +275,7 @@ class KVpopCache(Cache):
         """
         if model is not None:
             check_attention(model)
+            guard_new_tokens(model)
             device = device or next(model.parameters()).device
         settings, heads = load_heads(directory, device=device)
         return cls(settings, heads)
@@ -294,3 +296,27 @@ def check_attention(model) -> None:
         raise ValueError(f"the model attends with {impl!r}, which ignores the KVpop mask; load it with "
                          f"attn_implementation={ATTENTION_NAME!r} or call model.set_attn_implementation("
                          f"{ATTENTION_NAME!r})")
+
+
+def guard_new_tokens(model) -> None:
+    """Installs (once) a forward pre-hook that names a call with no new tokens (`check_new_tokens`)."""
+    if not getattr(model, "_kvpop_guarded", False):
+        model.register_forward_pre_hook(check_new_tokens, with_kwargs=True)
+        model._kvpop_guarded = True
+
+
+def check_new_tokens(module, args, kwargs):
+    """A forward with no new tokens, named: an empty prompt, or (what `generate` makes of it) a
+    KVpopCache passed again after it served a generation. Otherwise torch fails deep inside the
+    attention ("cannot reshape tensor of 0 elements")."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None or ids.shape[1] > 0:
+        return None
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    held = cache.get_seq_length() if isinstance(cache, KVpopCache) else 0
+    if held:
+        raise ValueError(f"this KVpopCache already holds a generation ({held} tokens): a cache serves one "
+                         "generate call; pass a fresh one each time (cache=make_cache())")
+    raise ValueError("no input tokens: the prompt is empty (a KVpop cache needs at least one token)")

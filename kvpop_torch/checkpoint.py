@@ -21,6 +21,21 @@ INDEX_FILE = "model.safetensors.index.json"
 KVPOP_PREFIX = "model.layers.{i}.self_attn.kvpop."
 
 
+def open_safetensors(filename: str):
+    """safe_open, with a truncated or non-safetensors file named in a ValueError."""
+    try:
+        return safe_open(filename, framework="pt")
+    except Exception as e:  # safetensors' SafetensorError, OSError
+        raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
+
+
+def check_weights(directory: str | os.PathLike) -> None:
+    """Every safetensors file of the export opens (its header parses and covers the file)."""
+    for filename in sorted(set(weight_files(directory).values())):
+        with open_safetensors(filename):
+            pass
+
+
 def weight_files(directory: str | os.PathLike) -> dict[str, str]:
     """tensor name -> safetensors file of the export (single file or sharded index)."""
     directory = os.fspath(directory)
@@ -31,7 +46,7 @@ def weight_files(directory: str | os.PathLike) -> dict[str, str]:
     single = os.path.join(directory, SINGLE_FILE)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory!r}")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -57,7 +72,7 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         prefix = KVPOP_PREFIX.format(i=i)
         state = {}
         for name in (n for n in files if n.startswith(prefix)):
-            with safe_open(files[name], framework="pt") as f:
+            with open_safetensors(files[name]) as f:
                 state[name[len(prefix):]] = f.get_tensor(name)
         head = KVpopHead(settings, heads_kv, head_dim, rope_theta=rope_theta)
         missing, unexpected = head.load_state_dict(state, strict=False)

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from kvpop_torch.attention import ATTENTION_NAME
-from kvpop_torch.cache import KVpopCache
-from kvpop_torch.checkpoint import load_heads
+from kvpop_torch.cache import KVpopCache, guard_new_tokens
+from kvpop_torch.checkpoint import check_weights, load_heads
 from kvpop_torch.config import read_config
 
 
@@ -23,6 +23,7 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     implemented here).
     """
     config = read_config(directory)
+    check_weights(directory)  # a corrupt file named here, not as a bare SafetensorError from transformers
     kvpop = bool(config.get("kvpop"))
     # The kvpop tensors are ours, not the model's: load quietly, then report anything else.
     verbosity = hf_logging.get_verbosity()
@@ -42,4 +43,6 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
         return model, lambda: DynamicCache(config=model.config)
     device = next(model.parameters()).device
     settings, heads = load_heads(directory, device=device)
+    guard_new_tokens(model)
     return model, lambda: KVpopCache(settings, heads)
+

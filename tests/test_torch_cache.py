@@ -135,6 +135,21 @@ def test_a_dms_export_is_refused_not_decoded_dense(tmp_path, rng):
             load(tmp_path)
 
 
+def test_a_corrupt_weights_file_is_named(tmp_path, rng):
+    import kvpop_torch
+    from kvpop_torch.checkpoint import load_heads
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    weights = os.path.join(tmp_path, "model.safetensors")
+    with open(weights, "rb") as f:
+        data = f.read()
+    with open(weights, "wb") as f:
+        f.write(data[: len(data) // 2])
+    for load in (kvpop_torch.load, load_heads):
+        with pytest.raises(ValueError, match=r"corrupt safetensors file '.*model.safetensors'"):
+            load(tmp_path)
+
+
 def test_generate_idioms_and_misuse(tmp_path, rng):
     kv = KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4)
     kvpop_export(tmp_path, BASE, kv, rng)
@@ -156,6 +171,15 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
         model(ids, cache=cache)
         with pytest.raises(NotImplementedError, match="one token per call"):
             model(ids[:, :2], cache=cache)
+        # A cache serves one generation: passed again, generate() would feed no new tokens.
+        used = KVpopCache.from_pretrained(tmp_path, model)
+        model.generate(ids[:, :3], cache=used, **greedy)
+        with pytest.raises(ValueError, match=r"already holds a generation \(8 tokens\).*cache=make_cache\(\)"):
+            model.generate(ids[:, :3], cache=used, **greedy)  # generate() feeds ids[:, 8:]: nothing
+        with pytest.raises(NotImplementedError, match=r"already holds 8 tokens.*cache=make_cache\(\)"):
+            model.generate(ids, cache=used, **greedy)  # ids[:, 8:]: four tokens at once
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            model(ids[:, :0], cache=KVpopCache.from_pretrained(tmp_path, model))
         # Any other attention would silently ignore the mask.
         model.set_attn_implementation("sdpa")
         with pytest.raises(ValueError, match="ignores the KVpop mask"):
