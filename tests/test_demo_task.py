@@ -237,3 +237,18 @@ def test_reuse_oracles_separate_delayed_insertion_and_streaming(reuse_set):
     assert cr88["delayed"] == 1.0 and cr88["streaming"] == 0.0
     assert max(cr88["insertion_fifo"], cr88["insertion_lifo"]) <= 0.3
     assert rate(256)["streaming"] == 0.0  # the last read is a third of the prompt before the question
+
+
+def test_demo_cli_prints_the_main_task_and_refuses_bad_values(capsys, tmp_path):
+    from demo.__main__ import main
+
+    main(["--n", "3", "--out", str(tmp_path / "x.jsonl")])
+    out = capsys.readouterr().out
+    assert "3 test examples, task reuse" in out and "prompt tokens 1024..1024" in out
+    assert "CR 88% (B=123, s=4, w=32): oracle recovery" in out and len((tmp_path / "x.jsonl").read_text().splitlines()) == 3
+    for argv, message in ((["--n", "0"], "need --n >= 1"), (["--seq_len", "10"], "the shortest reuse prompt is 959"),
+                          (["--w", "5000"], "--w 5000 does not fit"), (["--out", str(tmp_path / "no" / "x.jsonl")],
+                                                                        "does not exist")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
