@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -215,6 +216,10 @@ def run_accuracy(
             raise ValueError(f"CR {cr:g} of context_len {context_len} is a budget of {budget} KV entries, more than "
                              f"the longest prompt plus max_new_tokens ({longest} tokens): nothing would be evicted. "
                              "Set context_len to the length the CR should be taken of (e.g. the prompt length)")
+    for path, config in configs.items():  # RoPE runs past it, but the model never trained there
+        if longest > config.max_position_embeddings:
+            print(f"warning: prompts plus max_new_tokens reach {longest} tokens, beyond the "
+                  f"max_position_embeddings {config.max_position_embeddings} of {path!r}", file=sys.stderr)
     batch = batch_size or n_rollouts
 
     loaded: dict[str, tuple] = {}

@@ -270,7 +270,7 @@ def margin(args) -> None:
             gaps += [[target[n] - others[min(i, len(others)) - 1] for i in nth] for n in _needed(ex)]
         print(f"{normalizer:6s} target, layer {args.layer} KV head {args.kv_head} of {args.exports[0]} at B {args.budget}: "
               f"queried fact's log-target minus the {', '.join(map(str, nth))}-th other eligible token "
-              f"(median over {len(gaps)} facts):", np.round(np.median(gaps, 0), 2).tolist(), flush=True)
+              f"(median over {len(gaps)} facts):", [round(float(x), 2) + 0.0 for x in np.median(gaps, 0)], flush=True)
 
 
 KINDS = ("queried fact", "other marked fact", "binding value, name recurs", "binding value, name does not",

@@ -167,12 +167,13 @@ def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
     assert "| 50% | 8 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
 
 
-def _dense_checkpoint(path):
+def _dense_checkpoint(path, **overrides):
     from demo.atoms import VOCAB
     from demo.tokenizer import save_tokenizer
 
     config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=VOCAB["<eos>"])
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=VOCAB["<eos>"],
+                         **overrides)
     rng = np.random.default_rng(0)  # random weights without an (eager, slow) init pass
     save_pretrained(config, jax.tree.map(lambda x: (0.1 * rng.normal(size=x.shape)).astype(x.dtype),
                                          abstract_params(config)), path)
@@ -180,7 +181,7 @@ def _dense_checkpoint(path):
     return str(path), config
 
 
-def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, capsys):
     import eval.accuracy as accuracy
 
     dense, _ = _dense_checkpoint(tmp_path / "dense")
@@ -195,6 +196,11 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
         return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
 
     monkeypatch.setattr(accuracy, "generate", fake_generate)
+    short, _ = _dense_checkpoint(tmp_path / "short", max_position_embeddings=8)
+    run_accuracy(["dense"], {"dense": short}, str(bench), n_rollouts=1, max_new_tokens=4, out_dir=str(tmp_path / "s"),
+                 sampling=SamplingConfig.greedy(), progress=False)
+    assert "warning: prompts plus max_new_tokens reach 14 tokens, beyond the max_position_embeddings 8" in \
+        capsys.readouterr().err
     out = tmp_path / "out"
     kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=4,
               sampling=SamplingConfig.greedy(), out_dir=str(out), progress=False)
