@@ -196,6 +196,7 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
         return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
 
     monkeypatch.setattr(accuracy, "generate", fake_generate)
+    fail_at = None
     short, _ = _dense_checkpoint(tmp_path / "short", max_position_embeddings=8)
     run_accuracy(["dense"], {"dense": short}, str(bench), n_rollouts=1, max_new_tokens=4, out_dir=str(tmp_path / "s"),
                  sampling=SamplingConfig.greedy(), progress=False)
