@@ -500,7 +500,7 @@ def check_args(args) -> None:
     if any(o < 0 for o in args.offsets):
         raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
     uses_teacher = args.what in TEACHER_DIAGNOSTICS
-    if uses_teacher and args.what != "read" and args.budget - args.sinks - args.window < 1:
+    if args.what in ("maxtgt", "reads", "learn") and args.budget - args.sinks - args.window < 1:
         raise ValueError(f"--budget {args.budget} leaves no long-range slot: {args.what} measures k = B - s - w = "
                          f"{args.budget} - {args.sinks} - {args.window}, which must be >= 1")
     paths = [args.teacher] if uses_teacher else args.exports
