@@ -64,6 +64,7 @@ The oracles (`demo/oracles.py`) bound what any eviction policy can recover on it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections import deque
@@ -201,6 +202,7 @@ def make_config(difficulty: str | None = None, task: str | None = None, **overri
 # ------------------------------------------------------------------------------ generation
 
 
+@functools.lru_cache(maxsize=None)
 def min_seq_len(task: str | None = None, difficulty: str | None = None, *, up_to: int = 8192) -> int:
     """The length from which on every seq_len (up to `up_to`) is valid for this task and
     difficulty (integer rounding makes a few lengths just above the first valid one invalid)."""

@@ -94,6 +94,8 @@ def parse_demo_spec(source: str) -> DemoSpec:
     except ValueError as e:
         raise ValueError(f"{source!r}: {e}") from None
     return spec
+
+
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
