@@ -81,8 +81,7 @@ def method_setup(method: str, checkpoint_config, params, budget: int | None, *, 
     """(model, params, cache spec) for one method at budget B (None for dense)."""
     config, cache = method_config(method, checkpoint_config, budget, sinks=sinks)
     if cache == "dense" or isinstance(cache, BaselineConfig):
-        if checkpoint_config.kvpop is not None or checkpoint_config.dms is not None:
-            config, params = strip_kvpop(checkpoint_config, params)
+        params = strip_kvpop(checkpoint_config, params)[1]  # a retrofit's weights without its scorers or gates
     return Qwen3ForCausalLM(config, dtype=dtype), params, cache
 
 

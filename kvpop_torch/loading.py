@@ -45,4 +45,3 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     settings, heads = load_heads(directory, device=device)
     guard_new_tokens(model)
     return model, lambda: KVpopCache(settings, heads)
-
