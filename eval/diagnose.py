@@ -31,6 +31,12 @@ small table; each takes under a minute on CPU.
           problem, how many the exact (dense-normalizer) target's top-k holds, their log-target
           (median, and 10th-90th percentile), and the median share of their future attention that comes from later occurrences of
           their name (the name token or the one after it: a lookup of that name)
+  parks   where a name's lookup goes: per kind of name occurrence (binding, scratch restatement, keep
+          mark, recall, question, completion) and per query head of one layer / KV head of the dense
+          teacher, the mean attention on the first token (a sink), on the window (not counted by the
+          target yet), on older digits and older other tokens, and the largest single older key. A
+          binding's name has nothing to look up unless the name was bound before; what its query
+          reads there, the future-attention target counts
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly (`--labels told`: balanced logistic loss, marked facts 1 vs
@@ -53,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from demo.atoms import ASK, DIGITS, KEEP, NAMES
 from demo.task import TASKS, generate_dataset, min_seq_len
 from eval.recall import policy_arrays
 from kvpop_jax import load_pretrained
@@ -481,11 +488,75 @@ def learn(args) -> dict[str, list]:
     return history
 
 
+NAME_KINDS = ("binding", "scratch restatement", "keep mark", "recall", "question", "completion")
+
+
+def name_kind(tokens: Sequence[str], d: int, n_prompt: int) -> str | None:
+    """What the name at position d of a demo text does (`NAME_KINDS`), None if it is not a name.
+    A binding's name is followed by its digit; a scratch line restates `>name digit`; a recall line is
+    `name=digit`; `keep name` marks a fact; `ask a+b` asks; the completion looks names up."""
+    if tokens[d] not in NAMES:
+        return None
+    if d >= n_prompt:
+        return "completion"
+    prev, before = tokens[d - 1], tokens[d - 2] if d >= 2 else ""
+    nxt = tokens[d + 1] if d + 1 < len(tokens) else ""
+    if prev == ">":
+        return "scratch restatement"
+    if nxt == "=":
+        return "recall"
+    if prev == " " and before == KEEP:
+        return "keep mark"
+    if prev == "+" or (prev == " " and before == ASK):
+        return "question"
+    return "binding" if nxt in DIGITS else None
+
+
+def park_shares(probs_SxS: np.ndarray, tokens: Sequence[str], d: int, window: int) -> np.ndarray:
+    """Where query d's attention goes, float [5]: the first token, the window (keys t > d - w, which
+    the future-attention target does not count yet), digits and other tokens older than that
+    (1 <= t <= d - w), and the largest single older key."""
+    row = probs_SxS[d, : d + 1]
+    old = np.arange(1, max(1, d - window + 1))
+    digit = np.asarray([tokens[t] in DIGITS for t in old], bool)
+    return np.asarray([row[0], row[max(1, d - window + 1):].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
+                       row[old].max() if len(old) else 0.0])
+
+
+def parks(args) -> None:
+    config, params = load_pretrained(args.teacher)
+    tokenizer = checkpoint_tokenizer(args.teacher)
+    g = config.num_attention_heads // config.num_key_value_heads
+    sums = {(kind, h): np.zeros(5) for kind in NAME_KINDS for h in range(g)}
+    counts = dict.fromkeys(NAME_KINDS, 0)
+    for ex in _problems(args):
+        ids = tokenizer(ex["text"])["input_ids"]
+        tokens = [tokenizer.decode([i]) for i in ids]
+        probs = group_probs(config, params, jnp.asarray([ids]), args.layer, args.kv_head)[0]  # [G, S, S]
+        for d in range(1, len(ids)):
+            kind = name_kind(tokens, d, ex["meta"]["n_prompt_tokens"])
+            if kind is None:
+                continue
+            counts[kind] += 1
+            for h in range(g):
+                sums[kind, h] += park_shares(probs[h], tokens, d, args.window)
+    print(f"{args.teacher}, layer {args.layer} KV head {args.kv_head}, {args.problems} {args.task} problems: where "
+          f"the attention of a name goes, by what the name does (mean over its occurrences; w {args.window})")
+    print(f"  {'name':20s} {'per problem':>11s} {'head':>4s} {'first token':>11s} {'window':>6s} "
+          f"{'older digits':>12s} {'older other':>11s} {'largest older':>13s}")
+    for kind in NAME_KINDS:
+        for h in range(g):
+            if counts[kind]:
+                m = sums[kind, h] / counts[kind]
+                print(f"  {kind:20s} {counts[kind] / args.problems:11.1f} {h:4d} {m[0]:11.3f} {m[1]:6.3f} {m[2]:12.3f} "
+                      f"{m[3]:11.3f} {m[4]:13.3f}")
+
+
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
-               "learn": learn, "shift": shift, "margin": margin, "reads": reads}
+               "learn": learn, "shift": shift, "margin": margin, "reads": reads, "parks": parks}
 
 
-TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads")  # the rest read --exports
+TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
 
 
 def check_args(args) -> None:
@@ -525,7 +596,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("what", choices=sorted(DIAGNOSTICS))
     parser.add_argument("--exports", default="runs/tiny_cpu/kvpop-mlstm/export,runs/tiny_cpu/kvpop-mlp/export",
                         help="comma-separated KVpop exports (keep; target uses the first)")
-    parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt, probe, learn, reads)")
+    parser.add_argument("--teacher", default="checkpoints/demo-teacher", help="dense teacher (read, maxtgt, probe, learn, reads, parks)")
     parser.add_argument("--problems", type=int, default=24)
     parser.add_argument("--task", default="read_once", choices=sorted(TASKS), help="demo task of the problems")
     parser.add_argument("--seed", type=int, default=0)
@@ -533,9 +604,10 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--budget", type=int, default=123,
                         help="B at which keep sets are measured (maxtgt, reads: k = B - s - w)")
     parser.add_argument("--sinks", type=int, default=4, help="maxtgt, learn, reads, probe: s")
-    parser.add_argument("--window", type=int, default=32, help="maxtgt, learn, reads, probe: w")
-    parser.add_argument("--layer", type=int, default=1, help="maxtgt, learn, reads, shift, margin: the layer")
-    parser.add_argument("--kv_head", type=int, default=0, help="maxtgt, learn, reads, shift, margin: the KV head")
+    parser.add_argument("--window", type=int, default=32, help="maxtgt, learn, reads, probe, parks: w")
+    parser.add_argument("--layer", type=int, default=1, help="maxtgt, learn, reads, shift, margin, parks: the layer")
+    parser.add_argument("--kv_head", type=int, default=0,
+                        help="maxtgt, learn, reads, shift, margin, parks: the KV head")
     parser.add_argument("--scorer", default="mlstm", choices=["mlstm", "mlp"], help="learn: the scorer")
     parser.add_argument("--steps", type=int, default=200, help="learn: optimizer steps (8 problems each)")
     parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],

@@ -205,6 +205,57 @@ def test_reads_kinds_partition_the_eligible_tokens_and_shares_match_a_brute_forc
     assert [row[2:32].strip() for row in rows] == list(KINDS)
 
 
+def test_parks_names_each_lookup_by_its_meta_and_shares_match_a_brute_force(rng, capsys):
+    """`diagnose parks`: name_kind tells a binding, a scratch restatement, a keep mark, a recall, the
+    question and the completion apart as the task's meta places them; park_shares splits a query's
+    attention into first token / window / older digits / older other (summing to 1) as loops do; on
+    the shipped teacher a recall's lookup lands on one older key (the fact)."""
+    import argparse
+
+    from demo.task import generate_dataset
+    from eval.diagnose import NAME_KINDS, name_kind, park_shares, parks
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer("checkpoints/demo-teacher")
+    ex = generate_dataset(1, 4, "test", task="reuse", seq_len=1024)[0]
+    n, meta = ex["meta"]["n_prompt_tokens"], ex["meta"]
+    tokens = [tokenizer.decode([i]) for i in tokenizer(ex["text"])["input_ids"]]
+    kinds = {d: name_kind(tokens, d, n) for d in range(1, len(tokens))}
+    facts = meta["facts"]
+    assert {d for d, k in kinds.items() if k == "recall"} == {p - 2 for f in facts for p in f["reuse_pos"]}
+    assert {d for d, k in kinds.items() if k == "keep mark"} == {f["mark_pos"] for f in facts}
+    binds = {p - 1 for p in meta["binding_value_positions"]}
+    recalled = {p for f in facts for p in f["reuse_pos"]}
+    determined = [p for p in meta["determined_positions"] if p < n and p not in recalled]
+    scratch = {p - 1 for p in determined[::2]}  # a scratch line's restated value, then its result
+    assert {d for d, k in kinds.items() if k == "binding"} == binds - scratch
+    assert {d for d, k in kinds.items() if k == "scratch restatement"} == scratch
+    assert len([d for d, k in kinds.items() if k == "question"]) == 2
+    queried = sum(f["queried"] for f in facts)  # the completion opens with `name digit \n` per queried fact
+    assert {d for d, k in kinds.items() if k == "completion"} == {n + 3 * i for i in range(queried)}
+
+    s, w, d = 40, 6, 33
+    toks = [str(x) if x < 10 else "a" for x in rng.integers(0, 14, size=s)]
+    probs = rng.random((s, s))
+    probs /= probs.sum(1, keepdims=True)
+    got = park_shares(probs, toks, d, w)
+    old = range(1, d - w + 1)
+    brute = [probs[d, 0], sum(probs[d, t] for t in range(d - w + 1, d + 1)),
+             sum(probs[d, t] for t in old if toks[t] != "a"), sum(probs[d, t] for t in old if toks[t] == "a"),
+             max(probs[d, t] for t in old)]
+    np.testing.assert_allclose(got, brute, rtol=1e-6)
+    np.testing.assert_allclose(probs[d, : d + 1].sum(), got[:4].sum(), rtol=1e-6)
+
+    parks(argparse.Namespace(teacher="checkpoints/demo-teacher", problems=1, seed=4, task="reuse", prompt_len=1024,
+                             window=32, layer=1, kv_head=0))
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[2:]]
+    assert [" ".join(r[:-7]) for r in rows[::2]] == list(NAME_KINDS)
+    for r in rows:
+        np.testing.assert_allclose(sum(float(x) for x in r[-5:-1]), 1.0, atol=2e-3)
+    recall_match = next(r for r in rows if r[0] == "recall" and r[2] == "0")
+    assert float(recall_match[-1]) > 0.9
+
+
 def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
     """What used to print nonsense (a budget with k < 1 counted every fact as kept), wrap around
     (--layer -1) or end in a KeyError / ZeroDivisionError is refused by name, from config.json alone."""
