@@ -512,13 +512,13 @@ def name_kind(tokens: Sequence[str], d: int, n_prompt: int) -> str | None:
     return "binding" if nxt in DIGITS else None
 
 
-def park_shares(probs_SxS: np.ndarray, tokens: Sequence[str], d: int, window: int) -> np.ndarray:
+def park_shares(probs_SxS: np.ndarray, is_digit_S: np.ndarray, d: int, window: int) -> np.ndarray:
     """Where query d's attention goes, float [5]: the first token, the window (keys t > d - w, which
-    the future-attention target does not count yet), digits and other tokens older than that
-    (1 <= t <= d - w), and the largest single older key."""
+    the future-attention target does not count yet), digits (`is_digit_S`, bool per position) and other
+    tokens older than that (1 <= t <= d - w), and the largest single older key."""
     row = probs_SxS[d, : d + 1]
     old = np.arange(1, max(1, d - window + 1))
-    digit = np.asarray([tokens[t] in DIGITS for t in old], bool)
+    digit = is_digit_S[old]
     return np.asarray([row[0], row[max(1, d - window + 1):].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
                        row[old].max() if len(old) else 0.0])
 
@@ -533,13 +533,14 @@ def parks(args) -> None:
         ids = tokenizer(ex["text"])["input_ids"]
         tokens = [tokenizer.decode([i]) for i in ids]
         probs = group_probs(config, params, jnp.asarray([ids]), args.layer, args.kv_head)[0]  # [G, S, S]
+        is_digit = np.isin(tokens, DIGITS)  # once per problem, not per query and head
         for d in range(1, len(ids)):
             kind = name_kind(tokens, d, ex["meta"]["n_prompt_tokens"])
             if kind is None:
                 continue
             counts[kind] += 1
             for h in range(g):
-                sums[kind, h] += park_shares(probs[h], tokens, d, args.window)
+                sums[kind, h] += park_shares(probs[h], is_digit, d, args.window)
     print(f"{args.teacher}, layer {args.layer} KV head {args.kv_head}, {args.problems} {args.task} problems: where "
           f"the attention of a name goes, by what the name does (mean over its occurrences; w {args.window})")
     print(f"  {'name':20s} {'per problem':>11s} {'head':>4s} {'first token':>11s} {'window':>6s} "
