@@ -8,8 +8,7 @@ A prompt is a trace of short lines over a tiny alphabet (one token per symbol):
     keep q               the mark: this binding is needed later (<= 1 line after it)
     ...                  (~300 lines)
     ask q+E              the question: sum mod 10 of 2 of the 3 marked bindings
-    q1                   completion (step by step, then the answer):
-    E9                     look up each value ...
+    >q1>E9               completion (step by step, then the answer): look up each value ...
     1+9=0                  ... add mod 10 ...
     \\boxed{0}            ... and box it
 
@@ -30,9 +29,16 @@ Why this shape:
   sees the w >= max_mark_gap tokens after a token before ranking it (KVpop's mLSTM readout),
   can keep exactly the marked ones. `oracle_recovery` measures both bounds without a model.
 - Learnable by a tiny dense model: every step is one attention lookup or local mod-10
-  arithmetic, and every lookup (completion `q1`, scratch `m0`) has the binding's own form,
+  arithmetic, and every lookup (completion `>q1`, scratch `>m0`) has the binding's own form,
   name then digit, so it is a plain induction head (find the earlier `q`, copy the digit
   after it). The chain-of-thought completion splits the answer into such steps.
+- A lookup says so before its name: `>` comes right before every name whose value is read by
+  the name (scratch lines, the completion's lookups), and nowhere else. At a name, a 2-layer model sees only the
+  tokens just before it, so without the mark it cannot tell a lookup (`q1` answering the
+  question) from a binding (`q1` in the trace, a random digit): it then fetches the name's old
+  value at every binding too, and the future-attention target counts those useless reads as
+  much as the facts' (BENCHMARKS.md, "A teacher that parks"). Recall lines `q=4` are told
+  apart by their `=` and read at it.
 
 Two tasks (`TASKS`, `make_config(task=...)`):
 - "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
@@ -164,7 +170,7 @@ class DemoTaskConfig:
     @property
     def completion_tokens(self) -> int:
         answer = 3  # "\boxed{" d "}" or "####" " " d
-        return answer + (3 * self.n_query + 6 * (self.n_query - 1) if self.cot else 0)
+        return answer + (3 * self.n_query + 1 + 6 * (self.n_query - 1) if self.cot else 0)
 
     @property
     def _marked_spacing(self) -> int:
@@ -341,8 +347,9 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
     answer = sum(values) % 10
     completion: list[str] = []
     if cfg.cot:
-        for q in queried:
-            completion += [marked[q], str(marked_values[q]), "\n"]
+        for q in queried:  # one line of lookups `>q1>E9`: each name's value, read by the name
+            completion += [">", marked[q], str(marked_values[q])]
+        completion += ["\n"]
         acc = values[0]
         for v in values[1:]:
             completion += [str(acc), "+", str(v), "=", str((acc + v) % 10), "\n"]

@@ -67,31 +67,9 @@ from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead, kept_long_range
 from kvpop_jax.policy import static_priority
-from kvpop_jax.modeling import Attention, DecoderLayer, Qwen3ForCausalLM, RMSNorm
+from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, layer_qkv
 from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer
-
-
-def project_qkv(config, params, ids_BxS, layer: int, offset: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (RoPE applied) of one layer of a dense model: what its
-    attention computes with and what its cache holds. `offset` starts the positions there instead of
-    at 0 (the attention is unchanged under RoPE; only the rotation of q and k moves)."""
-    pos = jnp.arange(ids_BxS.shape[1])[None] + offset
-    x = params["embed_tokens"]["embedding"][ids_BxS]
-    for i in range(layer):
-        x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
-    h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
-    return Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
-                                   method=Attention.project_qkv)
-
-
-def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
-    """Causal attention weights of one layer of a dense model: float32 [B, Hq, S, S]."""
-    q, k, _ = project_qkv(config, params, ids_BxS, layer)
-    k = jnp.repeat(k, config.num_attention_heads // config.num_key_value_heads, 2)
-    logits = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(config.head_dim)
-    s = ids_BxS.shape[1]
-    return jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e9), -1)
 
 
 def _problems(args):
@@ -228,7 +206,7 @@ def fact_ranks(config, params, ids, needed, layer: int, kv_head: int, offset: in
     """How many tokens eligible at the last of `ids` outrank each of `needed` in the KVpop export's
     static priority (scorer + decay) of one layer / KV head, with the positions started at `offset`."""
     kv = config.kvpop
-    _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer, offset)
+    _, k, v = layer_qkv(config, params, jnp.asarray([ids]), layer, offset)
     head = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
     pos = jnp.arange(len(ids))[None] + offset
     scores, log_gamma = head.apply({"params": params[f"layers_{layer}"]["self_attn"]["kvpop"]}, k, v, pos)
@@ -363,7 +341,7 @@ def probe(args) -> None:
                   if args.sinks <= p <= last - w and p not in needed]
         cand = np.asarray(needed + others)
         for layer in range(config.num_hidden_layers):
-            k, v = (np.asarray(x[0]) for x in project_qkv(config, params, jnp.asarray([ids]), layer)[1:])  # [S, Hkv, D]
+            k, v = (np.asarray(x[0]) for x in layer_qkv(config, params, jnp.asarray([ids]), layer)[1:])  # [S, Hkv, D]
             for name, x in (("key", k), ("value", v)):
                 x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-9)
                 later = np.stack([x[t + 1: t + w + 1] for t in cand])  # [C, w, Hkv, D]
@@ -407,7 +385,7 @@ def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, s
     ks, vs, ys, ms, es, rs = [], [], [], [], [], []
     for ex in problems:
         ids = tokenizer(ex["text"])["input_ids"][: ex["meta"]["n_prompt_tokens"]]
-        _, k, v = project_qkv(config, params, jnp.asarray([ids]), layer)
+        _, k, v = layer_qkv(config, params, jnp.asarray([ids]), layer)
         if unrotated:
             k = unrotate(k, jnp.arange(len(ids))[None], config.rope_theta)
         last = len(ids) - 1

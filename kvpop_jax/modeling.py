@@ -405,6 +405,28 @@ def abstract_params(config: Qwen3Config, dtype: Dtype = jnp.float32) -> dict:
     return jax.eval_shape(lambda r: init_params(config, r, dtype), jax.random.key(0))
 
 
+def layer_qkv(config, params, ids_BxS, layer: int, offset: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (RoPE applied) of one layer of a dense model: what its
+    attention computes with and what its cache holds. `offset` starts the positions there instead of
+    at 0 (the attention is unchanged under RoPE; only the rotation of q and k moves)."""
+    pos = jnp.arange(ids_BxS.shape[1])[None] + offset
+    x = params["embed_tokens"]["embedding"][ids_BxS]
+    for i in range(layer):
+        x = DecoderLayer(config).apply({"params": params[f"layers_{i}"]}, x, pos)[0]
+    h = RMSNorm(config.rms_norm_eps).apply({"params": params[f"layers_{layer}"]["input_layernorm"]}, x)
+    return Attention(config).apply({"params": params[f"layers_{layer}"]["self_attn"]}, h, pos,
+                                   method=Attention.project_qkv)
+
+
+def dense_attention_probs(config, params, ids_BxS, layer: int) -> jax.Array:
+    """Causal attention weights of one layer of a dense model: float32 [B, Hq, S, S]."""
+    q, k, _ = layer_qkv(config, params, ids_BxS, layer)
+    k = jnp.repeat(k, config.num_attention_heads // config.num_key_value_heads, 2)
+    logits = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(config.head_dim)
+    s = ids_BxS.shape[1]
+    return jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e9), -1)
+
+
 __all__ = [
     "CausalLMOutput",
     "DMS_RNG",
@@ -415,7 +437,9 @@ __all__ = [
     "Qwen3ForCausalLM",
     "abstract_params",
     "apply_rope",
+    "dense_attention_probs",
     "init_params",
+    "layer_qkv",
     "retrofit_params",
     "rope_cos_sin",
     "strip_kvpop",

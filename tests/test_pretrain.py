@@ -179,7 +179,7 @@ def test_train_checkpoint_resume_export(tmp_path):
     with pytest.raises(ValueError, match="init_from"):
         tiny_config(tmp_path, init_from=cfg.out_dir)  # offset_heads only shape a fresh init
     card = model_card(stage2, [], "cmd2", 1.0)
-    assert "Stage 1" in card and "sha256" in card and "Init: random" in card  # stage 1's own init, carried over
+    assert "### Before" in card and "sha256" in card and "Init: random" in card  # stage 1's own init, carried over
 
 
 @pytest.mark.skipif(not os.path.isdir(TEACHER), reason="no shipped demo teacher")
@@ -257,3 +257,53 @@ def test_recall_drills_and_reuse_rows(tmp_path):
     assert all("keep" in r for r in reuse_rows) and all(
         any(f"\n{c}=" in r for c in atoms.NAMES) for r in reuse_rows)  # the reuse task's recall lines
     assert (batch["weights"][2:] == cfg.completion_weight).sum(-1).min() > 3 * 3  # recalls weigh like answers
+
+
+def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
+    """`park_mask` against the diagnostic's reading of each name (eval.diagnose.name_kind, written
+    from the token strings): parked are exactly the prompt's binding and recall names."""
+    from eval.diagnose import name_kind
+    from train.demo_teacher.data import park_mask
+
+    cfg = tiny_config(tmp_path, phases=(Phase(1024, 2, 4, (("reuse", 0.5),)),))
+    batch = make_batch(cfg, 0)
+    for row in range(4):
+        ids = np.concatenate([batch["input_ids"][row], batch["targets"][row, -1:]])
+        tokens = [decode([i]) if i != BOS_ID else "<bos>" for i in ids]
+        n_prompt = int(np.argmax(batch["completion"][row])) + 1  # target j is a completion token from j + 1 = n_prompt
+        want = [name_kind(tokens, j, n_prompt) in ("binding", "recall") for j in range(len(ids) - 1)]
+        np.testing.assert_array_equal(batch["park"][row], want)
+        np.testing.assert_array_equal(park_mask(ids, n_prompt), want)
+        assert 20 < sum(want)  # bindings in every row; recall lines in the reuse rows
+    assert any(t == "=" for t in (decode([i]) for i in batch["targets"][2:][batch["park"][2:]]))  # reuse rows' recalls
+
+
+def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng):
+    """`park_loss` against a loop over the parked queries, heads and layers of a random model's
+    attention weights; and a train step with `park_weight` logs it and lowers it."""
+    from kvpop_jax.modeling import dense_attention_probs, init_params
+    from train.demo_teacher.loop import _compiled, park_loss
+
+    cfg = tiny_config(tmp_path, model=dataclasses.replace(tiny_config(tmp_path).model, num_hidden_layers=2))
+    params = init_params(cfg.model, jax.random.key(int(rng.integers(1 << 30))))
+    ids = jnp.asarray(rng.integers(3, len(VOCAB), size=(2, 48)))
+    park = rng.random((2, 48)) < 0.3
+    window = 5
+    got = float(park_loss(cfg.model, params, ids, jnp.asarray(park), window))
+    want, n = 0.0, 0
+    for layer in range(2):
+        probs = np.asarray(dense_attention_probs(cfg.model, params, ids, layer))
+        for b, d in zip(*np.nonzero(park)):
+            for h in range(cfg.model.num_attention_heads):
+                want += sum(probs[b, h, d, t] for t in range(1, d - window + 1))
+                n += 1
+    assert want > 0.1 and got == pytest.approx(want / n, rel=1e-5)
+
+    cfg = dataclasses.replace(cfg, park_weight=5.0, park_window=8, phases=(Phase(128, 8, 4),))
+    _, optimizer, step = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    state = init_state(cfg, optimizer)
+    logged = []
+    for i in range(8):
+        state, metrics = step(state, make_batch(cfg, i))
+        logged.append(float(metrics["park"]))
+    assert logged[-1] < 0.7 * logged[0], logged

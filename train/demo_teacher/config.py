@@ -42,6 +42,8 @@ class PretrainConfig:
     lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/demo_teacher/init.py)
     recall_head: bool = False  # plant the recall head too (reads `q=4` lines of the reuse task)
     init_from: str = ""  # start from this exported teacher's weights (HF dir) instead of a fresh init
+    park_weight: float = 0.0  # weight of the parking loss (`data.park_mask`, `loop.park_loss`); 0: off
+    park_window: int = 32  # parking loss: keys older than this many tokens count as a read
 
     def __post_init__(self):
         if not self.phases:
@@ -61,6 +63,9 @@ class PretrainConfig:
         if self.init_from and (self.lookup_circuit or self.offset_heads):
             raise ValueError(f"init_from={self.init_from!r} starts from trained weights: drop lookup_circuit / "
                              "offset_heads (they only shape a fresh init)")
+        if self.park_weight < 0 or self.park_window < 1:
+            raise ValueError(f"park_weight={self.park_weight}, park_window={self.park_window}: need a weight >= 0 "
+                             "and a window >= 1")
         if self.recall_head and not self.lookup_circuit:
             raise ValueError("recall_head is part of the planted lookup circuit: it needs lookup_circuit")
         if self.lookup_circuit and self.offset_heads[:1] != (1,):
@@ -95,6 +100,6 @@ class PretrainConfig:
         """The settings a resumed run must share with the saved one."""
         keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
                 "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit", "recall_head",
-                "init_from")
+                "init_from", "park_weight", "park_window")
         return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
                                           **{k: dataclasses.asdict(self)[k] for k in keys})))

@@ -130,9 +130,27 @@ def recall_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.nda
     return ids[:length], np.asarray(weighted[:length])
 
 
+_NAME_IDS = np.asarray([VOCAB[n] for n in atoms.NAMES])
+_DIGIT_IDS = np.asarray([VOCAB[x] for x in atoms.DIGITS])
+
+
+def park_mask(ids: np.ndarray, n_prompt: int) -> np.ndarray:
+    """bool [len(ids) - 1]: input positions j (predicting ids[j + 1]) that are a prompt name whose next
+    token no lookup can predict: a binding's name (its digit is drawn at random) or a recall line's
+    (`q=4`: the next token is `=`; the value is read at `=`). A scratch line's name (`>q4`) and the
+    completion's names do predict their digit from the name's value and are left out."""
+    ids = np.asarray(ids)
+    cur, nxt = ids[:-1], ids[1:]
+    prev = np.concatenate([[BOS_ID], ids[:-2]])
+    j = np.arange(len(cur))
+    return (np.isin(cur, _NAME_IDS) & (np.isin(nxt, _DIGIT_IDS) | (nxt == VOCAB["="]))
+            & (prev != VOCAB[">"]) & (j < n_prompt))
+
+
 def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
-    input_ids, targets int32, weights float32 and completion bool, all [B, T - 1].
+    input_ids, targets int32, weights float32, completion and park bool (`park_mask`; drill rows have
+    none), all [B, T - 1].
 
     A phase's `drill=F` / `lookup=F` / `recall=F` overrides make the first round(F * batch) rows
     arithmetic (`drill_row`) / lookup (`lookup_row`) / recall (`recall_row`) drills, weighted like
@@ -149,13 +167,14 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     n_reuse = round(shares.get("reuse", 0.0) * phase.batch)
     reuse_task = dataclasses.replace(task, **demo_task.TASKS["reuse"]) if n_reuse else None
     length = phase.prompt_len + task.completion_tokens + 1
-    rows, weights, completion = [], [], []
+    rows, weights, completion, park = [], [], [], []
     for r in range(phase.batch):
         index = step * MAX_BATCH + r
         if r < len(kinds):
             ids, target_weighted = kinds[r](np.random.default_rng((cfg.seed, 3, index)), length)
             is_completion = np.zeros(length - 1, bool)
             target_weighted = target_weighted[1:]
+            parked = np.zeros(length - 1, bool)
         else:
             row_task = reuse_task if r >= phase.batch - n_reuse else task
             ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=row_task)
@@ -164,11 +183,14 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             target_weighted = is_completion.copy()
             recalled = [p for f in ex["meta"]["facts"] for p in f["reuse_pos"]]  # reuse rows: its reads
             target_weighted[np.asarray(recalled, int) - 1] = True  # target j predicts token j + 1
+            parked = park_mask(ids, ex["meta"]["n_prompt_tokens"])
         rows.append(ids)
         completion.append(is_completion)
+        park.append(parked)
         weights.append(np.where(target_weighted, cfg.completion_weight, cfg.prompt_weight).astype(np.float32))
     ids = np.asarray(rows, np.int32)
-    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], weights=np.stack(weights), completion=np.stack(completion))
+    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], weights=np.stack(weights), completion=np.stack(completion),
+                park=np.stack(park))
 
 
 _ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}

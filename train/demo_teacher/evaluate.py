@@ -97,6 +97,12 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
     accuracy = "\n".join(f"| {r.get('task', 'read_once')} | {r['prompt_len']} | {r['split']} | {r['n']} | "
                          f"{r['accuracy']:.1%} |" for r in results)
     minutes = f"{train_seconds / 60:.0f} min" if train_seconds else "n/a"
+    park = ""
+    if cfg.park_weight:
+        park = (f" Plus {cfg.park_weight:g} x the parking loss (`train/demo_teacher/loop.py`, `park_loss`): the mean "
+                f"attention that the name of a binding or recall line pays to keys {cfg.park_window} or more "
+                "tokens back, over every head, so that the teacher does not look up a value its next token "
+                "cannot use.")
     init = "random (Flax defaults)"
     if cfg.offset_heads:
         init += (f", with layer 0's KV heads starting as fixed-offset heads {cfg.offset_heads} (q/k biases; "
@@ -113,7 +119,7 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
                 "budget; here all weights, the planted ones included, are then trained by the curriculum below")
     stage1 = ""
     if cfg.init_from:
-        init = f"the trained weights of `{cfg.init_from}` ({_init_digest(cfg.init_from)}), trained as in *Stage 1* below"
+        init = f"the trained weights of `{cfg.init_from}` ({_init_digest(cfg.init_from)}), trained as in *Before* below"
         stage1 = _init_training_section(cfg.init_from)
     return f"""# demo-teacher: a tiny dense Qwen3 for the KVpop CPU demo
 
@@ -135,7 +141,7 @@ Init: {init}.
 Generated train-split traces `<bos> prompt completion <eos>` (seed {cfg.seed}); loss weight
 {cfg.prompt_weight:g} on prompt tokens, {cfg.completion_weight:g} on completion tokens. AdamW
 (b1 {cfg.b1}, b2 {cfg.b2}, weight decay {cfg.weight_decay}), peak LR {cfg.lr:g}, {cfg.warmup_steps} warmup
-steps, cosine to {cfg.final_lr:g}, clip {cfg.clip_norm}. Training time: {minutes} on CPU.
+steps, cosine to {cfg.final_lr:g}, clip {cfg.clip_norm}.{park} Training time: {minutes} on CPU.
 
 | phase | prompt tokens | row tokens | batch | steps | task overrides |
 |---|---|---|---|---|---|
@@ -162,11 +168,13 @@ def _init_digest(init_dir: str) -> str:
 
 
 def _init_training_section(init_dir: str) -> str:
-    """The init checkpoint's own `## Training` section (its card), as this card's *Stage 1*."""
+    """The init checkpoint's own `## Training` section (its card, with its own earlier stages), as this
+    card's *Before*."""
     card = os.path.join(init_dir, "README.md")
     if not os.path.isfile(card):
-        return f"\n### Stage 1\n\n`{init_dir}` has no model card.\n"
+        return f"\n### Before (`{init_dir}`)\n\n`{init_dir}` has no model card.\n"
     text = open(card).read()
     start, end = text.find("## Training"), text.find("## Held-out")
     body = text[start + len("## Training"): end if end > start else None].strip() if start >= 0 else "(no training section)"
-    return f"\n### Stage 1 (`{init_dir}`)\n\n{body}\n"
+    body = body.replace("\n### ", "\n#### ")  # its own earlier stages, one level deeper
+    return f"\n### Before (`{init_dir}`)\n\n{body}\n"

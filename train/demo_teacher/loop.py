@@ -14,12 +14,13 @@ import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import atomic_write_bytes
-from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, init_params
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import make_batch
 from train.demo_teacher.evaluate import evaluate
@@ -67,11 +68,31 @@ def load_init(cfg: PretrainConfig) -> dict:
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
-def make_train_step(model: Qwen3ForCausalLM, optimizer):
+def park_loss(config, params, ids_BxS: jax.Array, park_BxS: jax.Array, window: int) -> jax.Array:
+    """Mean attention that the parked queries (`data.park_mask`) pay to keys older than `window`
+    tokens (1 <= t <= d - window), over every head of every layer: 0 when they attend only to the first
+    token and the recent window, where a future-attention target (Eq. 2) does not count them.
+
+    A lookup at such a name is of no use to the next token, but a teacher trained on the task alone
+    keeps making it (its match head fetches the name's previous value, or at a new name the digits
+    whose names look closest), and the target then ranks those values like the facts.
+    """
+    s = ids_BxS.shape[1]
+    d, t = np.arange(s)[:, None], np.arange(s)[None]
+    old = (t >= 1) & (t <= d - window)  # [S, S]
+    mass = [jnp.sum(jnp.where(old, dense_attention_probs(config, params, ids_BxS, layer), 0.0), -1)  # [B, H, S]
+            for layer in range(config.num_hidden_layers)]
+    park = park_BxS.astype(jnp.float32)[:, None]
+    per_query = sum(jnp.sum(m * park) for m in mass) / (len(mass) * config.num_attention_heads)
+    return per_query / jnp.maximum(jnp.sum(park), 1.0)
+
+
+def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0, park_window: int = 32):
     """jitted (state, batch) -> (state, metrics); batch as `data.make_batch` ([B, S] arrays).
 
     Metrics: the weighted loss, the plain mean CE, and over completion tokens their CE, token
-    accuracy and the share of rows whose whole completion is argmax-right (teacher forced).
+    accuracy and the share of rows whose whole completion is argmax-right (teacher forced); with
+    `park_weight` > 0 the loss adds `park_weight * park_loss` and `park` logs the latter.
     """
 
     def loss_fn(params, batch):
@@ -79,6 +100,10 @@ def make_train_step(model: Qwen3ForCausalLM, optimizer):
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, S]
         w = batch["weights"]
         loss = jnp.sum(ce * w) / jnp.sum(w)
+        extra = {}
+        if park_weight > 0:
+            extra["park"] = park_loss(model.config, params, batch["input_ids"], batch["park"], park_window)
+            loss = loss + park_weight * extra["park"]
         comp = batch["completion"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
         has_completion = jnp.any(batch["completion"], axis=-1).astype(jnp.float32)  # drill rows have none
@@ -87,7 +112,7 @@ def make_train_step(model: Qwen3ForCausalLM, optimizer):
                        completion_token_acc=jnp.sum(correct * comp) / jnp.sum(comp),
                        # a completion is right iff all its tokens are (teacher-forced exact match)
                        completion_exact=jnp.sum(jnp.all((correct > 0) | ~batch["completion"], axis=-1) * has_completion)
-                       / jnp.maximum(jnp.sum(has_completion), 1.0))
+                       / jnp.maximum(jnp.sum(has_completion), 1.0), **extra)
         return loss, metrics
 
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -141,7 +166,7 @@ def _compiled(cfg: PretrainConfig):
     """Model, optimizer and jitted step of a config (cached: a resumed run in the same process
     reuses the compiled step)."""
     model, optimizer = Qwen3ForCausalLM(cfg.model), make_optimizer(cfg)
-    return model, optimizer, make_train_step(model, optimizer)
+    return model, optimizer, make_train_step(model, optimizer, cfg.park_weight, cfg.park_window)
 
 
 def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, list[dict]]:

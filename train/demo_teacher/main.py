@@ -61,6 +61,11 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_string("final_eval_lens", "", "Prompt lengths of the final eval (default: the last phase's).", **d)
     flags.DEFINE_integer("checkpoint_every", 100, "Save the resumable state every N steps.", **d)
     flags.DEFINE_integer("log_every", 20, "Log metrics every N steps.", **d)
+    flags.DEFINE_float("park_weight", 0.0, "Weight of the parking loss: the mean attention that a name of a "
+                       "binding or recall line (whose next token no lookup can predict) pays to keys older than "
+                       "--park_window, over every head (train/demo_teacher/loop.py: park_loss). 0: off.", **d)
+    flags.DEFINE_integer("park_window", 32, "Parking loss: keys this many tokens back or older count as a read "
+                         "(the KVpop window of the demo recipe, whose target ignores newer keys).", **d)
     flags.DEFINE_bool("eval_only", False, "Only evaluate the exported OUT_DIR model (test split, final_eval_lens).", **d)
     flags.DEFINE_float("eval_temperature", 0.0, "eval_only: 0 = greedy; else top-p 0.95 / top-k 20 sampling.", **d)
     flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"], "Dtype of the exported weights.", **d)
@@ -84,7 +89,8 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         eval_every=f.eval_every, eval_examples=f.eval_examples, eval_batch=f.eval_batch,
         final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
         log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
-        lookup_circuit=f.lookup_circuit, recall_head=f.recall_head, init_from=f.init_from)
+        lookup_circuit=f.lookup_circuit, recall_head=f.recall_head, init_from=f.init_from,
+        park_weight=f.park_weight, park_window=f.park_window)
 
 
 def main(argv):
