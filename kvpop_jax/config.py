@@ -243,6 +243,7 @@ class KVpopConfig:
     num_query_samples: int = 256  # sampled boundary positions per sequence (B.6)
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
     rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
+    rank_partners: str = "random"  # "random" | "similar": the older tokens whose keys are closest to t_new's
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0

@@ -234,7 +234,10 @@ def retention_objective(
     )
     metrics = dict(metrics)
     if c.rank_pairs:
-        partners = losses.sample_rank_partners(q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
+        if c.rank_partners == "similar":
+            partners = losses.similar_rank_partners(k, q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
+        else:
+            partners = losses.sample_rank_partners(q_idx, num=c.rank_pairs, sinks=c.sinks, window=c.window)
         pair_loss, pair_metrics = losses.pairwise_rank_loss(
             scores, log_gamma, target, q_idx, partners, window=c.window, temperature=c.loss_temperature,
             margin_weighting=c.margin_weighting, omega_min=c.omega_min, tau_omega=c.tau_omega)

@@ -202,6 +202,20 @@ def sample_rank_partners(q_idx: jax.Array, *, num: int, sinks: int, window: int)
     return jnp.where(hi > sinks, jnp.clip(t, sinks, jnp.maximum(hi - 1, sinks)), -1).astype(jnp.int32)
 
 
+def similar_rank_partners(k: jax.Array, q_idx: jax.Array, *, num: int, sinks: int, window: int) -> jax.Array:
+    """Per KV head and sampled query q, the `num` candidates in [sinks, q - w) whose keys have the highest
+    cosine similarity to t_new = q - w's key: int32 [B, H, Nq, num] (-1 where fewer exist). k [B, S, H, D]."""
+    k = jax.lax.stop_gradient(k.astype(jnp.float32))
+    k = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-6)
+    t_new = q_idx - window  # [B, Nq]
+    k_new = jnp.take_along_axis(k, t_new[:, :, None, None], axis=1)  # [B, Nq, H, D]
+    sim = jnp.einsum("bnhd,bshd->bhns", k_new, k)  # [B, H, Nq, S]
+    s = jnp.arange(k.shape[1])
+    ok = (s[None, None, None] >= sinks) & (s[None, None, None] < t_new[:, None, :, None])
+    val, idx = jax.lax.top_k(jnp.where(ok, sim, -jnp.inf), num)
+    return jnp.where(jnp.isfinite(val), idx, -1).astype(jnp.int32)
+
+
 def pairwise_rank_loss(
     scores: jax.Array,
     log_gamma: jax.Array,
@@ -239,9 +253,9 @@ def pairwise_rank_loss(
     target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
     log_gamma = _as_head_column(log_gamma)
     b, h, _ = scores.shape
-    nq, m = partners.shape[1], partners.shape[2]
+    nq, m = partners.shape[-2], partners.shape[-1]
     t_new = jnp.broadcast_to((q_idx - window)[:, None, :, None], (b, h, nq, m)).reshape(b, h, nq * m)
-    t_pair = jnp.broadcast_to(partners[:, None], (b, h, nq, m)).reshape(b, h, nq * m)
+    t_pair = (partners if partners.ndim == 4 else jnp.broadcast_to(partners[:, None], (b, h, nq, m))).reshape(b, h, nq * m)
     valid = (t_pair >= 0) & (t_new > t_pair)
     diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_pair)
     w = boundary_weights(jnp.abs(target_diff), jnp.ones_like(target_diff), valid, margin_weighting=margin_weighting,

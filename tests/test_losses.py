@@ -376,3 +376,23 @@ def test_pairwise_rank_loss_matches_python_loop(rng, margin_weighting):
     want = sum(e[0] / mean_w * e[1] for e in ex) / len(ex)
     np.testing.assert_allclose(float(loss), want, rtol=1e-4)
     np.testing.assert_allclose(float(metrics["pair_accuracy"]), sum(e[2] for e in ex) / len(ex), rtol=1e-6)
+
+
+def test_similar_rank_partners_are_the_closest_older_keys():
+    """`similar_rank_partners` (branch experiment) against a loop: per head and query, the `num`
+    candidates in [sinks, q - w) with the highest key cosine similarity to t_new = q - w."""
+    from kvpop_jax.losses import similar_rank_partners
+
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32)
+    q = jnp.asarray([[20, 39], [12, 30]])
+    got = np.asarray(similar_rank_partners(k, q, num=3, sinks=2, window=5))
+    kn = np.asarray(k) / np.linalg.norm(np.asarray(k), axis=-1, keepdims=True)
+    for b in range(2):
+        for h in range(2):
+            for n in range(2):
+                t = int(q[b, n]) - 5
+                cands = list(range(2, t))
+                sims = [kn[b, j, h] @ kn[b, t, h] for j in cands]
+                assert list(got[b, h, n]) == [cands[i] for i in np.argsort(sims)[::-1][:3]]
+    assert got.shape == (2, 2, 2, 3)
