@@ -425,6 +425,11 @@ def learn(args) -> dict[str, list]:
         if args.labels == "told":
             balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
             return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
+        if args.labels == "target_topk":  # balanced logistic: in the target's own top-k among the eligible, or not
+            kth = jnp.sort(jnp.where(e > 0, r, -jnp.inf), -1)[:, -kv.topk][:, None]
+            t = ((r >= kth) & (e > 0)).astype(jnp.float32)
+            balance = jnp.where(t > 0, 0.5 / jnp.maximum(t.sum(), 1), 0.5 / jnp.maximum((e - t).sum(), 1)) * e
+            return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, t))
         if args.labels == "target_listwise":  # cross-entropy of softmax(score) against softmax(r / tau)
             p = jax.nn.softmax(jnp.where(e > 0, r / args.tau, -jnp.inf), -1)
             return -jnp.sum(p * jax.nn.log_softmax(jnp.where(e > 0, logits, -jnp.inf), -1).clip(-1e9)) / len(r)
@@ -445,11 +450,19 @@ def learn(args) -> dict[str, list]:
         for s_, y_, m_ in zip(scores, y, m):
             diff = s_[y_][:, None] - s_[m_ & ~y_][None, :]
             per.append(np.mean((diff > 0) + 0.5 * (diff == 0)))
+        e = np.asarray(data[split][4]) > 0
+        kept = [np.all(s_[y_] >= np.sort(s_[e_])[-kv.topk]) for s_, y_, e_ in zip(scores, y, e)]
+        above = [(np.sum(s_[e_ & m_ & ~y_] > s_[y_].min()), np.sum(s_[e_ & ~m_] > s_[y_].min()))
+                 for s_, y_, e_, m_ in zip(scores, y, e, m)]
+        print(f"    ({split}: facts all in the scorer's top {kv.topk} of the eligible: {np.mean(kept):.2f}; "
+              f"above the lowest fact, median: binding values {np.median([a for a, _ in above])}, "
+              f"others {np.median([b for _, b in above])})")
         return float(np.mean(per))
 
     taught = {"told": "told which binding values are marked",
               "target_values": "regressing the exact log-target of the eligible binding values",
               "target_all": "regressing the exact log-target of every eligible token",
+              "target_topk": "balanced logistic on membership of the exact target's top-k",
               "target_listwise": f"listwise cross-entropy against softmax(exact log-target / {args.tau})"}[args.labels]
     print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
           f"{args.teacher}, {taught} ({args.task}, {args.problems} train problems): AUC of the marked facts "
@@ -592,7 +605,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],
                         help="learn: the keys the scorer reads (KVpopConfig.scorer_keys)")
     parser.add_argument("--tau", type=float, default=1.0, help="learn --labels target_listwise: temperature (> 0)")
-    parser.add_argument("--labels", default="told", choices=["told", "target_values", "target_all", "target_listwise"],
+    parser.add_argument("--labels", default="told", choices=["told", "target_values", "target_all", "target_topk", "target_listwise"],
                         help="learn: told (balanced logistic, marked facts vs the other binding values), a "
                              "squared-error fit of the exact future-attention target (no labels) over the "
                              "eligible binding values (target_values) or every eligible token (target_all), or "

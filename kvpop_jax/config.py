@@ -244,6 +244,7 @@ class KVpopConfig:
     late_bias_fraction: float = 0.5  # share of late-biased samples in the sampler
     rank_pairs: int = 0  # + per sampled query, pairs of t_new with random older tokens (not in the paper)
     rank_partners: str = "random"  # "random" | "similar": the older tokens whose keys are closest to t_new's
+    keepset_queries: int = 0  # + at this many sampled queries, balanced keep/drop over all of E(q) (not in the paper)
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0
@@ -256,7 +257,7 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")

@@ -243,6 +243,13 @@ def retention_objective(
             margin_weighting=c.margin_weighting, omega_min=c.omega_min, tau_omega=c.tau_omega)
         loss = loss + pair_loss
         metrics.update(pair_metrics)
+    if c.keepset_queries and c.topk:
+        keep_q = q_idx[:, :c.keepset_queries]
+        keep_loss, keep_metrics = losses.keepset_loss(
+            scores, log_gamma, kept_long_range(t_ranks, t_cutoffs, keep_q, sinks=c.sinks, window=c.window), keep_q,
+            sinks=c.sinks, window=c.window, topk=c.topk, temperature=c.loss_temperature)
+        loss = loss + keep_loss
+        metrics.update(keep_metrics)
     metrics["teacher_recall"] = teacher_recall(
         ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
     )

@@ -267,6 +267,69 @@ def pairwise_rank_loss(
     return loss, {"pair_accuracy": jax.lax.stop_gradient(jnp.sum(agree.astype(jnp.float32)) / denom)}
 
 
+def keepset_loss(
+    scores: jax.Array,
+    log_gamma: jax.Array,
+    teacher_keep: jax.Array,
+    q_idx: jax.Array,
+    *,
+    sinks: int,
+    window: int,
+    topk: int,
+    temperature: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Balanced keep/drop loss over the whole eligible set at sampled queries (not in the paper).
+
+    Why: Eq. 7 labels one token per query, the one leaving the window, when E(q) is whatever has
+    left before it; early in a row the top-k of so few tokens holds most of them, and a fact that
+    is read again later is one event among a row's hundreds. At a late query the teacher's keep set
+    of E(q) is selective, and a classifier of it, balanced between kept and dropped tokens, learns
+    the keep cue from the target itself (`python -m eval.main diagnose learn --labels target_topk`:
+    validation AUC 0.95 on the parked teacher, where a squared-error fit of the target gets 0.67).
+    Here, at each sampled query q with both classes in E(q) = {s <= t <= q − w}, every t ∈ E(q)
+    gets the logistic loss of (p̂_t − θ_q) / τ against y = [t in the teacher's keep set], where p̂
+    is Eq. 20's static priority and θ_q the student's own k-th largest p̂ over E(q) (its cutoff, or the smallest when |E(q)| < k;
+    stop-gradient, so a common shift of the scores changes nothing); kept and dropped tokens weigh
+    1/2 each.
+
+    Args:
+      scores: float [B, H, S] the student's raw scores; log_gamma: [H] or broadcastable to [B, H, 1].
+      teacher_keep: bool [B, H, Nq, S], the teacher's long-range keep sets at q_idx (`kept_long_range`).
+      q_idx: int [B, Nq]; sinks, window, topk: s, w, k (k >= 1); temperature: τ > 0.
+
+    Returns:
+      (loss, metrics): the float32 mean over (row, head, query) with both classes (0 when none);
+      metrics: `keepset_accuracy`, the balanced accuracy of p̂_t >= θ_q against y there.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk!r}")
+    if q_idx.ndim != 2 or teacher_keep.shape[:1] + teacher_keep.shape[2:3] != q_idx.shape:
+        raise ValueError(f"q_idx must be [B, Nq] matching teacher_keep {teacher_keep.shape}, got {q_idx.shape}")
+    log_gamma = _as_head_column(log_gamma)
+    t = jnp.arange(scores.shape[-1])
+    prio = (scores.astype(jnp.float32) - t * log_gamma)[:, :, None, :]  # Eq. 20, [B, H, 1, S]
+    eligible = ((t >= sinks) & (t <= (q_idx - window)[..., None]))[:, None]  # [B, 1, Nq, S]
+    very_low = jnp.float32(-1e30)
+    masked = jnp.where(eligible, jax.lax.stop_gradient(prio), very_low)
+    top = jax.lax.top_k(masked, min(topk, scores.shape[-1]))[0]  # where |E(q)| < k, theta is its smallest
+    theta = jnp.min(jnp.where(top > very_low / 2, top, jnp.inf), -1, keepdims=True)  # [B, H, Nq, 1]
+    theta = jnp.where(jnp.isfinite(theta), theta, 0.0)  # E(q) empty: no term uses it
+    y = (teacher_keep & eligible).astype(jnp.float32)
+    n_pos = y.sum(-1, keepdims=True)
+    n_neg = eligible.astype(jnp.float32).sum(-1, keepdims=True) - n_pos
+    valid = (n_pos > 0) & (n_neg > 0)  # [B, H, Nq, 1]
+    weight = jnp.where(eligible & valid, jnp.where(y > 0, 0.5 / jnp.maximum(n_pos, 1), 0.5 / jnp.maximum(n_neg, 1)), 0)
+    margin = jnp.where(eligible, prio - theta, 0.0)
+    bce = jax.nn.softplus(-margin / temperature) * y + jax.nn.softplus(margin / temperature) * (1 - y)
+    denom = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+    loss = jnp.sum(weight * bce) / denom
+    right = jnp.where(y > 0, margin >= 0, margin < 0)
+    accuracy = jnp.sum(weight * right) / denom
+    return loss, {"keepset_accuracy": jax.lax.stop_gradient(accuracy)}
+
+
 def boundary_auc(margin: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
     """Ranking quality at the boundary: the probability that a token the teacher keeps gets a larger
     student margin r̂_new(q) − r̂_bnd(q) than one it drops (ties count 1/2), over all (keep, drop)

@@ -396,3 +396,44 @@ def test_similar_rank_partners_are_the_closest_older_keys():
                 sims = [kn[b, j, h] @ kn[b, t, h] for j in cands]
                 assert list(got[b, h, n]) == [cands[i] for i in np.argsort(sims)[::-1][:3]]
     assert got.shape == (2, 2, 2, 3)
+
+
+def test_keepset_loss_matches_python_loop(rng):
+    """Balanced logistic loss of (p_t - theta_q) / tau against the teacher's keep set over E(q) = [s, q - w],
+    theta_q the student's k-th largest Eq.-20 priority there, by loops; queries with one class only are left
+    out; the loss ignores a common shift of the scores, and its gradient reaches the scores and log gamma."""
+    scores, log_gamma, _, _, _ = _random_problem(rng)
+    sinks, w, k, tau = 2, 4, 3, 0.7
+    q_idx = rng.integers(0, S, size=(B, NQ)).astype(np.int32)
+    q_idx[0, 0] = sinks + w + k - 2  # |E(q)| = k - 1: every eligible token kept, no negatives
+    q_idx[1, 0] = sinks + w - 1  # E(q) empty
+    keep = rng.random((B, H, NQ, S)) < 0.4
+    keep[0, :, 0] = True
+    loss, metrics = losses.keepset_loss(scores, log_gamma, jnp.asarray(keep), q_idx, sinks=sinks, window=w, topk=k,
+                                        temperature=tau)
+    terms, accs = [], []
+    for b in range(B):
+        for h in range(H):
+            for n, q in enumerate(q_idx[b]):
+                t = np.arange(sinks, q - w + 1)
+                y = keep[b, h, n, t]
+                if not len(t) or y.all() or not y.any():
+                    continue
+                p = scores[b, h, t] - t * log_gamma[h]
+                theta = np.sort(p)[::-1][min(k, len(t)) - 1]
+                m = p - theta
+                bce = np.where(y, np.log1p(np.exp(-m / tau)), np.log1p(np.exp(m / tau)))
+                terms.append(0.5 * bce[y].mean() + 0.5 * bce[~y].mean())
+                accs.append(0.5 * (m[y] >= 0).mean() + 0.5 * (m[~y] < 0).mean())
+    assert len(terms) > 10
+    np.testing.assert_allclose(float(loss), np.mean(terms), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["keepset_accuracy"]), np.mean(accs), rtol=1e-5)
+    shifted, _ = losses.keepset_loss(scores + 5.0, log_gamma, jnp.asarray(keep), q_idx, sinks=sinks, window=w,
+                                     topk=k, temperature=tau)
+    np.testing.assert_allclose(float(shifted), float(loss), rtol=1e-5)
+    grads = jax.grad(lambda s, g: losses.keepset_loss(s, g, jnp.asarray(keep), q_idx, sinks=sinks, window=w, topk=k,
+                                                       temperature=tau)[0], argnums=(0, 1))(
+        jnp.asarray(scores), jnp.asarray(log_gamma))
+    assert all(np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0 for g in grads)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        losses.keepset_loss(scores, log_gamma, jnp.asarray(keep), q_idx, sinks=sinks, window=w, topk=k, temperature=0.0)

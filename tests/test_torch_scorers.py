@@ -21,7 +21,7 @@ TRAINING_ONLY = {
     "mlstm_init", "loss_temperature", "margin_weighting", "omega_min", "tau_omega", "balance_weighting",
     "balance_min", "balance_max", "eps", "aggregate", "count_normalize", "normalizer", "target_reduce",
     "target_lookahead", "num_query_samples", "late_bias_fraction", "kl_topk", "kl_temperature",
-    "retention_loss_weight", "retention_labels", "rank_pairs", "target_head_samples",
+    "retention_loss_weight", "retention_labels", "rank_pairs", "rank_partners", "target_head_samples", "keepset_queries",
 }
 SCORERS = [
     dict(scorer="linear"),

@@ -73,6 +73,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
     flags.DEFINE_enum("rank_partners", "random", ["random", "similar"], "Rank-pair partners: random older "
                       "tokens, or the older tokens whose keys are closest to the new token's (experiment).", **d)
+    flags.DEFINE_integer("keepset_queries", 0, "At this many of the sampled queries per row, a balanced keep/drop "
+                         "loss over every eligible token against the teacher's keep set (not in the paper; 0 = off).", **d)
     flags.DEFINE_integer("rank_pairs", 0, "Per sampled query, pairs of the newly eligible token with random "
                          "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
     flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "
