@@ -275,7 +275,14 @@ def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
         np.testing.assert_array_equal(batch["park"][row], want)
         np.testing.assert_array_equal(park_mask(ids, n_prompt), want)
         assert 20 < sum(want)  # bindings in every row; recall lines in the reuse rows
+        reads = [j for j in range(1, n_prompt) if (tokens[j - 1] == ">" and tokens[j].isalpha())  # >g6: g's value
+                 or (tokens[j] == "=" and tokens[j - 1].isalpha())]  # a recall line's x=2
+        want_all = [1 <= j < n_prompt and j not in reads for j in range(len(ids) - 1)]
+        np.testing.assert_array_equal(park_mask(ids, n_prompt, "all"), want_all)
+        assert reads and sum(want_all) > 10 * len(reads)
     assert any(t == "=" for t in (decode([i]) for i in batch["targets"][2:][batch["park"][2:]]))  # reuse rows' recalls
+    with pytest.raises(ValueError, match="park queries must be 'names' or 'all', got 'some'"):
+        park_mask(ids, n_prompt, "some")
 
 
 def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng):

@@ -134,7 +134,7 @@ _NAME_IDS = np.asarray([VOCAB[n] for n in atoms.NAMES])
 _DIGIT_IDS = np.asarray([VOCAB[x] for x in atoms.DIGITS])
 
 
-def park_mask(ids: np.ndarray, n_prompt: int) -> np.ndarray:
+def park_mask(ids: np.ndarray, n_prompt: int, queries: str = "names") -> np.ndarray:
     """bool [len(ids) - 1]: input positions j (predicting ids[j + 1]) that are a prompt name whose next
     token no lookup can predict: a binding's name (its digit is drawn at random) or a recall line's
     (`q=4`: the next token is `=`; the value is read at `=`). A scratch line's name (`>q4`) and the
@@ -143,6 +143,11 @@ def park_mask(ids: np.ndarray, n_prompt: int) -> np.ndarray:
     cur, nxt = ids[:-1], ids[1:]
     prev = np.concatenate([[BOS_ID], ids[:-2]])
     j = np.arange(len(cur))
+    if queries == "all":  # every prompt query but the lookups: a recall line's `=` and a name after `>`
+        reads = (np.isin(cur, _NAME_IDS) & (prev == VOCAB[">"])) | ((cur == VOCAB["="]) & np.isin(prev, _NAME_IDS))
+        return ~reads & (j >= 1) & (j < n_prompt)
+    if queries != "names":
+        raise ValueError(f"park queries must be 'names' or 'all', got {queries!r}")
     return (np.isin(cur, _NAME_IDS) & (np.isin(nxt, _DIGIT_IDS) | (nxt == VOCAB["="]))
             & (prev != VOCAB[">"]) & (j < n_prompt))
 
@@ -183,7 +188,7 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             target_weighted = is_completion.copy()
             recalled = [p for f in ex["meta"]["facts"] for p in f["reuse_pos"]]  # reuse rows: its reads
             target_weighted[np.asarray(recalled, int) - 1] = True  # target j predicts token j + 1
-            parked = park_mask(ids, ex["meta"]["n_prompt_tokens"])
+            parked = park_mask(ids, ex["meta"]["n_prompt_tokens"], cfg.park_queries)
         rows.append(ids)
         completion.append(is_completion)
         park.append(parked)

@@ -64,6 +64,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_float("park_weight", 0.0, "Weight of the parking loss: the mean attention that a name of a "
                        "binding or recall line (whose next token no lookup can predict) pays to keys older than "
                        "--park_window, over every head (train/demo_teacher/loop.py: park_loss). 0: off.", **d)
+    flags.DEFINE_enum("park_queries", "names", ["names", "all"], "Parking loss: the queries it parks, the names "
+                      "of bindings and recall lines, or every prompt query but the lookups.", **d)
     flags.DEFINE_integer("park_window", 32, "Parking loss: keys this many tokens back or older count as a read "
                          "(the KVpop window of the demo recipe, whose target ignores newer keys).", **d)
     flags.DEFINE_bool("eval_only", False, "Only evaluate the exported OUT_DIR model (test split, final_eval_lens).", **d)
@@ -90,7 +92,8 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         final_eval_examples=f.final_eval_examples, final_eval_lens=lens, checkpoint_every=f.checkpoint_every,
         log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
         lookup_circuit=f.lookup_circuit, recall_head=f.recall_head, init_from=f.init_from,
-        park_weight=f.park_weight, park_window=f.park_window)
+        park_weight=f.park_weight, park_window=f.park_window,
+        park_queries=f.park_queries)
 
 
 def main(argv):
