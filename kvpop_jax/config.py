@@ -246,6 +246,8 @@ class KVpopConfig:
     rank_partners: str = "random"  # "random" | "similar": the older tokens whose keys are closest to t_new's
     keepset_queries: int = 0  # + at this many sampled queries, balanced keep/drop over all of E(q) (not in the paper)
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
+    listwise_queries: int = 0  # + at this many of the sampled queries, a listwise KL over E(q) (not in the paper)
+    listwise_temperature: float = 0.25  # its τ
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0
     retention_loss_weight: float = 1.0
@@ -257,7 +259,8 @@ class KVpopConfig:
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
         if self.retention_loss_weight < 0:
             raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
-        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries"):
+        for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
+                     "listwise_queries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
@@ -300,7 +303,7 @@ class KVpopConfig:
                     or self.target_lookahead < 0:
                 raise ValueError(f"KVpopConfig.target_lookahead must be None or an int >= 0, "
                                  f"got {self.target_lookahead!r}")
-        for name in ("loss_temperature", "tau_omega", "eps", "kl_temperature"):
+        for name in ("loss_temperature", "tau_omega", "eps", "kl_temperature", "listwise_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"KVpopConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if not self.mlstm_gate_softcap >= 0:

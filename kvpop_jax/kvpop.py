@@ -250,6 +250,12 @@ def retention_objective(
             sinks=c.sinks, window=c.window, topk=c.topk, temperature=c.loss_temperature)
         loss = loss + keep_loss
         metrics.update(keep_metrics)
+    if c.listwise_queries:
+        list_loss, list_metrics = losses.listwise_retention_loss(
+            scores, log_gamma, target, q_idx[:, :c.listwise_queries], sinks=c.sinks, window=c.window,
+            temperature=c.listwise_temperature)
+        loss = loss + list_loss
+        metrics.update(list_metrics)
     metrics["teacher_recall"] = teacher_recall(
         ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
     )

@@ -330,6 +330,62 @@ def keepset_loss(
     return loss, {"keepset_accuracy": jax.lax.stop_gradient(accuracy)}
 
 
+def listwise_retention_loss(
+    scores: jax.Array,
+    log_gamma: jax.Array,
+    target_scores: jax.Array,
+    q_idx: jax.Array,
+    *,
+    sinks: int,
+    window: int,
+    temperature: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Listwise ranking of every eligible token at sampled queries (not in the paper).
+
+    Why: the target singles out a few tokens (a fact read again and again) against hundreds of
+    look-alikes whose own targets spread with what comes later and cannot be predicted when they
+    leave the window. Pairwise losses and a squared-error fit spend the scorer on that spread
+    (`python -m eval.main diagnose learn --labels`, BENCHMARKS.md). Here, at each sampled query q,
+    the student's decayed scores over the eligible set E(q) = {s <= t <= q − w} (Eq. 4) are fitted
+    to the target's as distributions: KL(softmax(r_tgt(q) / τ) ‖ softmax(r̂(q) / τ)), both on the
+    static priorities of Eq. 20 (the decay's q log γ is common to E(q)). A small τ puts the loss
+    on the target's top, where the kept tokens are; the minimum is r̂ = r_tgt + const over E(q).
+
+    Args:
+      scores, target_scores: float [B, H, S]; log_gamma: [H] or broadcastable to [B, H, 1].
+      q_idx: int [B, Nq] sampled saturated queries (each E(q) non-empty: q >= s + w).
+      sinks, window: s and w; temperature: τ > 0.
+
+    Returns:
+      (loss, metrics): loss the float32 mean KL over (row, head, query) with a non-empty E(q)
+      (0 when none); metrics: `listwise_top1`, the share of those where the student's top token is
+      the target's.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if q_idx.ndim != 2 or q_idx.shape[0] != scores.shape[0]:
+        raise ValueError(f"q_idx must be [B, Nq] with B = {scores.shape[0]}, got {q_idx.shape}")
+    scores = scores.astype(jnp.float32)
+    target_scores = jax.lax.stop_gradient(target_scores.astype(jnp.float32))
+    log_gamma = _as_head_column(log_gamma)
+    t = jnp.arange(scores.shape[-1], dtype=jnp.float32)
+    student = (scores - t * log_gamma) / temperature  # Eq. 20, [B, H, S]
+    teacher = (target_scores - t * jax.lax.stop_gradient(log_gamma)) / temperature
+    ti = jnp.arange(scores.shape[-1])
+    eligible = (ti >= sinks) & (ti <= (q_idx - window)[..., None])  # [B, Nq, S]
+    eligible = eligible[:, None]  # [B, 1, Nq, S]
+    very_low = jnp.float32(-1e30)  # finite: exp underflows to 0, and no inf - inf reaches a gradient
+    log_q = jax.nn.log_softmax(jnp.where(eligible, student[:, :, None], very_low), -1)
+    log_p = jax.nn.log_softmax(jnp.where(eligible, teacher[:, :, None], very_low), -1)
+    p = jnp.exp(log_p)
+    kl = jnp.sum(jnp.where(eligible, p * (log_p - log_q), 0.0), -1)  # [B, H, Nq]
+    valid = jnp.broadcast_to(jnp.any(eligible, -1), kl.shape)
+    denom = jnp.maximum(valid.astype(jnp.float32).sum(), 1.0)
+    loss = jnp.sum(jnp.where(valid, kl, 0.0)) / denom
+    top1 = jnp.argmax(log_q, -1) == jnp.argmax(log_p, -1)
+    return loss, {"listwise_top1": jax.lax.stop_gradient(jnp.sum((valid & top1).astype(jnp.float32)) / denom)}
+
+
 def boundary_auc(margin: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
     """Ranking quality at the boundary: the probability that a token the teacher keeps gets a larger
     student margin r̂_new(q) − r̂_bnd(q) than one it drops (ties count 1/2), over all (keep, drop)

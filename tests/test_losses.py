@@ -437,3 +437,38 @@ def test_keepset_loss_matches_python_loop(rng):
     assert all(np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0 for g in grads)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         losses.keepset_loss(scores, log_gamma, jnp.asarray(keep), q_idx, sinks=sinks, window=w, topk=k, temperature=0.0)
+def test_listwise_retention_loss_matches_python_loop_and_is_zero_at_the_target(rng):
+    """KL(softmax(target priority / tau) || softmax(student priority / tau)) over E(q) = [s, q - w]
+    by loops (Eq. 20's priorities: r - t log gamma); an empty E(q) is left out; gradients are finite;
+    the loss vanishes when the student equals the target up to a constant, and log gamma's
+    gradient comes through the student only."""
+    scores, log_gamma, target, _, _ = _random_problem(rng)
+    sinks, w, tau = 2, 4, 0.4
+    q_idx = rng.integers(0, S, size=(B, NQ)).astype(np.int32)
+    q_idx[0, 0] = sinks + w - 1  # E(q) empty
+    loss, metrics = losses.listwise_retention_loss(scores, log_gamma, target, q_idx, sinks=sinks, window=w,
+                                                   temperature=tau)
+    kls, top1 = [], []
+    for b in range(B):
+        for h in range(H):
+            for q in q_idx[b]:
+                t = np.arange(sinks, q - w + 1)
+                if not len(t):
+                    continue
+                zs = (scores[b, h, t] - t * log_gamma[h]) / tau
+                zt = (target[b, h, t] - t * log_gamma[h]) / tau
+                lq = zs - np.log(np.exp(zs - zs.max()).sum()) - zs.max()
+                lp = zt - np.log(np.exp(zt - zt.max()).sum()) - zt.max()
+                kls.append(float(np.sum(np.exp(lp) * (lp - lq))))
+                top1.append(np.argmax(zs) == np.argmax(zt))
+    np.testing.assert_allclose(float(loss), np.mean(kls), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["listwise_top1"]), np.mean(top1), rtol=1e-6)
+    grads = jax.grad(lambda s, g: losses.listwise_retention_loss(s, g, target, q_idx, sinks=sinks, window=w,
+                                                                  temperature=tau)[0], argnums=(0, 1))(
+        jnp.asarray(scores), jnp.asarray(log_gamma))
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads) and np.abs(np.asarray(grads[1])).max() > 0
+    same, _ = losses.listwise_retention_loss(target + 3.0, log_gamma, target, q_idx, sinks=sinks, window=w,
+                                             temperature=tau)
+    assert abs(float(same)) < 1e-5 and float(loss) > 1e-2
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        losses.listwise_retention_loss(scores, log_gamma, target, q_idx, sinks=sinks, window=w, temperature=0.0)

@@ -22,6 +22,7 @@ TRAINING_ONLY = {
     "balance_min", "balance_max", "eps", "aggregate", "count_normalize", "normalizer", "target_reduce",
     "target_lookahead", "num_query_samples", "late_bias_fraction", "kl_topk", "kl_temperature",
     "retention_loss_weight", "retention_labels", "rank_pairs", "rank_partners", "target_head_samples", "keepset_queries",
+    "listwise_queries", "listwise_temperature",
 }
 SCORERS = [
     dict(scorer="linear"),

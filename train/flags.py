@@ -79,6 +79,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "older tokens in a soft-label ranking loss (not in the paper; 0 = off).", **d)
     flags.DEFINE_integer("target_head_samples", 0, "Extra boundary samples per head: the leave times of the "
                          "target's top tokens (not in the paper; 0 = off).", **d)
+    flags.DEFINE_integer("listwise_queries", 0, "At this many of the sampled queries per row, a listwise KL of "
+                         "the student's over the target's softmax(priority / tau) over the eligible tokens "
+                         "(not in the paper; 0 = off).", **d)
+    flags.DEFINE_float("listwise_temperature", 0.25, "tau of --listwise_queries (small: the target's top).", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
     flags.DEFINE_integer("kl_topk", 256, "Teacher top-k logits for the KL.", **d)
     flags.DEFINE_float("kl_temperature", 1.0, "KL temperature.", **d)
