@@ -517,9 +517,10 @@ def park_shares(probs_SxS: np.ndarray, is_digit_S: np.ndarray, d: int, window: i
     the future-attention target does not count yet), digits (`is_digit_S`, bool per position) and other
     tokens older than that (1 <= t <= d - w), and the largest single older key."""
     row = probs_SxS[d, : d + 1]
-    old = np.arange(1, max(1, d - window + 1))
+    cut = max(1, d - window + 1)  # the first key inside the window
+    old = np.arange(1, cut)
     digit = is_digit_S[old]
-    return np.asarray([row[0], row[max(1, d - window + 1):].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
+    return np.asarray([row[0], row[cut:].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
                        row[old].max() if len(old) else 0.0])
 
 
