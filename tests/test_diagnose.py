@@ -84,9 +84,9 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
                                rtol=1e-4)  # a rotation: same norms
 
 
-def test_target_topk_labels_and_fact_ranks_match_loops(rng):
+def test_target_topk_labels_and_facts_in_topk_match_loops(rng):
     """learn's top-k labels are the k largest targets among the eligible tokens of each row, and
-    fact_ranks counts, per row, whether every fact is within the top k and how many binding values /
+    facts_in_topk counts, per row, whether every fact is within the top k and how many binding values /
     other eligible tokens score above the lowest fact (medians over rows), by loops."""
     from eval.diagnose import facts_in_topk, target_topk_labels
 
