@@ -475,7 +475,7 @@ def learn(args) -> dict[str, list]:
             balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
             return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
         if args.labels == "target_topk":  # balanced logistic: in the exact target's own top-k of the eligible, or not
-            t = target_topk_labels(r, e, kv.topk)
+            t = target_topk_labels(r, e, args.label_k or kv.topk)
             balance = jnp.where(t > 0, 0.5 / jnp.maximum(t.sum(), 1), 0.5 / jnp.maximum((e - t).sum(), 1)) * e
             return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, t))
         if args.labels == "target_listwise":  # cross-entropy of softmax(score) against softmax(r / tau)
@@ -507,7 +507,7 @@ def learn(args) -> dict[str, list]:
     taught = {"told": "told which binding values are marked",
               "target_values": "regressing the exact log-target of the eligible binding values",
               "target_all": "regressing the exact log-target of every eligible token",
-              "target_topk": f"balanced logistic on membership of the exact target's top {kv.topk}",
+              "target_topk": f"balanced logistic on membership of the exact target's top {args.label_k or kv.topk}",
               "target_listwise": f"listwise cross-entropy against softmax(exact log-target / {args.tau})"}[args.labels]
     print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
           f"{args.teacher}, {taught} ({args.task}, {args.problems} train problems): AUC of the marked facts "
@@ -659,6 +659,8 @@ def main(argv: Sequence[str]) -> None:
                              "target_listwise: cross-entropy of softmax(score) against softmax(target / --tau) "
                              "over every eligible token, or target_topk: balanced logistic on membership of the "
                              "target's own top k among the eligible")
+    parser.add_argument("--label_k", type=int, default=0,
+                        help="learn --labels target_topk: the labels' top k (default 0: k = B - s - w)")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]

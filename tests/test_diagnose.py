@@ -66,9 +66,12 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
     for labels in ("told", "target_values", "target_listwise", "target_topk"):  # target_all: another mask
         args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1,
                                   kv_head=0, sinks=4, window=32, budget=123, scorer="mlp", steps=4,
-                                  scorer_keys="rotated", labels=labels, tau=0.5)
+                                  scorer_keys="rotated", labels=labels, tau=0.5, label_k=3 if labels == "target_topk" else 0)
         history = learn(args)
-        lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
+        out = capsys.readouterr().out
+        lines = [line for line in out.splitlines() if line.strip().startswith("step")]
+        if labels == "target_topk":
+            assert "membership of the exact target's top 3 (" in out  # --label_k, not k = 87
         assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
         assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
         assert len(history["loss"]) == 4 and np.isfinite(history["loss"]).all(), (labels, history["loss"])
