@@ -44,8 +44,10 @@ small table; each takes under a minute on CPU.
           future-attention target (`--labels target_values`: over the eligible binding values,
           `target_all`: over every eligible token; no labels) or a listwise cross-entropy against
           softmax(target / `--tau`) over the eligible tokens (`target_listwise`, top-heavy at small
-          tau), on train-split problems; prints the
-          AUC of the facts on validation problems as it goes. A diagnosis, not a training method.
+          tau), or a balanced logistic loss on membership of the target's own top k = B - s - w
+          (`target_topk`), on train-split problems; prints the AUC of the facts on validation
+          problems as it goes, and how often the facts all make the scorer's top k (what a policy
+          needs). A diagnosis, not a training method.
 """
 
 from __future__ import annotations
@@ -401,8 +403,33 @@ def _learn_data(config, params, tokenizer, problems, layer: int, kv_head: int, s
             jnp.asarray(np.stack(es)), jnp.asarray(np.stack(rs), jnp.float32))
 
 
+def target_topk_labels(r, e, topk: int):
+    """1 where an eligible token (e > 0) is among the `topk` largest exact log-targets r of its row
+    (ties at the k-th value count in), else 0; r, e [N, S]. The labels of `learn --labels target_topk`."""
+    kth = jnp.sort(jnp.where(e > 0, r, -jnp.inf), -1)[:, -topk][:, None]
+    return ((r >= kth) & (e > 0)).astype(jnp.float32)
+
+
+def facts_in_topk(scores, y, m, e, topk: int) -> tuple[float, float, float]:
+    """Over rows of scores [N, S] with the marked facts y, the binding values m (facts included) and
+    the eligible tokens e: the share of rows whose facts all score within the top `topk` eligible
+    tokens (ties count in), and the medians of how many other binding values and how many other
+    eligible tokens score above the row's lowest fact."""
+    scores, y, m, e = (np.asarray(a) for a in (scores, y, m, e))
+    y, m, e = y > 0, m > 0, e > 0
+    kept, values, others = [], [], []
+    for s_, y_, m_, e_ in zip(scores, y, m, e):
+        low = s_[y_].min()
+        kept.append(bool(np.all(s_[y_] >= np.sort(s_[e_])[-topk])))
+        values.append(int(np.sum(s_[e_ & m_ & ~y_] > low)))
+        others.append(int(np.sum(s_[e_ & ~m_] > low)))
+    return float(np.mean(kept)), float(np.median(values)), float(np.median(others))
+
+
 def learn(args) -> dict[str, list]:
-    """Prints the AUC lines; returns {"loss": the loss of every step, "auc": (step, train, validation)}."""
+    """Prints the AUC lines; returns {"loss": the loss of every step, "auc": (step, train, validation),
+    "kept": (split, share of problems with every fact in the scorer's top k, binding values and other
+    tokens above the lowest fact, medians), at each AUC line}."""
     if args.labels == "target_listwise" and not args.tau > 0:
         raise ValueError(f"--tau must be > 0, got {args.tau}")
     config, params = load_pretrained(args.teacher)
@@ -425,9 +452,8 @@ def learn(args) -> dict[str, list]:
         if args.labels == "told":
             balance = jnp.where(y > 0, 0.5 / jnp.maximum(y.sum(), 1), 0.5 / jnp.maximum((m - y).sum(), 1)) * m
             return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, y))
-        if args.labels == "target_topk":  # balanced logistic: in the target's own top-k among the eligible, or not
-            kth = jnp.sort(jnp.where(e > 0, r, -jnp.inf), -1)[:, -kv.topk][:, None]
-            t = ((r >= kth) & (e > 0)).astype(jnp.float32)
+        if args.labels == "target_topk":  # balanced logistic: in the exact target's own top-k of the eligible, or not
+            t = target_topk_labels(r, e, args.label_k or kv.topk)
             balance = jnp.where(t > 0, 0.5 / jnp.maximum(t.sum(), 1), 0.5 / jnp.maximum((e - t).sum(), 1)) * e
             return jnp.sum(balance * optax.sigmoid_binary_cross_entropy(logits, t))
         if args.labels == "target_listwise":  # cross-entropy of softmax(score) against softmax(r / tau)
@@ -450,24 +476,21 @@ def learn(args) -> dict[str, list]:
         for s_, y_, m_ in zip(scores, y, m):
             diff = s_[y_][:, None] - s_[m_ & ~y_][None, :]
             per.append(np.mean((diff > 0) + 0.5 * (diff == 0)))
-        e = np.asarray(data[split][4]) > 0
-        kept = [np.all(s_[y_] >= np.sort(s_[e_])[-kv.topk]) for s_, y_, e_ in zip(scores, y, e)]
-        above = [(np.sum(s_[e_ & m_ & ~y_] > s_[y_].min()), np.sum(s_[e_ & ~m_] > s_[y_].min()))
-                 for s_, y_, e_, m_ in zip(scores, y, e, m)]
-        print(f"    ({split}: facts all in the scorer's top {kv.topk} of the eligible: {np.mean(kept):.2f}; "
-              f"above the lowest fact, median: binding values {np.median([a for a, _ in above])}, "
-              f"others {np.median([b for _, b in above])})")
+        kept, values, others = facts_in_topk(scores, y, m, data[split][4], kv.topk)
+        history["kept"].append((split, kept, values, others))
+        print(f"    {split}: facts all in the scorer's top {kv.topk} in {kept:.2f} of problems; above the lowest "
+              f"fact, median: {values:g} binding values, {others:g} other tokens")
         return float(np.mean(per))
 
     taught = {"told": "told which binding values are marked",
               "target_values": "regressing the exact log-target of the eligible binding values",
               "target_all": "regressing the exact log-target of every eligible token",
-              "target_topk": "balanced logistic on membership of the exact target's top-k",
+              "target_topk": f"balanced logistic on membership of the exact target's top {args.label_k or kv.topk}",
               "target_listwise": f"listwise cross-entropy against softmax(exact log-target / {args.tau})"}[args.labels]
     print(f"{args.scorer} scorer ({args.scorer_keys} keys) on layer {args.layer}, KV head {args.kv_head} of "
           f"{args.teacher}, {taught} ({args.task}, {args.problems} train problems): AUC of the marked facts "
           "against the other eligible binding values")
-    history = {"loss": [], "auc": []}
+    history = {"loss": [], "auc": [], "kept": []}
     for i in range(args.steps + 1):
         if i % max(1, args.steps // 4) == 0:
             history["auc"].append((i, auc(weights, "train"), auc(weights, "validation")))
@@ -508,9 +531,10 @@ def park_shares(probs_SxS: np.ndarray, is_digit_S: np.ndarray, d: int, window: i
     the future-attention target does not count yet), digits (`is_digit_S`, bool per position) and other
     tokens older than that (1 <= t <= d - w), and the largest single older key."""
     row = probs_SxS[d, : d + 1]
-    old = np.arange(1, max(1, d - window + 1))
+    cut = max(1, d - window + 1)  # the first key inside the window
+    old = np.arange(1, cut)
     digit = is_digit_S[old]
-    return np.asarray([row[0], row[max(1, d - window + 1):].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
+    return np.asarray([row[0], row[cut:].sum(), row[old[digit]].sum(), row[old[~digit]].sum(),
                        row[old].max() if len(old) else 0.0])
 
 
@@ -605,12 +629,16 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--scorer_keys", default="rotated", choices=["rotated", "unrotated"],
                         help="learn: the keys the scorer reads (KVpopConfig.scorer_keys)")
     parser.add_argument("--tau", type=float, default=1.0, help="learn --labels target_listwise: temperature (> 0)")
-    parser.add_argument("--labels", default="told", choices=["told", "target_values", "target_all", "target_topk", "target_listwise"],
+    parser.add_argument("--labels", default="told",
+                        choices=["told", "target_values", "target_all", "target_topk", "target_listwise"],
                         help="learn: told (balanced logistic, marked facts vs the other binding values), a "
                              "squared-error fit of the exact future-attention target (no labels) over the "
                              "eligible binding values (target_values) or every eligible token (target_all), or "
                              "target_listwise: cross-entropy of softmax(score) against softmax(target / --tau) "
-                             "over every eligible token")
+                             "over every eligible token, or target_topk: balanced logistic on membership of the "
+                             "target's own top k among the eligible")
+    parser.add_argument("--label_k", type=int, default=0,
+                        help="learn --labels target_topk: the labels' top k (default 0: k = B - s - w)")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]

@@ -64,23 +64,61 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
     r1 = exact_log_target(group_probs(config, params, jnp.asarray([ids]), 1, 1), 32)[0]
     brute = max(sum(probs1[g, d, 300] for d in range(332, 1024)) / (1024 - 332) for g in range(2))
     np.testing.assert_allclose(float(r1[300]), np.log(brute), rtol=1e-4)
-    for labels in ("told", "target_values", "target_listwise"):  # target_all: target_values with another mask
+    for labels in ("told", "target_values", "target_listwise", "target_topk"):  # target_all: another mask
         args = argparse.Namespace(teacher=teacher, problems=4, seed=0, task="reuse", prompt_len=1024, layer=1,
                                   kv_head=0, sinks=4, window=32, budget=123, scorer="mlp", steps=4,
-                                  scorer_keys="rotated", labels=labels, tau=0.5)
+                                  scorer_keys="rotated", labels=labels, tau=0.5, label_k=3 if labels == "target_topk" else 0)
         history = learn(args)
-        lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("step")]
+        out = capsys.readouterr().out
+        lines = [line for line in out.splitlines() if line.strip().startswith("step")]
+        if labels == "target_topk":
+            assert "membership of the exact target's top 3 (" in out  # --label_k, not k = 87
         assert len(lines) == 5 and all(0.0 <= float(x.split()[-1]) <= 1.0 for x in lines)
         assert float(lines[0].split()[-1]) == 0.5  # the fresh MLP's last layer is zero: every token ties
         assert len(history["loss"]) == 4 and np.isfinite(history["loss"]).all(), (labels, history["loss"])
+        assert [row[0] for row in history["kept"]] == ["train", "validation"] * 5 and all(
+            0.0 <= row[1] <= 1.0 for row in history["kept"])
         if labels == "told":
             assert history["auc"][-1][1] > 0.5  # four steps on the answer already rank the train facts higher
     with pytest.raises(ValueError, match="--tau must be > 0, got 0.0"):
-        learn(argparse.Namespace(**{**vars(args), "tau": 0.0}))
+        learn(argparse.Namespace(**{**vars(args), "labels": "target_listwise", "tau": 0.0}))
     k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True)[0]
     assert np.abs(np.asarray(k_u) - np.asarray(k[:1])).max() > 1e-2  # the keys' rotation is undone
     np.testing.assert_allclose(np.linalg.norm(np.asarray(k_u), axis=-1), np.linalg.norm(np.asarray(k[:1]), axis=-1),
                                rtol=1e-4)  # a rotation: same norms
+
+
+def test_target_topk_labels_and_facts_in_topk_match_loops(rng):
+    """learn's top-k labels are the k largest targets among the eligible tokens of each row, and
+    facts_in_topk counts, per row, whether every fact is within the top k and how many binding values /
+    other eligible tokens score above the lowest fact (medians over rows), by loops."""
+    from eval.diagnose import facts_in_topk, target_topk_labels
+
+    n, s, k = 5, 40, 6
+    r = rng.normal(size=(n, s)).astype(np.float32)
+    e = np.zeros((n, s), np.float32)
+    e[:, 3:31] = 1
+    labels = np.asarray(target_topk_labels(jnp.asarray(r), jnp.asarray(e), k))
+    for i in range(n):
+        want = set(3 + np.argsort(-r[i, 3:31])[:k])
+        assert set(np.nonzero(labels[i])[0]) == want
+    scores = rng.normal(size=(n, s)).astype(np.float32)
+    y, m = np.zeros((n, s), bool), np.zeros((n, s), bool)
+    for i in range(n):
+        pos = rng.choice(np.arange(3, 31), size=12, replace=False)
+        y[i, pos[:2]], m[i, pos] = True, True
+    scores[0, np.nonzero(y[0])[0]] = 10.0  # row 0's facts are on top
+    kept, values, others = facts_in_topk(scores, y, m, e, k)
+    rows = []
+    for i in range(n):
+        elig = [t for t in range(s) if e[i, t]]
+        top = sorted(elig, key=lambda t: -scores[i, t])[:k]
+        low = min(scores[i, t] for t in elig if y[i, t])
+        rows.append((all(t in top for t in elig if y[i, t]),
+                     sum(scores[i, t] > low for t in elig if m[i, t] and not y[i, t]),
+                     sum(scores[i, t] > low for t in elig if not m[i, t])))
+    assert rows[0][0] and kept == np.mean([a for a, _, _ in rows])
+    assert values == np.median([b for _, b, _ in rows]) and others == np.median([c for _, _, c in rows])
 
 
 def test_shift_ranks_move_only_with_a_position_reading_scorer(rng):
