@@ -295,7 +295,7 @@ def test_parks_names_each_lookup_by_its_meta_and_shares_match_a_brute_force(rng,
         np.testing.assert_allclose(sum(float(x) for x in r[-5:-1]), 1.0, atol=2e-3)
     lookup = next(r for r in rows if r[0] == "completion" and r[2] == "0")  # the match head reads the fact
     assert float(lookup[-1]) > 0.9
-    for r in rows:  # and the shipped teacher parks the names that no lookup serves (tiny_teacher_park.flags)
+    for r in rows:  # and the shipped teacher parks the names that no lookup serves (tiny_teacher_park*.flags)
         if r[0] in ("binding", "recall"):
             assert float(r[-4]) + float(r[-5]) > 0.9, r  # first token + window
 
