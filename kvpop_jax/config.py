@@ -190,6 +190,7 @@ AGGREGATIONS = ("max", "mean")
 NORMALIZERS = ("sparse", "dense")
 TARGET_REDUCTIONS = ("sum", "max")
 RETENTION_LABELS = ("hard", "soft")
+RANK_PARTNERS = ("random", "similar")
 SCORER_KEYS = ("rotated", "unrotated")
 
 
@@ -316,6 +317,8 @@ class KVpopConfig:
             )
         if self.scorer_keys not in SCORER_KEYS:
             raise ValueError(f"KVpopConfig.scorer_keys must be one of {SCORER_KEYS}, got {self.scorer_keys!r}")
+        if self.rank_partners not in RANK_PARTNERS:
+            raise ValueError(f"KVpopConfig.rank_partners must be one of {RANK_PARTNERS}, got {self.rank_partners!r}")
         if self.retention_labels not in RETENTION_LABELS:
             raise ValueError(f"KVpopConfig.retention_labels must be one of {RETENTION_LABELS}, "
                              f"got {self.retention_labels!r}")

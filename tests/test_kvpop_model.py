@@ -1,6 +1,7 @@
 """KVpop inside the model: infinite budget == dense, mask changes logits, gradient routing."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,15 +128,15 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
 
 
 def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
-    """retention_labels="soft", rank_pairs and target_head_samples (training options, not in the paper):
-    each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the pairwise
-    ranking loss, rebuilt here from the layer's own scores, target and boundary; only scorer and decay
+    """retention_labels="soft", rank_pairs, target_head_samples and listwise_queries (training options, not in
+    the paper): each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the
+    pairwise ranking loss plus the listwise fit at the first queries, rebuilt here from the layer's own scores, target and boundary; only scorer and decay
     receive its gradient."""
     from kvpop_jax import losses
 
     s = 48
     kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, retention_labels="soft",
-                     rank_pairs=3, target_head_samples=5)
+                     rank_pairs=3, target_head_samples=5, listwise_queries=4, listwise_temperature=0.7)
     _, config, params = _models(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
     q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(2, 8)))
@@ -152,13 +153,27 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
         partners = losses.sample_rank_partners(q_idx, num=3, sinks=kv.sinks, window=kv.window)
         pair, _ = losses.pairwise_rank_loss(layer["scores"], layer["log_gamma"], layer["target"], q_idx, partners,
                                             window=kv.window, **knobs)
-        np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair), rtol=1e-5)
-        assert float(pair) > 0
+        listwise, _ = losses.listwise_retention_loss(layer["scores"], layer["log_gamma"], layer["target"], q_idx[:, :4],
+                                                     sinks=kv.sinks, window=kv.window, temperature=0.7)
+        np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair + listwise), rtol=1e-5)
+        assert float(pair) > 0 and float(listwise) > 0
     plain = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=dataclasses.replace(
-        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0)))
+        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0, listwise_queries=0)))
     assert float(plain.apply({"params": params}, ids, query_samples=q_idx).aux["retention_loss"]) != \
         pytest.approx(float(out.aux["retention_loss"]))
     grads = traverse_util.flatten_dict(jax.grad(
         lambda p: model.apply({"params": p}, ids, query_samples=q_idx).aux["retention_loss"])(params), sep="/")
     assert all(not np.any(np.asarray(g)) for k, g in grads.items() if "/kvpop/" not in k)
     assert any(np.abs(np.asarray(g)).max() > 0 for k, g in grads.items() if "/kvpop/scorer/" in k)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank_partners", "similr", "rank_partners must be one of ('random', 'similar'), got 'similr'"),
+    ("listwise_queries", -1, "listwise_queries must be an int >= 0, got -1"),
+    ("keepset_queries", 2.5, "keepset_queries must be an int >= 0, got 2.5"),
+    ("listwise_temperature", 0.0, "listwise_temperature must be > 0, got 0.0"),
+])
+def test_retention_options_refuse_bad_values_by_name(field, value, message):
+    """A typo in a retention option is refused with its name and value, not run as the default."""
+    with pytest.raises(ValueError, match=re.escape(f"KVpopConfig.{message}")):
+        KVpopConfig(sinks=2, window=4, topk=6, **{field: value})
