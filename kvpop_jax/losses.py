@@ -267,6 +267,12 @@ def pairwise_rank_loss(
     return loss, {"pair_accuracy": jax.lax.stop_gradient(jnp.sum(agree.astype(jnp.float32)) / denom)}
 
 
+def _eligible_at(q_idx: jax.Array, seq_len: int, *, sinks: int, window: int) -> jax.Array:
+    """E(q) = {s <= t <= q − w} (Eq. 4) at each sampled query: bool [B, 1, Nq, S] (a head axis to broadcast)."""
+    t = jnp.arange(seq_len)
+    return ((t >= sinks) & (t <= (q_idx - window)[..., None]))[:, None]
+
+
 def keepset_loss(
     scores: jax.Array,
     log_gamma: jax.Array,
@@ -310,7 +316,7 @@ def keepset_loss(
     log_gamma = _as_head_column(log_gamma)
     t = jnp.arange(scores.shape[-1])
     prio = (scores.astype(jnp.float32) - t * log_gamma)[:, :, None, :]  # Eq. 20, [B, H, 1, S]
-    eligible = ((t >= sinks) & (t <= (q_idx - window)[..., None]))[:, None]  # [B, 1, Nq, S]
+    eligible = _eligible_at(q_idx, scores.shape[-1], sinks=sinks, window=window)  # [B, 1, Nq, S]
     very_low = jnp.float32(-1e30)
     masked = jnp.where(eligible, jax.lax.stop_gradient(prio), very_low)
     top = jax.lax.top_k(masked, min(topk, scores.shape[-1]))[0]  # where |E(q)| < k, theta is its smallest
@@ -371,9 +377,7 @@ def listwise_retention_loss(
     t = jnp.arange(scores.shape[-1], dtype=jnp.float32)
     student = (scores - t * log_gamma) / temperature  # Eq. 20, [B, H, S]
     teacher = (target_scores - t * jax.lax.stop_gradient(log_gamma)) / temperature
-    ti = jnp.arange(scores.shape[-1])
-    eligible = (ti >= sinks) & (ti <= (q_idx - window)[..., None])  # [B, Nq, S]
-    eligible = eligible[:, None]  # [B, 1, Nq, S]
+    eligible = _eligible_at(q_idx, scores.shape[-1], sinks=sinks, window=window)  # [B, 1, Nq, S]
     very_low = jnp.float32(-1e30)  # finite: exp underflows to 0, and no inf - inf reaches a gradient
     log_q = jax.nn.log_softmax(jnp.where(eligible, student[:, :, None], very_low), -1)
     log_p = jax.nn.log_softmax(jnp.where(eligible, teacher[:, :, None], very_low), -1)
