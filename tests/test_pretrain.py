@@ -52,6 +52,14 @@ def test_curriculum_and_flagfile_parse():
     assert cfg.model.vocab_size == len(VOCAB) and cfg.model.tie_word_embeddings
 
 
+def test_reuse_rows_too_long_for_a_phase_are_refused_before_training(tmp_path):
+    # reuse traces need room for their marked facts: a 256-token phase with reuse rows used to fail
+    # at its first step, minutes into a run; the config now names the phase and the reason up front.
+    with pytest.raises(ValueError, match=r"reuse rows at 256 tokens: seq_len=256 is too short"):
+        tiny_config(tmp_path, phases=(Phase(128, 2, 4), Phase(256, 2, 2, (("reuse", 0.5),))))
+    tiny_config(tmp_path, phases=(Phase(1024, 2, 2, (("reuse", 0.5),)),))  # long enough: accepted
+
+
 def test_batches_are_whole_traces_with_completion_weights(tmp_path):
     cfg = tiny_config(tmp_path, completion_weight=3.0)
     batch = make_batch(cfg, 0)

@@ -52,7 +52,12 @@ class PretrainConfig:
         for p in self.phases:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
-            self.task(p)  # validates the length and the overrides
+            task = self.task(p)  # validates the length and the overrides
+            if dict(p.task).get("reuse", 0.0):  # and the reuse rows' task at this length, before step 0
+                try:
+                    dataclasses.replace(task, **demo_task.TASKS["reuse"])
+                except ValueError as e:
+                    raise ValueError(f"phase {p}: reuse rows at {p.prompt_len} tokens: {e}") from None
         if self.difficulty not in demo_task.DIFFICULTY:
             raise ValueError(f"difficulty must be one of {sorted(demo_task.DIFFICULTY)}, got {self.difficulty!r}")
         if self.model.vocab_size < len(VOCAB):
