@@ -37,6 +37,11 @@ small table; each takes under a minute on CPU.
           target yet), on older digits and older other tokens, and the largest single older key. A
           binding's name has nothing to look up unless the name was bound before; what its query
           reads there, the future-attention target counts
+  noise   how exactly must a scorer match its target for the teacher-retention recall (Fig. 7) to be
+          high? Per export and per layer / KV head, at 64 sampled saturated queries of each problem's
+          prompt: the export's own recall of its teacher's keep sets, next to the recall of the teacher
+          against itself with Gaussian noise of each `--sigmas` (nats) added to its log-target: a
+          scorer whose log-priorities are off by that much matches the teacher that well
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly (`--labels told`: balanced logistic loss, marked facts 1 vs
@@ -63,12 +68,12 @@ import optax
 
 from demo.atoms import ASK, DIGITS, KEEP, NAMES
 from demo.task import TASKS, generate_dataset, min_seq_len
-from eval.recall import policy_arrays
+from eval.recall import policy_arrays, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead, kept_long_range
-from kvpop_jax.policy import static_priority
+from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
 from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, layer_qkv
 from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer
@@ -234,6 +239,50 @@ def shift(args) -> None:
         for o in offsets:
             r = np.asarray(ranks[o])
             print(f"  offset {o:5d}: median {np.median(r):6.1f}, within k {np.mean(r < k):.2f}", flush=True)
+
+
+def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], seed: int, num_queries: int = 64):
+    """(student, perturbed): recall [L, Hkv] of the export's keep sets against its teacher's, and
+    {sigma: recall [L, Hkv]} of the teacher's keep sets under log-target + sigma * N(0, 1) against
+    the teacher's own, at `num_queries` saturated queries per row (as `eval.recall.run_recall`
+    samples them with the same seed)."""
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    n, s = ids_NxS.shape
+    q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
+    noise_rng = np.random.default_rng(seed + 1)
+    shape = (config.num_hidden_layers, config.num_key_value_heads)
+    hits = {None: np.zeros(shape), **{sg: np.zeros(shape) for sg in sigmas}}
+    total = np.zeros(shape)
+    for row in range(n):
+        q = jnp.asarray(q_idx[row: row + 1])
+        arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
+        for layer in range(config.num_hidden_layers):
+            kept = lambda r, c: np.asarray(kept_long_range(r, c, q, sinks=kv.sinks, window=kv.window))[0]  # noqa: E731
+            teacher = kept(arr["teacher_ranks"][layer], arr["teacher_cutoffs"][layer])  # [H, Nq, S]
+            total[layer] += teacher.sum((1, 2))
+            hits[None][layer] += (kept(arr["ranks"][layer], arr["cutoffs"][layer]) & teacher).sum((1, 2))
+            tgt = np.asarray(arr["target"][layer])  # [1, H, S] log-target
+            for sg in sigmas:
+                noisy = tgt + sg * noise_rng.standard_normal(tgt.shape).astype(np.float32)
+                ranks = ranks_from_priority(static_priority(jnp.asarray(noisy), arr["log_gamma"][layer]))
+                cuts = running_topk_cutoff(ranks, sinks=kv.sinks, window=kv.window, topk=kv.topk)
+                hits[sg][layer] += (kept(ranks, cuts) & teacher).sum((1, 2))
+    total = np.maximum(total, 1)
+    return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}
+
+
+def noise(args) -> None:
+    for path in args.exports:
+        config, params = load_pretrained(path)
+        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget, config.head_dim))
+        tokenizer = checkpoint_tokenizer(path)
+        ids = np.asarray([tokenizer(ex["text"])["input_ids"][: args.prompt_len] for ex in _problems(args)], np.int32)
+        student, perturbed = noise_recall(config, params, ids, args.sigmas, args.seed)
+        print(f"{path}: teacher-retention recall per [layer, kv head] at B {args.budget} (k {config.kvpop.topk}), "
+              f"{args.problems} {args.task} prompts, 64 saturated queries each")
+        print(f"  the export           : {student.round(3).tolist()}  mean {student.mean():.3f}")
+        for sg, r in perturbed.items():
+            print(f"  teacher + N(0, {sg:4g}^2): {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
 
 
 def margin(args) -> None:
@@ -569,7 +618,7 @@ def parks(args) -> None:
 
 
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
-               "learn": learn, "shift": shift, "margin": margin, "reads": reads, "parks": parks}
+               "learn": learn, "shift": shift, "margin": margin, "reads": reads, "parks": parks, "noise": noise}
 
 
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
@@ -584,6 +633,8 @@ def check_args(args) -> None:
     shortest = min_seq_len(args.task)
     if args.prompt_len < shortest:
         raise ValueError(f"--prompt_len {args.prompt_len} is too short for {args.task}: the shortest is {shortest}")
+    if any(not sg >= 0 for sg in args.sigmas):
+        raise ValueError(f"--sigmas must be >= 0 (noise in nats), got {args.sigmas}")
     if any(o < 0 for o in args.offsets):
         raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
     uses_teacher = args.what in TEACHER_DIAGNOSTICS
@@ -640,11 +691,17 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--label_k", type=int, default=0,
                         help="learn --labels target_topk: the labels' top k (default 0: k = B - s - w)")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
+    parser.add_argument("--sigmas", default="0.1,0.25,0.5,1,2",
+                        help="noise: comma-separated noise levels (nats) added to the teacher's log-target")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]
     try:
         args.offsets = [int(o) for o in args.offsets.split(",") if o.strip()]
     except ValueError:
         raise ValueError(f"--offsets must be comma-separated integers, got {args.offsets!r}") from None
+    try:
+        args.sigmas = [float(x) for x in args.sigmas.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sigmas must be comma-separated numbers, got {args.sigmas!r}") from None
     check_args(args)
     DIAGNOSTICS[args.what](args)

@@ -327,3 +327,26 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
     ):
         with pytest.raises(ValueError, match=message):
             diagnose.main(base + argv)  # argparse: the later --exports wins
+
+
+def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(rng, tmp_path):
+    """`diagnose noise`: the teacher against itself recalls every kept token at sigma 0 and fewer under
+    heavy noise; the export's own column is `eval.recall.run_recall`'s recall on the same rows and
+    queries (random retrofitted model, fresh random tokens)."""
+    import dataclasses
+
+    from eval.diagnose import noise_recall
+    from eval.recall import run_recall
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=6, scorer="mlp", normalizer="dense"))
+    params = retrofit_params(config, init_params(base, jax.random.key(7)), jax.random.key(8))
+    ids = rng.integers(0, base.vocab_size, size=(3, 60)).astype(np.int32)
+    student, perturbed = noise_recall(config, params, ids, [0.0, 0.3, 50.0], seed=3, num_queries=8)
+    np.testing.assert_array_equal(perturbed[0.0], 1.0)
+    assert perturbed[50.0].mean() < perturbed[0.3].mean() <= 1.0
+    reference = run_recall((config, params), ids, num_queries=8, seed=3, out_dir=str(tmp_path), progress=False)
+    np.testing.assert_allclose(student, reference.recall)
+    assert 0.0 < student.mean() < 1.0
