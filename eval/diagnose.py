@@ -41,7 +41,9 @@ small table; each takes under a minute on CPU.
           high? Per export and per layer / KV head, at 64 sampled saturated queries of each problem's
           prompt: the export's own recall of its teacher's keep sets, next to the recall of the teacher
           against itself with Gaussian noise of each `--sigmas` (nats) added to its log-target: a
-          scorer whose log-priorities are off by that much matches the teacher that well
+          scorer whose log-priorities are off by that much matches the teacher that well; then what the
+          target follows per head: its spread, the share of its variance that token identity, the
+          (previous, current) token pair and position explain, and how the scorer's priority correlates
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly (`--labels told`: balanced logistic loss, marked facts 1 vs
@@ -271,6 +273,46 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}
 
 
+def explained_share(y: np.ndarray, groups: Sequence) -> float:
+    """R^2 of predicting y by the mean of its group: 1 - var(y - group mean) / var(y)."""
+    y = np.asarray(y, np.float64)
+    keys = {}
+    index = np.asarray([keys.setdefault(g, len(keys)) for g in groups])
+    means = np.bincount(index, weights=y) / np.bincount(index)
+    return float(1.0 - np.var(y - means[index]) / np.var(y))
+
+
+def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) -> list[dict]:
+    """Per (layer, KV head), over the tokens t with at least `min_future` queries after the window
+    (s <= t < S - w - min_future): the log-target's standard deviation (nats), the share of its variance
+    explained by the token's id, by (previous id, id), by its position (bins of 64) and by (id, bin of
+    128), and the correlation of the scorer's static priority with it."""
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    n, s = ids_NxS.shape
+    lo, hi = kv.sinks, s - kv.window - min_future
+    if hi <= lo:
+        raise ValueError(f"prompts of {s} tokens leave no token with {min_future} future queries past the window")
+    tgt, pri = [], []
+    for row in range(n):
+        arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), jnp.asarray([[s - 1]]))
+        tgt.append(np.asarray(arr["target"])[:, 0])  # [L, H, S]
+        pri.append(np.stack([np.asarray(static_priority(arr["scores"][layer], arr["log_gamma"][layer]))[0]
+                             for layer in range(config.num_hidden_layers)]))
+    tgt, pri = np.stack(tgt, 1)[..., lo:hi], np.stack(pri, 1)[..., lo:hi]  # [L, N, H, T]
+    token = ids_NxS[:, lo:hi].ravel()
+    pair = list(zip(ids_NxS[:, lo - 1: hi - 1].ravel(), token))
+    pos = np.broadcast_to(np.arange(lo, hi), (n, hi - lo)).ravel()
+    rows = []
+    for layer in range(config.num_hidden_layers):
+        for h in range(config.num_key_value_heads):
+            y = tgt[layer, :, h].ravel()
+            rows.append(dict(layer=layer, kv_head=h, sd=float(y.std()), token=explained_share(y, token),
+                             pair=explained_share(y, pair), position=explained_share(y, pos // 64),
+                             token_position=explained_share(y, list(zip(token, pos // 128))),
+                             corr=float(np.corrcoef(pri[layer, :, h].ravel(), y)[0, 1])))
+    return rows
+
+
 def noise(args) -> None:
     for path in args.exports:
         config, params = load_pretrained(path)
@@ -283,6 +325,13 @@ def noise(args) -> None:
         print(f"  the export           : {student.round(3).tolist()}  mean {student.mean():.3f}")
         for sg, r in perturbed.items():
             print(f"  teacher + N(0, {sg:4g}^2): {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
+        print("  what the log-target follows (tokens with >= 64 later queries): its sd, the share of its variance "
+              "explained by token id / (previous id, id) / position (bins of 64) / (id, position bin of 128), and "
+              "the correlation of the scorer's priority with it")
+        for r in target_structure(config, params, ids):
+            print(f"    layer {r['layer']} kv head {r['kv_head']}: sd {r['sd']:.2f}, R2 id {r['token']:.2f}, "
+                  f"pair {r['pair']:.2f}, position {r['position']:.2f}, id+position {r['token_position']:.2f}; "
+                  f"corr(priority, target) {r['corr']:.2f}", flush=True)
 
 
 def margin(args) -> None:

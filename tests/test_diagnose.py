@@ -350,3 +350,14 @@ def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(
     reference = run_recall((config, params), ids, num_queries=8, seed=3, out_dir=str(tmp_path), progress=False)
     np.testing.assert_allclose(student, reference.recall)
     assert 0.0 < student.mean() < 1.0
+
+
+def test_explained_share_equals_a_loop_over_groups(rng):
+    from eval.diagnose import explained_share
+
+    y = rng.normal(size=200)
+    groups = list(rng.integers(0, 7, size=200))
+    pred = np.array([np.mean([v for v, h in zip(y, groups) if h == g]) for g in groups])
+    np.testing.assert_allclose(explained_share(y, groups), 1 - np.var(y - pred) / np.var(y), rtol=1e-12)
+    assert explained_share(y, list(range(200))) == pytest.approx(1.0)  # every value its own group
+    assert explained_share(y, [0] * 200) == pytest.approx(0.0, abs=1e-12)  # one group: the mean
