@@ -286,7 +286,7 @@ def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) 
     """Per (layer, KV head), over the tokens t with at least `min_future` queries after the window
     (s <= t < S - w - min_future): the log-target's standard deviation (nats), the share of its variance
     explained by the token's id, by (previous id, id), by its position (bins of 64) and by (id, bin of
-    128), and the correlation of the scorer's static priority with it."""
+    128), and the correlations of the scorer's static priority and of the position t with it."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
     lo, hi = kv.sinks, s - kv.window - min_future
@@ -309,7 +309,8 @@ def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) 
             rows.append(dict(layer=layer, kv_head=h, sd=float(y.std()), token=explained_share(y, token),
                              pair=explained_share(y, pair), position=explained_share(y, pos // 64),
                              token_position=explained_share(y, list(zip(token, pos // 128))),
-                             corr=float(np.corrcoef(pri[layer, :, h].ravel(), y)[0, 1])))
+                             corr=float(np.corrcoef(pri[layer, :, h].ravel(), y)[0, 1]),
+                             corr_position=float(np.corrcoef(pos, y)[0, 1])))
     return rows
 
 
@@ -327,11 +328,11 @@ def noise(args) -> None:
             print(f"  teacher + N(0, {sg:4g}^2): {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
         print("  what the log-target follows (tokens with >= 64 later queries): its sd, the share of its variance "
               "explained by token id / (previous id, id) / position (bins of 64) / (id, position bin of 128), and "
-              "the correlation of the scorer's priority with it")
+              "the correlations of the scorer's priority and of the position t with it")
         for r in target_structure(config, params, ids):
             print(f"    layer {r['layer']} kv head {r['kv_head']}: sd {r['sd']:.2f}, R2 id {r['token']:.2f}, "
                   f"pair {r['pair']:.2f}, position {r['position']:.2f}, id+position {r['token_position']:.2f}; "
-                  f"corr(priority, target) {r['corr']:.2f}", flush=True)
+                  f"corr(priority, target) {r['corr']:.2f}, corr(t, target) {r['corr_position']:.2f}", flush=True)
 
 
 def margin(args) -> None:
