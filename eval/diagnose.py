@@ -279,26 +279,37 @@ def explained_share(y: np.ndarray, groups: Sequence) -> float:
     keys = {}
     index = np.asarray([keys.setdefault(g, len(keys)) for g in groups])
     means = np.bincount(index, weights=y) / np.bincount(index)
+    if np.var(y) == 0:
+        return float("nan")  # nothing to explain
     return float(1.0 - np.var(y - means[index]) / np.var(y))
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rho (ties get distinct ranks: the policies' ranks_from_priority breaks them too)."""
+    rank = lambda x: np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)  # noqa: E731
+    return float(np.corrcoef(rank(a), rank(b))[0, 1])
 
 
 def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) -> list[dict]:
     """Per (layer, KV head), over the tokens t with at least `min_future` queries after the window
     (s <= t < S - w - min_future): the log-target's standard deviation (nats), the share of its variance
     explained by the token's id, by (previous id, id), by its position (bins of 64) and by (id, bin of
-    128), and the correlations of the scorer's static priority and of the position t with it."""
+    128); the rank correlation of the scorer's static priority with the teacher's (the target's under the
+    same decay: what the two policies rank by), and the correlation of the position t with the target."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
-    lo, hi = kv.sinks, s - kv.window - min_future
+    lo, hi = max(kv.sinks, 1), s - kv.window - min_future + 1  # t has S - t - w queries q >= t + w
     if hi <= lo:
         raise ValueError(f"prompts of {s} tokens leave no token with {min_future} future queries past the window")
-    tgt, pri = [], []
+    tgt, pri, t_pri = [], [], []
     for row in range(n):
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), jnp.asarray([[s - 1]]))
         tgt.append(np.asarray(arr["target"])[:, 0])  # [L, H, S]
         pri.append(np.stack([np.asarray(static_priority(arr["scores"][layer], arr["log_gamma"][layer]))[0]
                              for layer in range(config.num_hidden_layers)]))
-    tgt, pri = np.stack(tgt, 1)[..., lo:hi], np.stack(pri, 1)[..., lo:hi]  # [L, N, H, T]
+        t_pri.append(np.stack([np.asarray(static_priority(arr["target"][layer], arr["log_gamma"][layer]))[0]
+                               for layer in range(config.num_hidden_layers)]))
+    tgt, pri, t_pri = (np.stack(a, 1)[..., lo:hi] for a in (tgt, pri, t_pri))  # [L, N, H, T]
     token = ids_NxS[:, lo:hi].ravel()
     pair = list(zip(ids_NxS[:, lo - 1: hi - 1].ravel(), token))
     pos = np.broadcast_to(np.arange(lo, hi), (n, hi - lo)).ravel()
@@ -309,7 +320,7 @@ def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) 
             rows.append(dict(layer=layer, kv_head=h, sd=float(y.std()), token=explained_share(y, token),
                              pair=explained_share(y, pair), position=explained_share(y, pos // 64),
                              token_position=explained_share(y, list(zip(token, pos // 128))),
-                             corr=float(np.corrcoef(pri[layer, :, h].ravel(), y)[0, 1]),
+                             corr=rank_correlation(pri[layer, :, h].ravel(), t_pri[layer, :, h].ravel()),
                              corr_position=float(np.corrcoef(pos, y)[0, 1])))
     return rows
 
@@ -321,18 +332,20 @@ def noise(args) -> None:
         tokenizer = checkpoint_tokenizer(path)
         ids = np.asarray([tokenizer(ex["text"])["input_ids"][: args.prompt_len] for ex in _problems(args)], np.int32)
         student, perturbed = noise_recall(config, params, ids, args.sigmas, args.seed)
+        queries = min(64, ids.shape[1] - config.kvpop.budget)
         print(f"{path}: teacher-retention recall per [layer, kv head] at B {args.budget} (k {config.kvpop.topk}), "
-              f"{args.problems} {args.task} prompts, 64 saturated queries each")
+              f"{args.problems} {args.task} prompts, {queries} saturated queries each")
         print(f"  the export           : {student.round(3).tolist()}  mean {student.mean():.3f}")
         for sg, r in perturbed.items():
             print(f"  teacher + N(0, {sg:4g}^2): {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
         print("  what the log-target follows (tokens with >= 64 later queries): its sd, the share of its variance "
               "explained by token id / (previous id, id) / position (bins of 64) / (id, position bin of 128), and "
-              "the correlations of the scorer's priority and of the position t with it")
+              "the rank correlation of the scorer's priority with the teacher's, and the correlation of t with it")
         for r in target_structure(config, params, ids):
             print(f"    layer {r['layer']} kv head {r['kv_head']}: sd {r['sd']:.2f}, R2 id {r['token']:.2f}, "
                   f"pair {r['pair']:.2f}, position {r['position']:.2f}, id+position {r['token_position']:.2f}; "
-                  f"corr(priority, target) {r['corr']:.2f}, corr(t, target) {r['corr_position']:.2f}", flush=True)
+                  f"rank corr(priority, teacher's) {r['corr']:.2f}, corr(t, target) {r['corr_position']:.2f}",
+                  flush=True)
 
 
 def margin(args) -> None:
@@ -683,8 +696,8 @@ def check_args(args) -> None:
     shortest = min_seq_len(args.task)
     if args.prompt_len < shortest:
         raise ValueError(f"--prompt_len {args.prompt_len} is too short for {args.task}: the shortest is {shortest}")
-    if any(not sg >= 0 for sg in args.sigmas):
-        raise ValueError(f"--sigmas must be >= 0 (noise in nats), got {args.sigmas}")
+    if any(not 0 <= sg < float("inf") for sg in args.sigmas):
+        raise ValueError(f"--sigmas must be finite and >= 0 (noise in nats), got {args.sigmas}")
     if any(o < 0 for o in args.offsets):
         raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
     uses_teacher = args.what in TEACHER_DIAGNOSTICS
@@ -700,7 +713,10 @@ def check_args(args) -> None:
             raise ValueError(f"diagnose {args.what} reads a KVpop export's policy; {path!r} is "
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
         if not uses_teacher:
-            config.kvpop.retarget(args.budget, config.head_dim)  # --budget below s + w + state: named there
+            topk = config.kvpop.retarget(args.budget, config.head_dim).topk  # --budget below s + w + state: named there
+            if args.what == "noise" and topk < 1:
+                raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): noise "
+                                 "measures the recall of the k long-range slots")
         if not 0 <= args.layer < config.num_hidden_layers:
             raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
         if not 0 <= args.kv_head < config.num_key_value_heads:

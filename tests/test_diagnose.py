@@ -324,6 +324,10 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
         (["shift", "--offsets", "abc"], "--offsets must be comma-separated integers"),
         (["reads", "--prompt_len", "300"], "--prompt_len 300 is too short for reuse: the shortest is 959"),
         (["keep", "--exports", "checkpoints/demo-teacher"], r"'checkpoints/demo-teacher' is a dense checkpoint"),
+        (["noise", "--sigmas", "-1"], r"--sigmas must be finite and >= 0 \(noise in nats\), got \[-1.0\]"),
+        (["noise", "--sigmas", "inf"], "--sigmas must be finite and >= 0"),
+        (["noise", "--sigmas", "abc"], "--sigmas must be comma-separated numbers, got 'abc'"),
+        (["noise", "--budget", "53"], r"--budget 53 leaves no long-range slot in 'checkpoints/demo-kvpop-mlstm' \(k = 0\)"),
     ):
         with pytest.raises(ValueError, match=message):
             diagnose.main(base + argv)  # argparse: the later --exports wins
@@ -361,3 +365,31 @@ def test_explained_share_equals_a_loop_over_groups(rng):
     np.testing.assert_allclose(explained_share(y, groups), 1 - np.var(y - pred) / np.var(y), rtol=1e-12)
     assert explained_share(y, list(range(200))) == pytest.approx(1.0)  # every value its own group
     assert explained_share(y, [0] * 200) == pytest.approx(0.0, abs=1e-12)  # one group: the mean
+
+
+def test_target_structure_and_rank_correlation(rng):
+    """`diagnose noise`'s second table on a random retrofitted model with no sinks (the previous token
+    of the first counted one exists): one row per layer / KV head with finite shares in [0, 1], and
+    Spearman's rho equal to scipy's on fresh random values."""
+    import dataclasses
+
+    from scipy.stats import spearmanr
+
+    from eval.diagnose import rank_correlation, target_structure
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    a, b = rng.normal(size=300), rng.normal(size=300)
+    b = a + b  # correlated
+    np.testing.assert_allclose(rank_correlation(a, b), spearmanr(a, b).statistic, rtol=1e-10)
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=0, window=4, topk=6, scorer="mlp", normalizer="dense"))
+    params = retrofit_params(config, init_params(base, jax.random.key(3)), jax.random.key(5))
+    rows = target_structure(config, params, rng.integers(0, base.vocab_size, size=(2, 48)).astype(np.int32),
+                            min_future=8)
+    assert [(r["layer"], r["kv_head"]) for r in rows] == [(i, h) for i in range(config.num_hidden_layers)
+                                                        for h in range(config.num_key_value_heads)]
+    for r in rows:
+        assert r["sd"] > 0 and -1 <= r["corr"] <= 1 and -1 <= r["corr_position"] <= 1
+        for key in ("token", "pair", "position", "token_position"):
+            assert -1e-9 <= r[key] <= 1 + 1e-9, (key, r)

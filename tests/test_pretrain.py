@@ -58,6 +58,7 @@ def test_reuse_rows_too_long_for_a_phase_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"reuse rows at 256 tokens: seq_len=256 is too short"):
         tiny_config(tmp_path, phases=(Phase(128, 2, 4), Phase(256, 2, 2, (("reuse", 0.5),))))
     tiny_config(tmp_path, phases=(Phase(1024, 2, 2, (("reuse", 0.5),)),))  # long enough: accepted
+    tiny_config(tmp_path, phases=(Phase(256, 2, 2, (("reuse", 0.2),)),))  # round(0.2 * 2) = 0 reuse rows: accepted
 
 
 def test_batches_are_whole_traces_with_completion_weights(tmp_path):

@@ -53,7 +53,7 @@ class PretrainConfig:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
             task = self.task(p)  # validates the length and the overrides
-            if dict(p.task).get("reuse", 0.0):  # and the reuse rows' task at this length, before step 0
+            if round(dict(p.task).get("reuse", 0.0) * p.batch):  # reuse rows (as make_batch counts them) must fit
                 try:
                     dataclasses.replace(task, **demo_task.TASKS["reuse"])
                 except ValueError as e:
