@@ -243,17 +243,23 @@ def shift(args) -> None:
             print(f"  offset {o:5d}: median {np.median(r):6.1f}, within k {np.mean(r < k):.2f}", flush=True)
 
 
-def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], seed: int, num_queries: int = 64):
-    """(student, perturbed): recall [L, Hkv] of the export's keep sets against its teacher's, and
-    {sigma: recall [L, Hkv]} of the teacher's keep sets under log-target + sigma * N(0, 1) against
-    the teacher's own, at `num_queries` saturated queries per row (as `eval.recall.run_recall`
-    samples them with the same seed)."""
+def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], seed: int, num_queries: int = 64,
+                 older_first: float = 0.0):
+    """(student, perturbed, position): recall [L, Hkv] of the export's keep sets against its
+    teacher's; {sigma: recall [L, Hkv]} of the teacher's keep sets under log-target + sigma * N(0, 1)
+    against the teacher's own; and, with `older_first` > 0, {"oldest first": ..., "export + older
+    first": ...}: a policy that keeps the oldest tokens, and the export's priority minus
+    `older_first` * t (nats per token; a probe of how much position explains, not a method). At
+    `num_queries` saturated queries per row, sampled as `eval.recall.run_recall` samples them."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
     noise_rng = np.random.default_rng(seed + 1)
     shape = (config.num_hidden_layers, config.num_key_value_heads)
-    hits = {None: np.zeros(shape), **{sg: np.zeros(shape) for sg in sigmas}}
+    probes = {"oldest first": lambda arr, layer: -jnp.broadcast_to(jnp.arange(s, dtype=jnp.float32), (1, shape[1], s)),
+              "export + older first": lambda arr, layer: static_priority(arr["scores"][layer], arr["log_gamma"][layer])
+              - older_first * jnp.arange(s, dtype=jnp.float32)} if older_first > 0 else {}
+    hits = {None: np.zeros(shape), **{sg: np.zeros(shape) for sg in sigmas}, **{k: np.zeros(shape) for k in probes}}
     total = np.zeros(shape)
     for row in range(n):
         q = jnp.asarray(q_idx[row: row + 1])
@@ -269,8 +275,12 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
                 ranks = ranks_from_priority(static_priority(jnp.asarray(noisy), arr["log_gamma"][layer]))
                 cuts = running_topk_cutoff(ranks, sinks=kv.sinks, window=kv.window, topk=kv.topk)
                 hits[sg][layer] += (kept(ranks, cuts) & teacher).sum((1, 2))
+            for name, priority in probes.items():
+                ranks = ranks_from_priority(priority(arr, layer))
+                cuts = running_topk_cutoff(ranks, sinks=kv.sinks, window=kv.window, topk=kv.topk)
+                hits[name][layer] += (kept(ranks, cuts) & teacher).sum((1, 2))
     total = np.maximum(total, 1)
-    return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}
+    return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
 def explained_share(y: np.ndarray, groups: Sequence) -> float:
@@ -331,13 +341,17 @@ def noise(args) -> None:
         config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget, config.head_dim))
         tokenizer = checkpoint_tokenizer(path)
         ids = np.asarray([tokenizer(ex["text"])["input_ids"][: args.prompt_len] for ex in _problems(args)], np.int32)
-        student, perturbed = noise_recall(config, params, ids, args.sigmas, args.seed)
+        student, perturbed, position = noise_recall(config, params, ids, args.sigmas, args.seed,
+                                                    older_first=args.older_first)
         queries = min(64, ids.shape[1] - config.kvpop.budget)
         print(f"{path}: teacher-retention recall per [layer, kv head] at B {args.budget} (k {config.kvpop.topk}), "
               f"{args.problems} {args.task} prompts, {queries} saturated queries each")
         print(f"  the export           : {student.round(3).tolist()}  mean {student.mean():.3f}")
         for sg, r in perturbed.items():
             print(f"  teacher + N(0, {sg:4g}^2): {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
+        for name, r in position.items():
+            label = name if name == "oldest first" else f"export - {args.older_first:g} * t"
+            print(f"  {label:21s}: {r.round(3).tolist()}  mean {r.mean():.3f}", flush=True)
         print("  what the log-target follows (tokens with >= 64 later queries): its sd, the share of its variance "
               "explained by token id / (previous id, id) / position (bins of 64) / (id, position bin of 128), and "
               "the rank correlation of the scorer's priority with the teacher's, and the correlation of t with it")
@@ -696,6 +710,8 @@ def check_args(args) -> None:
     shortest = min_seq_len(args.task)
     if args.prompt_len < shortest:
         raise ValueError(f"--prompt_len {args.prompt_len} is too short for {args.task}: the shortest is {shortest}")
+    if not 0 <= args.older_first < float("inf"):
+        raise ValueError(f"--older_first must be finite and >= 0 (nats per token), got {args.older_first}")
     if any(not 0 <= sg < float("inf") for sg in args.sigmas):
         raise ValueError(f"--sigmas must be finite and >= 0 (noise in nats), got {args.sigmas}")
     if any(o < 0 for o in args.offsets):
@@ -757,6 +773,9 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--label_k", type=int, default=0,
                         help="learn --labels target_topk: the labels' top k (default 0: k = B - s - w)")
     parser.add_argument("--offsets", default="512,1024", help="shift: comma-separated position offsets")
+    parser.add_argument("--older_first", type=float, default=0.0,
+                        help="noise: also the recall of keeping the oldest tokens, and of the export's priority "
+                             "minus this many nats per token of position (a probe; 0: off)")
     parser.add_argument("--sigmas", default="0.1,0.25,0.5,1,2",
                         help="noise: comma-separated noise levels (nats) added to the teacher's log-target")
     args = parser.parse_args(argv)

@@ -326,6 +326,7 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
         (["keep", "--exports", "checkpoints/demo-teacher"], r"'checkpoints/demo-teacher' is a dense checkpoint"),
         (["noise", "--sigmas", "-1"], r"--sigmas must be finite and >= 0 \(noise in nats\), got \[-1.0\]"),
         (["noise", "--sigmas", "inf"], "--sigmas must be finite and >= 0"),
+        (["noise", "--older_first", "-0.1"], r"--older_first must be finite and >= 0 \(nats per token\), got -0.1"),
         (["noise", "--sigmas", "abc"], "--sigmas must be comma-separated numbers, got 'abc'"),
         (["noise", "--budget", "53"], r"--budget 53 leaves no long-range slot in 'checkpoints/demo-kvpop-mlstm' \(k = 0\)"),
     ):
@@ -348,12 +349,33 @@ def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(
     config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=6, scorer="mlp", normalizer="dense"))
     params = retrofit_params(config, init_params(base, jax.random.key(7)), jax.random.key(8))
     ids = rng.integers(0, base.vocab_size, size=(3, 60)).astype(np.int32)
-    student, perturbed = noise_recall(config, params, ids, [0.0, 0.3, 50.0], seed=3, num_queries=8)
+    student, perturbed, position = noise_recall(config, params, ids, [0.0, 0.3, 50.0], seed=3, num_queries=8)
+    assert position == {}  # older_first = 0: no probes
     np.testing.assert_array_equal(perturbed[0.0], 1.0)
     assert perturbed[50.0].mean() < perturbed[0.3].mean() <= 1.0
     reference = run_recall((config, params), ids, num_queries=8, seed=3, out_dir=str(tmp_path), progress=False)
     np.testing.assert_allclose(student, reference.recall)
     assert 0.0 < student.mean() < 1.0
+    # The probes: a policy that keeps the oldest tokens keeps exactly s..s+k-1 at every saturated query
+    # (brute force), and a vanishing older-first term leaves the export's recall as it is.
+    s_, w, k = 2, 4, 6
+    student2, _, position = noise_recall(config, params, ids, [], seed=3, num_queries=8, older_first=1e-9)
+    np.testing.assert_allclose(student2, student)
+    np.testing.assert_allclose(position["export + older first"], student, atol=1e-12)
+    from eval.recall import policy_arrays, sample_saturated_queries
+    from kvpop_jax.kvpop import kept_long_range
+    q_idx = sample_saturated_queries(np.random.default_rng(3), 3, seq_len=60, budget=s_ + w + k, num=8)
+    hits = np.zeros((config.num_hidden_layers, config.num_key_value_heads))
+    tot = np.zeros_like(hits)
+    for row in range(3):
+        q = jnp.asarray(q_idx[row: row + 1])
+        arr = policy_arrays(Qwen3ForCausalLM(config), params, jnp.asarray(ids[row: row + 1]), q)
+        for layer in range(config.num_hidden_layers):
+            teacher = np.asarray(kept_long_range(arr["teacher_ranks"][layer], arr["teacher_cutoffs"][layer], q,
+                                                 sinks=s_, window=w))[0]  # [H, Nq, S]
+            hits[layer] += teacher[:, :, s_: s_ + k].sum((1, 2))
+            tot[layer] += teacher.sum((1, 2))
+    np.testing.assert_allclose(position["oldest first"], hits / tot)
 
 
 def test_explained_share_equals_a_loop_over_groups(rng):
