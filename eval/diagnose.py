@@ -70,7 +70,7 @@ import optax
 
 from demo.atoms import ASK, DIGITS, KEEP, NAMES
 from demo.task import TASKS, generate_dataset, min_seq_len
-from eval.recall import policy_arrays, sample_saturated_queries
+from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
@@ -255,31 +255,34 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     n, s = ids_NxS.shape
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
     noise_rng = np.random.default_rng(seed + 1)
-    shape = (config.num_hidden_layers, config.num_key_value_heads)
-    probes = {"oldest first": lambda arr, layer: -jnp.broadcast_to(jnp.arange(s, dtype=jnp.float32), (1, shape[1], s)),
-              "export + older first": lambda arr, layer: static_priority(arr["scores"][layer], arr["log_gamma"][layer])
-              - older_first * jnp.arange(s, dtype=jnp.float32)} if older_first > 0 else {}
-    hits = {None: np.zeros(shape), **{sg: np.zeros(shape) for sg in sigmas}, **{k: np.zeros(shape) for k in probes}}
-    total = np.zeros(shape)
+    layers = range(config.num_hidden_layers)
+    t = jnp.arange(s, dtype=jnp.float32)
+
+    def policy(priorities):  # per layer [1, H, S] -> the running top-k's (ranks, cutoffs) [L, 1, H, S]
+        ranks = [ranks_from_priority(p) for p in priorities]
+        return jnp.stack(ranks), jnp.stack([running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk)
+                                            for r in ranks])
+
+    hits, total = {}, 0
     for row in range(n):
         q = jnp.asarray(q_idx[row: row + 1])
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
-        for layer in range(config.num_hidden_layers):
-            kept = lambda r, c: np.asarray(kept_long_range(r, c, q, sinks=kv.sinks, window=kv.window))[0]  # noqa: E731
-            teacher = kept(arr["teacher_ranks"][layer], arr["teacher_cutoffs"][layer])  # [H, Nq, S]
-            total[layer] += teacher.sum((1, 2))
-            hits[None][layer] += (kept(arr["ranks"][layer], arr["cutoffs"][layer]) & teacher).sum((1, 2))
-            tgt = np.asarray(arr["target"][layer])  # [1, H, S] log-target
-            for sg in sigmas:
-                noisy = tgt + sg * noise_rng.standard_normal(tgt.shape).astype(np.float32)
-                ranks = ranks_from_priority(static_priority(jnp.asarray(noisy), arr["log_gamma"][layer]))
-                cuts = running_topk_cutoff(ranks, sinks=kv.sinks, window=kv.window, topk=kv.topk)
-                hits[sg][layer] += (kept(ranks, cuts) & teacher).sum((1, 2))
-            for name, priority in probes.items():
-                ranks = ranks_from_priority(priority(arr, layer))
-                cuts = running_topk_cutoff(ranks, sinks=kv.sinks, window=kv.window, topk=kv.topk)
-                hits[name][layer] += (kept(ranks, cuts) & teacher).sum((1, 2))
+        noisy = {(layer, sg): np.asarray(arr["target"][layer]) + sg * noise_rng.standard_normal(
+            arr["target"][layer].shape).astype(np.float32) for layer in layers for sg in sigmas}  # log-target + noise
+        candidates = {None: (arr["ranks"], arr["cutoffs"]),
+                      **{sg: policy([static_priority(jnp.asarray(noisy[layer, sg]), arr["log_gamma"][layer])
+                                     for layer in layers]) for sg in sigmas}}
+        if older_first > 0:
+            candidates["oldest first"] = policy([-jnp.broadcast_to(t, arr["scores"][layer].shape) for layer in layers])
+            candidates["export + older first"] = policy([
+                static_priority(arr["scores"][layer], arr["log_gamma"][layer]) - older_first * t for layer in layers])
+        for name, (ranks, cutoffs) in candidates.items():
+            h, tot = recall_counts(ranks, cutoffs, arr["teacher_ranks"], arr["teacher_cutoffs"], q,
+                                   sinks=kv.sinks, window=kv.window)
+            hits[name] = hits.get(name, 0) + np.asarray(h)[:, 0]
+        total = total + np.asarray(tot)[:, 0]
     total = np.maximum(total, 1)
+    probes = [k for k in hits if isinstance(k, str)]
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
@@ -315,10 +318,10 @@ def target_structure(config, params, ids_NxS: np.ndarray, min_future: int = 64) 
     for row in range(n):
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), jnp.asarray([[s - 1]]))
         tgt.append(np.asarray(arr["target"])[:, 0])  # [L, H, S]
-        pri.append(np.stack([np.asarray(static_priority(arr["scores"][layer], arr["log_gamma"][layer]))[0]
-                             for layer in range(config.num_hidden_layers)]))
-        t_pri.append(np.stack([np.asarray(static_priority(arr["target"][layer], arr["log_gamma"][layer]))[0]
-                               for layer in range(config.num_hidden_layers)]))
+        priority = lambda x: np.stack([np.asarray(static_priority(x[layer], arr["log_gamma"][layer]))[0]  # noqa: E731
+                                       for layer in range(config.num_hidden_layers)])
+        pri.append(priority(arr["scores"]))
+        t_pri.append(priority(arr["target"]))
     tgt, pri, t_pri = (np.stack(a, 1)[..., lo:hi] for a in (tgt, pri, t_pri))  # [L, N, H, T]
     token = ids_NxS[:, lo:hi].ravel()
     pair = list(zip(ids_NxS[:, lo - 1: hi - 1].ravel(), token))

@@ -8,7 +8,7 @@ import json
 from demo import task as demo_task
 from demo.atoms import VOCAB
 from kvpop_jax.config import Qwen3Config
-from train.demo_teacher.data import MAX_BATCH, Phase
+from train.demo_teacher.data import MAX_BATCH, Phase, reuse_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +53,10 @@ class PretrainConfig:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
             task = self.task(p)  # validates the length and the overrides
-            if round(dict(p.task).get("reuse", 0.0) * p.batch):  # reuse rows (as make_batch counts them) must fit
-                try:
-                    dataclasses.replace(task, **demo_task.TASKS["reuse"])
-                except ValueError as e:
-                    raise ValueError(f"phase {p}: reuse rows at {p.prompt_len} tokens: {e}") from None
+            try:
+                reuse_rows(p, task)  # and the reuse rows make_batch would build, before step 0
+            except ValueError as e:
+                raise ValueError(f"phase {p}: reuse rows at {p.prompt_len} tokens: {e}") from None
         if self.difficulty not in demo_task.DIFFICULTY:
             raise ValueError(f"difficulty must be one of {sorted(demo_task.DIFFICULTY)}, got {self.difficulty!r}")
         if self.model.vocab_size < len(VOCAB):

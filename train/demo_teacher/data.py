@@ -152,6 +152,14 @@ def park_mask(ids: np.ndarray, n_prompt: int, queries: str = "names") -> np.ndar
             & (prev != VOCAB[">"]) & (j < n_prompt))
 
 
+def reuse_rows(phase: Phase, task) -> tuple[int, Any]:
+    """How many rows of a phase's batch are reuse traces (`reuse=F`: round(F * batch)) and their task
+    (the phase's task with the reuse task's fields), or (0, None); ValueError when reuse traces do not
+    fit the phase's length."""
+    n = round(dict(phase.task).get("reuse", 0.0) * phase.batch)
+    return n, (dataclasses.replace(task, **demo_task.TASKS["reuse"]) if n else None)
+
+
 def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
     input_ids, targets int32, weights float32, completion and park bool (`park_mask`; drill rows have
@@ -169,8 +177,7 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
               (lookup_row, round(shares.get("lookup", 0.0) * phase.batch)),
               (recall_row, round(shares.get("recall", 0.0) * phase.batch))]
     kinds = [make_row for make_row, n in drills for _ in range(n)]
-    n_reuse = round(shares.get("reuse", 0.0) * phase.batch)
-    reuse_task = dataclasses.replace(task, **demo_task.TASKS["reuse"]) if n_reuse else None
+    n_reuse, reuse_task = reuse_rows(phase, task)
     length = phase.prompt_len + task.completion_tokens + 1
     rows, weights, completion, park = [], [], [], []
     for r in range(phase.batch):
