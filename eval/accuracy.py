@@ -74,7 +74,9 @@ def method_config(method: str, checkpoint_config, budget: int | None, *, sinks: 
     if config.kvpop is None:
         raise ValueError(f"method {method!r} needs a KVpop or DMS checkpoint (config.json with 'kvpop' or 'dms'), "
                          "got a dense one")
-    return dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim)), "kvpop"
+    # Knobs only training reads are reset, so exports trained differently (the mean and the max
+    # target) share one compiled decode per budget.
+    return dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim).for_decoding()), "kvpop"
 
 
 def method_setup(method: str, checkpoint_config, params, budget: int | None, *, sinks: int, dtype):

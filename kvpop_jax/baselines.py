@@ -4,7 +4,8 @@ All policies share one cache layout and two pure functions (no parameters):
 
   prefill(cfg, q, k, v, positions) -> (out, layer cache)       dense causal attention over the
       prompt (the baselines compress the cache, not the prompt pass), then a one-shot
-      compression of the prompt to B tokens by the policy's rule.
+      compression of the prompt to B tokens by the policy's rule (StreamingLLM with
+      `banded_prefill`: the banded attention a token-by-token read of the prompt would do).
   decode(cfg, layer_cache, q_tok, k_tok, v_tok, position) -> (out, layer cache)
       the new token attends to the cache plus itself (B + 1 candidates), then one candidate
       is evicted so the cache stays at B.
@@ -53,16 +54,24 @@ class BaselineConfig:
     method: one of METHODS. budget: B (None only for dense). sinks: the first positions,
     never evicted. recent: the newest positions, never evicted; default B - s for
     streaming (the only value it allows), B // 2 for h2o, 0 for tova.
+    banded_prefill: StreamingLLM only: the prefill reads the prompt as decoding it token by
+    token would (`generate(stream_prompt=True)`), in one pass: query t attends to the sinks, the
+    B - s tokens before it and itself, which is exactly the cache a streamed read holds at t
+    (the kept positions after the prompt are the same; only their slot order differs). TOVA and
+    H2O have no such shortcut: their evictions depend on the attention seen so far.
     """
 
     method: str
     budget: int | None = None
     sinks: int = 0
     recent: int | None = None
+    banded_prefill: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"BaselineConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.banded_prefill and self.method != "streaming":
+            raise ValueError(f"banded_prefill is StreamingLLM's ('streaming'), got method {self.method!r}")
         if self.method == "dense":
             return
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -170,6 +179,24 @@ def _column_attention(q, k, lse, positions, block: int = 256):
     return jnp.sum(jax.lax.map(one, tuple(blocks)), axis=0)
 
 
+def _banded_attention(q, k, v, positions, *, sinks: int, recent: int, block: int = 256):
+    """Causal attention in which query t sees only keys j < sinks or t - recent <= j <= t.
+
+    q [B, P, Hq, D], k, v [B, P, Hkv, D], positions int [B, P]. Returns (out [B, P, Hq, D],
+    lse [B, Hq, P]) as `attention.dense_attention` does; one block of queries at a time.
+    """
+    b, p, hq, d = q.shape
+
+    def one_block(_, q_blk, qpos_blk):
+        kv_pos, q_pos = positions[:, None, :], qpos_blk[:, :, None]
+        mask = (kv_pos <= q_pos) & ((kv_pos < sinks) | (kv_pos >= q_pos - recent))  # [B, Q, T]
+        return attn_lib.attend(q_blk, k, v, mask[:, None, None], d**-0.5)
+
+    out, lse = attn_lib.map_query_blocks(one_block, [attn_lib.group_queries(q, k.shape[2]), positions], [1, 1],
+                                         block=block)
+    return out.reshape(b, p, hq, d), lse.reshape(b, hq, p)
+
+
 def prefill(cfg: BaselineConfig, q, k, v, positions):
     """Dense causal attention over a prompt, then its compression to B tokens.
 
@@ -181,7 +208,10 @@ def prefill(cfg: BaselineConfig, q, k, v, positions):
     hkv = k.shape[2]
     g = hq // hkv
     n = cfg.budget
-    out, lse = attn_lib.dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
+    if cfg.banded_prefill:
+        out, lse = _banded_attention(q, k, v, positions, sinks=cfg.sinks, recent=cfg.recent)
+    else:
+        out, lse = attn_lib.dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
     pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, p)).astype(jnp.int32)
     if cfg.method == "tova":  # the last prompt query's attention
         last = q[:, -1].reshape(b, hkv, g, d)
@@ -221,14 +251,20 @@ def decode(cfg: BaselineConfig, lc: BaselineLayerCache, q_tok, k_tok, v_tok, pos
     hkv, n = lc.k.shape[1], lc.k.shape[2]
     g = hq // hkv
     position = jnp.asarray(position, jnp.int32)
-    k_all = jnp.concatenate([lc.k, k_tok[:, 0, :, None].astype(lc.k.dtype)], axis=2)  # [B, H, N+1, D]
-    v_all = jnp.concatenate([lc.v, v_tok[:, 0, :, None].astype(lc.v.dtype)], axis=2)
+    # The B cached entries and the new token are scored apart and only their small [.., N + 1]
+    # logits are joined: the cache is read once per step and written in one slot (a scatter that
+    # XLA does in place), never copied whole (a decode step is memory-bound on its cache).
+    k_new, v_new = k_tok[:, 0].astype(lc.k.dtype), v_tok[:, 0].astype(lc.v.dtype)  # [B, H, D]
     pos_all = jnp.concatenate([lc.pos, jnp.broadcast_to(position, (b, hkv, 1))], axis=2)
     qg = q_tok[:, 0].reshape(b, hkv, g, d)
-    logits = jnp.einsum("bhgd,bhnd->bhgn", qg, k_all.astype(q_tok.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.concatenate([
+        jnp.einsum("bhgd,bhnd->bhgn", qg, lc.k.astype(q_tok.dtype), preferred_element_type=jnp.float32),
+        jnp.einsum("bhgd,bhd->bhg", qg, k_new.astype(q_tok.dtype), preferred_element_type=jnp.float32)[..., None],
+    ], axis=-1)
     logits = jnp.where((pos_all >= 0)[:, :, None], logits * d**-0.5, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, H, G, N+1]
-    out = jnp.einsum("bhgn,bhnd->bhgd", probs.astype(v_all.dtype), v_all, preferred_element_type=jnp.float32)
+    out = (jnp.einsum("bhgn,bhnd->bhgd", probs[..., :n].astype(lc.v.dtype), lc.v, preferred_element_type=jnp.float32)
+           + probs[..., n:] * v_new[:, :, None].astype(jnp.float32))
     out = out.reshape(b, 1, hq, d).astype(q_tok.dtype)
 
     prev = jnp.concatenate([lc.score, jnp.zeros((b, hkv, 1), jnp.float32)], axis=2)
@@ -238,12 +274,12 @@ def decode(cfg: BaselineConfig, lc: BaselineLayerCache, q_tok, k_tok, v_tok, pos
     victim = jnp.argmin(jnp.where(at_min, pos_all, jnp.iinfo(jnp.int32).max), axis=-1)  # ties: earlier position
     empty = lc.pos < 0
     drop = jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1), victim)  # [B, H] in [0, N]
-    replace = (jnp.arange(n) == drop[..., None])  # [B, H, N]; drop == N keeps the cache as is
-    new = lambda x, last: jnp.where(replace if x.ndim == 3 else replace[..., None], last, x)  # noqa: E731
-    lc = lc.replace(
-        k=new(lc.k, k_all[:, :, n:]), v=new(lc.v, v_all[:, :, n:]),
-        pos=new(lc.pos, pos_all[:, :, n:]), score=new(score_all[..., :n], score_all[..., n:]),
-    )
+    # The new token goes into slot `drop`; drop == N (the new token itself is evicted) is out of
+    # range and dropped, keeping the cache as is.
+    rows, heads = jnp.arange(b)[:, None], jnp.arange(hkv)[None, :]
+    put = lambda x, new: x.at[rows, heads, drop].set(new, mode="drop")  # noqa: E731
+    score = jnp.where(jnp.arange(n) == drop[..., None], score_all[..., n:], score_all[..., :n])
+    lc = lc.replace(k=put(lc.k, k_new), v=put(lc.v, v_new), pos=put(lc.pos, pos_all[..., n]), score=score)
     return out, lc
 
 

@@ -381,6 +381,21 @@ class KVpopConfig:
         """Memory per KV head in KV-cache entries: B = s + w + k plus the scorer's state slots."""
         return self.budget + self.scorer_state_slots(head_dim)
 
+    # What only training reads (the target, the retention losses, the query sampler, the KL and
+    # the scorers' initialization): a trained model decodes the same whatever they are.
+    TRAINING_ONLY = ("mlstm_init", "loss_temperature", "retention_labels", "margin_weighting", "omega_min",
+                     "tau_omega", "balance_weighting", "balance_min", "balance_max", "eps", "aggregate",
+                     "count_normalize", "normalizer", "target_reduce", "target_lookahead", "num_query_samples",
+                     "late_bias_fraction", "rank_pairs", "rank_partners", "keepset_queries", "target_head_samples",
+                     "listwise_queries", "listwise_temperature", "kl_topk", "kl_temperature",
+                     "retention_loss_weight")
+
+    def for_decoding(self) -> "KVpopConfig":
+        """This config with every `TRAINING_ONLY` knob at its default: two exports that differ only
+        in how they were trained (e.g. the mean and the max target) then share one compiled decode."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.TRAINING_ONLY}
+        return dataclasses.replace(self, **defaults)
+
     def retarget(self, budget: int, head_dim: int | None = None) -> "KVpopConfig":
         """This config at a memory budget of `budget` KV entries per head (CR = 1 - budget / context):
         k = budget - s - w - the scorer's state slots, or w = budget - s when k = 0 (StreamingLLM+).

@@ -11,7 +11,8 @@ Cache kinds (the `cache` argument of `generate`):
   "auto"            "kvpop" when `model.config.kvpop` is set, "dms" when `config.dms` is, else "dense".
 
 `stream_prompt=True` feeds the prompt past the budget one decode step per token (the bounded
-caches evict as if it were generated); the default is one parallel prefill.
+caches evict as if it were generated); the default is one parallel prefill. StreamingLLM's
+streamed read is done in one banded pass (`BaselineConfig.banded_prefill`), which equals it.
 
 Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
 than left-padded: pad tokens would occupy sinks and compete for the bounded caches' slots.
@@ -19,6 +20,7 @@ than left-padded: pad tokens would occupy sinks and compete for the bounded cach
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Union
 
@@ -174,7 +176,9 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)
     stream_from = None
-    if stream_prompt and kind != "dense":
+    if stream_prompt and isinstance(kind, BaselineConfig) and kind.method == "streaming":
+        kind = dataclasses.replace(kind, banded_prefill=True)  # the streamed read in one banded pass (exact)
+    elif stream_prompt and kind != "dense":
         stream_from = max(1, kind.budget if isinstance(kind, BaselineConfig) else _bounded_budget(model.config))
     return _generate(model, params, prompt_ids, rng, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                      cache=kind, stream_from=stream_from)

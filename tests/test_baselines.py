@@ -157,3 +157,34 @@ def test_model_with_unbounded_budget_equals_dense(rng):
             cache = out.cache
         np.testing.assert_allclose(np.asarray(jnp.concatenate(logits, 1)), full, atol=1e-4, err_msg=method)
         assert cache.nbytes == baselines.init_cache(config, BaselineConfig(method, 12), 2).nbytes
+
+
+@pytest.mark.parametrize("prompt_len", [17, 6, 4])
+def test_banded_prefill_equals_streaming_token_by_token(rng, prompt_len):
+    """StreamingLLM's banded prefill == a prefill of the first B tokens and one decode step per
+    later prompt token: the same outputs for every prompt query and the same kept positions."""
+    cfg = BaselineConfig("streaming", 6, sinks=2)
+    q = jnp.asarray(rng.normal(size=(B, prompt_len, HQ, D)) * 2, jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, prompt_len, HKV, D)) * 2, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, prompt_len, HKV, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), (B, prompt_len))
+    banded = BaselineConfig("streaming", 6, sinks=2, banded_prefill=True)
+    got, got_cache = jax.jit(baselines.prefill, static_argnums=0)(banded, q, k, v, positions)
+    n0 = min(cfg.budget, prompt_len)
+    out, lc = baselines.prefill(cfg, q[:, :n0], k[:, :n0], v[:, :n0], positions[:, :n0])
+    outs = [out]
+    for t in range(n0, prompt_len):
+        out, lc = baselines.decode(cfg, lc, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)
+        outs.append(out)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jnp.concatenate(outs, 1)), atol=1e-5)
+    assert (np.sort(np.asarray(got_cache.pos), -1) == np.sort(np.asarray(lc.pos), -1)).all()
+    order = lambda c: np.argsort(np.asarray(c.pos), -1)  # noqa: E731
+    for name in ("k", "v"):  # the same entries, in another slot order
+        a, b = np.asarray(getattr(got_cache, name)), np.asarray(getattr(lc, name))
+        np.testing.assert_array_equal(np.take_along_axis(a, order(got_cache)[..., None], 2),
+                                      np.take_along_axis(b, order(lc)[..., None], 2))
+    if prompt_len > cfg.budget:  # the band is narrower than the causal mask: it must differ from dense
+        dense, _ = baselines.prefill(cfg, q, k, v, positions)
+        assert np.abs(np.asarray(dense) - np.asarray(got)).max() > 1e-3
+    with pytest.raises(ValueError, match="banded_prefill is StreamingLLM's"):
+        BaselineConfig("h2o", 6, banded_prefill=True)

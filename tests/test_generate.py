@@ -156,3 +156,47 @@ def test_token_ids_outside_the_vocabulary_are_refused(rng):
             generate(model, params, [[1, 5, bad]], max_new_tokens=2)
         with pytest.raises(ValueError, match=f"input_ids holds token id {bad} outside the vocabulary"):
             model.apply({"params": params}, jnp.asarray([[1, 5, bad]]))
+
+
+def test_training_only_knobs_do_not_change_decoding(rng):
+    """KVpopConfig.for_decoding resets what only training reads: a model decodes bit for bit the same
+    with every such knob changed, so eval shares one compile between exports trained differently."""
+    import dataclasses
+
+    from eval.accuracy import method_config
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    trained = KVpopConfig(
+        sinks=1, window=3, topk=4, scorer="mlstm", mlstm_chunk=4, mlstm_init="random", loss_temperature=0.5,
+        retention_labels="soft", margin_weighting=False, omega_min=0.3, tau_omega=2.0, balance_weighting=False,
+        balance_min=0.5, balance_max=2.0, eps=1e-3, aggregate="mean", count_normalize=False, normalizer="dense",
+        target_reduce="max", target_lookahead=5, num_query_samples=7, late_bias_fraction=0.2, rank_pairs=3,
+        rank_partners="similar", keepset_queries=2, target_head_samples=1, listwise_queries=2,
+        listwise_temperature=0.5, kl_topk=5, kl_temperature=2.0, retention_loss_weight=3.0)
+    decoding = trained.for_decoding()
+    defaults = KVpopConfig()
+    for name in KVpopConfig.TRAINING_ONLY:
+        assert getattr(trained, name) != getattr(defaults, name), name  # every knob is exercised
+        assert getattr(decoding, name) == getattr(defaults, name), name
+    kept = [f.name for f in dataclasses.fields(KVpopConfig) if f.name not in KVpopConfig.TRAINING_ONLY]
+    assert all(getattr(decoding, n) == getattr(trained, n) for n in kept)
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = retrofit_params(dataclasses.replace(base, kvpop=trained), init_params(base, jax.random.key(1)),
+                             jax.random.key(2))
+    params = jax.tree_util.tree_map_with_path(  # random scorers, so eviction follows them
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if "kvpop" in jax.tree_util.keystr(path) else x,
+        params)
+    prompt = jnp.asarray(rng.integers(0, base.vocab_size, size=(2, 12)))
+    out = {}
+    for name, kv in (("trained", trained), ("decoding", decoding)):
+        model = Qwen3ForCausalLM(dataclasses.replace(base, kvpop=kv))
+        forward = model.apply({"params": params}, prompt).logits  # the masked parallel forward
+        tokens, _ = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy())
+        out[name] = (np.asarray(forward), np.asarray(tokens))
+    np.testing.assert_array_equal(out["trained"][0], out["decoding"][0])
+    np.testing.assert_array_equal(out["trained"][1], out["decoding"][1])
+    mean_export = dataclasses.replace(base, kvpop=dataclasses.replace(trained, target_reduce="sum"))
+    max_export = dataclasses.replace(base, kvpop=trained)
+    assert method_config("a", mean_export, 20, sinks=1) == method_config("b", max_export, 20, sinks=1)
