@@ -160,10 +160,14 @@ class Attention(nn.Module):
                 q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, return_policy=return_policy
             )
             return self.o_proj(out), None, aux
-        out, _ = attn_lib.dense_attention(
+        out, lse = attn_lib.dense_attention(
             q, k, v, q_positions=positions, kv_positions=positions,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         )
+        # q [B, S, Hq, D], k [B, S, Hkv, D] (rotated) and lse [B, Hq, S], for losses on the attention
+        # weights (the demo teacher's parking loss) without a second pass; a no-op unless
+        # `apply(..., mutable=["intermediates"])` asks for them.
+        self.sow("intermediates", "attention", (q, k, lse))
         return self.o_proj(out), None, None
 
 

@@ -295,25 +295,45 @@ def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
 
 
 def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng):
-    """`park_loss` against a loop over the parked queries, heads and layers of a random model's
-    attention weights; and a train step with `park_weight` logs it and lowers it."""
-    from kvpop_jax.modeling import dense_attention_probs, init_params
-    from train.demo_teacher.loop import _compiled, park_loss
+    """`park_loss` (from the forward's sown q, k and lse) against a loop over the parked queries, heads
+    and layers of a random model's attention weights, its gradient against the same sum taken over
+    the full weights; and a train step with `park_weight` logs it and lowers it."""
+    from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, init_params
+    from train.demo_teacher.loop import _compiled, forward_attention, park_loss
 
     cfg = tiny_config(tmp_path, model=dataclasses.replace(tiny_config(tmp_path).model, num_hidden_layers=2))
     params = init_params(cfg.model, jax.random.key(int(rng.integers(1 << 30))))
+    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)  # sharper weights than at init
+    model = Qwen3ForCausalLM(cfg.model)
     ids = jnp.asarray(rng.integers(3, len(VOCAB), size=(2, 48)))
-    park = rng.random((2, 48)) < 0.3
+    park = jnp.asarray(rng.random((2, 48)) < 0.3)
     window = 5
-    got = float(park_loss(cfg.model, params, ids, jnp.asarray(park), window))
+    logits, attention = forward_attention(model, params, ids)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model.apply({"params": params}, ids).logits))
+    got = float(park_loss(attention, park, window))
     want, n = 0.0, 0
     for layer in range(2):
         probs = np.asarray(dense_attention_probs(cfg.model, params, ids, layer))
-        for b, d in zip(*np.nonzero(park)):
+        for b, d in zip(*np.nonzero(np.asarray(park))):
             for h in range(cfg.model.num_attention_heads):
                 want += sum(probs[b, h, d, t] for t in range(1, d - window + 1))
                 n += 1
-    assert want > 0.1 and got == pytest.approx(want / n, rel=1e-5)
+    assert want > 0.1 and got == pytest.approx(want / n, rel=1e-4)
+
+    s = ids.shape[1]
+    old = (np.arange(s)[None] >= 1) & (np.arange(s)[None] <= np.arange(s)[:, None] - window)
+
+    def full_weights(p):  # the same loss over the whole [B, H, S, S] weights
+        mass = sum(jnp.sum(jnp.sum(jnp.where(old, dense_attention_probs(cfg.model, p, ids, i), 0.0), -1)
+                           * park[:, None]) for i in range(2))
+        return mass / (2 * cfg.model.num_attention_heads * jnp.sum(park))
+
+    want_grad = jax.grad(full_weights)(params)
+    got_grad = jax.grad(lambda p: park_loss(forward_attention(model, p, ids)[1], park, window))(params)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grad), jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want_grad)) > 1e-3
 
     cfg = dataclasses.replace(cfg, park_weight=5.0, park_window=8, phases=(Phase(128, 8, 4),))
     _, optimizer, step = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import atomic_write_bytes
-from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, init_params
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import make_batch
 from train.demo_teacher.evaluate import evaluate
@@ -68,7 +68,7 @@ def load_init(cfg: PretrainConfig) -> dict:
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
-def park_loss(config, params, ids_BxS: jax.Array, park_BxS: jax.Array, window: int) -> jax.Array:
+def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
     """Mean attention that the parked queries (`data.park_mask`) pay to keys older than `window`
     tokens (1 <= t <= d - window), over every head of every layer: 0 when they attend only to the first
     token and the recent window, where a future-attention target (Eq. 2) does not count them.
@@ -76,15 +76,32 @@ def park_loss(config, params, ids_BxS: jax.Array, park_BxS: jax.Array, window: i
     A lookup at such a name is of no use to the next token, but a teacher trained on the task alone
     keeps making it (its match head fetches the name's previous value, or at a new name the digits
     whose names look closest), and the target then ranks those values like the facts.
+
+    attention: per layer (q [B, S, Hq, D], k [B, S, Hkv, D], lse [B, Hq, S]) as the dense forward sows
+    them (`forward_attention`). The old mass is 1 - exp(LSE over the first token and the window - lse):
+    only the window's band of logits is formed, O(S * window), never the [B, H, S, S] weights.
     """
-    s = ids_BxS.shape[1]
-    d, t = np.arange(s)[:, None], np.arange(s)[None]
-    old = (t >= 1) & (t <= d - window)  # [S, S]
-    mass = [jnp.sum(jnp.where(old, dense_attention_probs(config, params, ids_BxS, layer), 0.0), -1)  # [B, H, S]
-            for layer in range(config.num_hidden_layers)]
+    masses = []
+    for q, k, lse in attention:
+        b, s, hq, d = q.shape
+        hkv = k.shape[2]
+        qg = q.reshape(b, s, hkv, hq // hkv, d).astype(jnp.float32)
+        back = np.arange(s)[:, None] - np.arange(window)[None]  # [S, w]: key d - j of query d
+        band = jnp.einsum("bshgd,bsjhd->bhgsj", qg, k[:, np.maximum(back, 1)].astype(jnp.float32)) * d**-0.5
+        band = jnp.where(back >= 1, band, -jnp.inf)  # key 0 comes once, below
+        first = jnp.einsum("bshgd,bhd->bhgs", qg, k[:, 0].astype(jnp.float32)) * d**-0.5
+        near = jax.nn.logsumexp(jnp.concatenate([first[..., None], band], -1), -1).reshape(b, hq, s)
+        masses.append(jnp.maximum(1.0 - jnp.exp(near - lse), 0.0))  # [B, Hq, S]
     park = park_BxS.astype(jnp.float32)[:, None]
-    per_query = sum(jnp.sum(m * park) for m in mass) / (len(mass) * config.num_attention_heads)
+    per_query = sum(jnp.sum(m * park) for m in masses) / (len(masses) * masses[0].shape[1])
     return per_query / jnp.maximum(jnp.sum(park), 1.0)
+
+
+def forward_attention(model: Qwen3ForCausalLM, params, ids_BxS: jax.Array):
+    """(logits [B, S, V], per layer (q, k, lse) of its dense attention) from one forward."""
+    out, sown = model.apply({"params": params}, ids_BxS, mutable=["intermediates"])
+    layers = sown["intermediates"]
+    return out.logits, [layers[f"layers_{i}"]["self_attn"]["attention"][0] for i in range(model.config.num_hidden_layers)]
 
 
 def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0, park_window: int = 32):
@@ -96,13 +113,16 @@ def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0
     """
 
     def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["input_ids"]).logits  # [B, S, V]
+        if park_weight > 0:
+            logits, attention = forward_attention(model, params, batch["input_ids"])  # [B, S, V]
+        else:
+            logits = model.apply({"params": params}, batch["input_ids"]).logits
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, S]
         w = batch["weights"]
         loss = jnp.sum(ce * w) / jnp.sum(w)
         extra = {}
         if park_weight > 0:
-            extra["park"] = park_loss(model.config, params, batch["input_ids"], batch["park"], park_window)
+            extra["park"] = park_loss(attention, batch["park"], park_window)
             loss = loss + park_weight * extra["park"]
         comp = batch["completion"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
