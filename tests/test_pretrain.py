@@ -294,12 +294,16 @@ def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
         park_mask(ids, n_prompt, "some")
 
 
-def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng):
+@pytest.mark.parametrize("near", ["full", "band"])
+def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, monkeypatch, near):
     """`park_loss` (from the forward's sown q, k and lse) against a loop over the parked queries, heads
     and layers of a random model's attention weights, its gradient against the same sum taken over
     the full weights; and a train step with `park_weight` logs it and lowers it."""
     from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, init_params
+    from train.demo_teacher import loop
     from train.demo_teacher.loop import _compiled, forward_attention, park_loss
+
+    monkeypatch.setattr(loop, "FULL_NEAR_MAX_LEN", 1024 if near == "full" else 0)  # both ways to the near mass
 
     cfg = tiny_config(tmp_path, model=dataclasses.replace(tiny_config(tmp_path).model, num_hidden_layers=2))
     params = init_params(cfg.model, jax.random.key(int(rng.integers(1 << 30))))

@@ -68,6 +68,9 @@ def load_init(cfg: PretrainConfig) -> dict:
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
+FULL_NEAR_MAX_LEN = 1024  # whole [S, S] logits up to here (as fast as the band at 1024 on CPU), the band above
+
+
 def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
     """Mean attention that the parked queries (`data.park_mask`) pay to keys older than `window`
     tokens (1 <= t <= d - window), over every head of every layer: 0 when they attend only to the first
@@ -86,11 +89,17 @@ def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
         b, s, hq, d = q.shape
         hkv = k.shape[2]
         qg = q.reshape(b, s, hkv, hq // hkv, d).astype(jnp.float32)
-        back = np.arange(s)[:, None] - np.arange(window)[None]  # [S, w]: key d - j of query d
-        band = jnp.einsum("bshgd,bsjhd->bhgsj", qg, k[:, np.maximum(back, 1)].astype(jnp.float32)) * d**-0.5
-        band = jnp.where(back >= 1, band, -jnp.inf)  # key 0 comes once, below
-        first = jnp.einsum("bshgd,bhd->bhgs", qg, k[:, 0].astype(jnp.float32)) * d**-0.5
-        near = jax.nn.logsumexp(jnp.concatenate([first[..., None], band], -1), -1).reshape(b, hq, s)
+        if s <= FULL_NEAR_MAX_LEN:  # short rows: the whole [S, S] logits cost less than gathering the band
+            t, q_at = np.arange(s)[None], np.arange(s)[:, None]
+            near_keys = (t == 0) | ((t <= q_at) & (t > q_at - window))  # [S, S]
+            logits = jnp.einsum("bshgd,bthd->bhgst", qg, k.astype(jnp.float32)) * d**-0.5
+            near = jax.nn.logsumexp(jnp.where(near_keys, logits, -jnp.inf), -1).reshape(b, hq, s)
+        else:
+            back = np.arange(s)[:, None] - np.arange(window)[None]  # [S, w]: key d - j of query d
+            band = jnp.einsum("bshgd,bsjhd->bhgsj", qg, k[:, np.maximum(back, 1)].astype(jnp.float32)) * d**-0.5
+            band = jnp.where(back >= 1, band, -jnp.inf)  # key 0 comes once, below
+            first = jnp.einsum("bshgd,bhd->bhgs", qg, k[:, 0].astype(jnp.float32)) * d**-0.5
+            near = jax.nn.logsumexp(jnp.concatenate([first[..., None], band], -1), -1).reshape(b, hq, s)
         masses.append(jnp.maximum(1.0 - jnp.exp(near - lse), 0.0))  # [B, Hq, S]
     park = park_BxS.astype(jnp.float32)[:, None]
     per_query = sum(jnp.sum(m * park) for m in masses) / (len(masses) * masses[0].shape[1])
