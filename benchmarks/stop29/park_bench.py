@@ -1,4 +1,4 @@
-import sys, time
+import time
 import jax, jax.numpy as jnp, numpy as np, optax
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 from kvpop_jax import Qwen3Config
