@@ -81,15 +81,17 @@ def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
     whose names look closest), and the target then ranks those values like the facts.
 
     attention: per layer (q [B, S, Hq, D], k [B, S, Hkv, D], lse [B, Hq, S]) as the dense forward sows
-    them (`forward_attention`). The old mass is 1 - exp(LSE over the first token and the window - lse):
-    only the window's band of logits is formed, O(S * window), never the [B, H, S, S] weights.
+    them (`forward_attention`): no second pass through the layers. The old mass is 1 - exp(LSE over
+    the first token and the window - lse), the near LSE from the masked [S, S] logits up to
+    `FULL_NEAR_MAX_LEN` tokens and from the window's gathered band above (O(S * window) memory);
+    no [B, H, S, S] weights are built.
     """
     masses = []
     for q, k, lse in attention:
         b, s, hq, d = q.shape
         hkv = k.shape[2]
         qg = q.reshape(b, s, hkv, hq // hkv, d).astype(jnp.float32)
-        if s <= FULL_NEAR_MAX_LEN:  # short rows: the whole [S, S] logits cost less than gathering the band
+        if s <= FULL_NEAR_MAX_LEN:  # the whole [S, S] logits: no slower than gathering the band here
             t, q_at = np.arange(s)[None], np.arange(s)[:, None]
             near_keys = (t == 0) | ((t <= q_at) & (t > q_at - window))  # [S, S]
             logits = jnp.einsum("bshgd,bthd->bhgst", qg, k.astype(jnp.float32)) * d**-0.5
