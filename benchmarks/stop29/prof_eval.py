@@ -1,19 +1,15 @@
 """Time every piece of the recipe's evaluation on an already-trained run dir."""
-import sys, time, functools
-import jax
-import eval.accuracy as acc
+import functools
+import os
+import sys
+import time
+
 import train.recipe as rec
-LOG = []
-orig = acc.generate
-def timed(model, params, ids, **kw):
-    t = time.perf_counter()
-    out = jax.block_until_ready(orig(model, params, ids, **kw))
-    LOG.append((type(kw['cache']).__name__ if not isinstance(kw['cache'], str) else kw['cache'],
-                getattr(kw['cache'], 'method', ''), getattr(kw['cache'], 'budget', model.config.kvpop.budget if model.config.kvpop else ''),
-                tuple(ids.shape), kw['max_new_tokens'], kw.get('stream_prompt'), round(time.perf_counter() - t, 2)))
-    print("GEN", LOG[-1], flush=True)
-    return out
-acc.generate = timed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_generate  # noqa: E402
+
+time_generate()
 def wrap(mod, name):
     f = getattr(mod, name)
     @functools.wraps(f)
