@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
 from kvpop_jax.gathered_attention import keys_per_query, kvpop_attention_gathered
+from kvpop_jax.tiled_attention import dense_attention_tiled
 from pallas_kernels.common import NEG_INF, check_attention_args
 from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
 from pallas_kernels.compat import mosaic_gpu_interpret_unavailable
@@ -42,14 +43,14 @@ def attend(q_grouped: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     q_grouped [B, Q, Hkv, G, D]; k, v [B, T, Hkv, D]; mask bool broadcastable to
     [B, Hkv, G, Q, T]; bias: optional float32 added to the kept logits (same broadcast; DMS's
     soft eviction). Returns out [B, Q, Hkv, G, D] (q's dtype) and lse [B, Hkv, G, Q]
-    float32. A row with no kept key gets a uniform average (its lse is NEG_INF-like).
+    float32. A row with no kept key gets out 0 and lse NEG_INF.
     """
     logits = jnp.einsum("bqhgd,bthd->bhgqt", q_grouped, k, preferred_element_type=jnp.float32) * scale
     if bias is not None:
         logits = logits + bias
     logits = jnp.where(mask, logits, NEG_INF)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
+    probs = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
     out = jnp.einsum("bhgqt,bthd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.astype(q_grouped.dtype), lse
 
@@ -100,7 +101,10 @@ def map_query_blocks(block_fn: Callable, xs: Sequence[jax.Array], axes: Sequence
 
 # --- dense -------------------------------------------------------------------------------
 
-DENSE_BLOCKWISE_MIN_QUERIES = 2048  # above this many queries `dense_attention` goes blockwise
+# From this many queries on `dense_attention` runs the tiled path. On CPU it is faster than the
+# reference already at 128 queries, forward and backward (BENCHMARKS.md, stop 30); below, one
+# tile would be the whole matrix anyway.
+DENSE_TILED_MIN_QUERIES = 64
 
 
 def _dense_mask(q_pos, kv_positions, q_seg, kv_segment_ids, kv_valid):
@@ -159,18 +163,26 @@ def dense_attention_reference(q, k, v, *, q_positions, kv_positions, q_segment_i
     return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 
+DENSE_IMPLS = ("reference", "blockwise", "tiled")
+
+
 def dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-                    kv_valid=None, scale: float | None = None, blockwise: bool | None = None):
+                    kv_valid=None, scale: float | None = None, impl: str | None = None):
     """Causal softmax attention; contract of `dense_attention_reference`.
 
-    blockwise: True runs `dense_attention_blockwise` (no `[S, T]` logits), False the
-    reference; None goes blockwise when S > `DENSE_BLOCKWISE_MIN_QUERIES`.
+    impl: "reference" (the whole [S, T] logits), "blockwise" (query blocks over every key) or
+    "tiled" (`tiled_attention.dense_attention_tiled`: online softmax over key blocks, skipping
+    those no query of the block can see, with its own backward). None: tiled from
+    `DENSE_TILED_MIN_QUERIES` queries on, the reference below (a decode step, short prompts).
     """
-    if blockwise is None:
-        blockwise = q.shape[1] > DENSE_BLOCKWISE_MIN_QUERIES
-    fn = dense_attention_blockwise if blockwise else dense_attention_reference
-    return fn(q, k, v, q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
-              kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, scale=scale)
+    if impl is None:
+        impl = "tiled" if q.shape[1] >= DENSE_TILED_MIN_QUERIES else "reference"
+    fns = {"reference": dense_attention_reference, "blockwise": dense_attention_blockwise,
+           "tiled": dense_attention_tiled}
+    if impl not in fns:
+        raise ValueError(f"impl must be one of {DENSE_IMPLS} or None, got {impl!r}")
+    return fns[impl](q, k, v, q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids, kv_valid=kv_valid, scale=scale)
 
 
 # --- KVpop-masked ------------------------------------------------------------------------

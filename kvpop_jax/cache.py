@@ -190,7 +190,7 @@ class DenseLayerCache:
         # Written in place (a donated or loop-carried cache is updated, not copied).
         cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, jnp.swapaxes(k, 1, 2).astype(self.k.dtype), length, 2)
         cache_v = jax.lax.dynamic_update_slice_in_dim(self.v, jnp.swapaxes(v, 1, 2).astype(self.v.dtype), length, 2)
-        if s > DECODE_MAX_QUERIES:  # a prompt: the blockwise dense attention over the cache, transposed once
+        if s > DECODE_MAX_QUERIES:  # a prompt: the tiled dense attention over the cache, transposed once
             slots = jnp.arange(t, dtype=jnp.int32)
             out, _ = attn_lib.dense_attention(
                 q, jnp.swapaxes(cache_k, 1, 2).astype(q.dtype), jnp.swapaxes(cache_v, 1, 2).astype(q.dtype),

@@ -156,6 +156,7 @@ def dms_mask(s: int, evict: jax.Array, window: int) -> jax.Array:
 
 
 DMS_CAUSAL_BLOCK = 128  # query block of the unrolled causal path (short sequences; 128 measured fastest on CPU)
+DMS_UNROLLED_MAX_QUERIES = 2048  # up to this many queries the causal blocks are unrolled
 
 
 def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None, block_q: int | None = None,
@@ -163,11 +164,11 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
     """DMS-masked causal attention in plain XLA, one query block at a time.
 
     Two paths, the same result:
-    - up to `unrolled_max` queries (default `attention.DENSE_BLOCKWISE_MIN_QUERIES`, dense
-      attention's threshold): the query blocks are unrolled and block i reads only the keys it can
-      see, [0, end of block i) (static slices: the causal upper triangle is never computed), with
-      no rematerialization. At S = 1024 and blocks of 128 that is 56% of the S x S work; one DMS
-      training layer's fwd+bwd at B 4, S 1024 on CPU takes 0.14 s this way against 0.58 s mapped.
+    - up to `unrolled_max` queries (default `DMS_UNROLLED_MAX_QUERIES`): the query blocks are
+      unrolled and block i reads only the keys it can see, [0, end of block i) (static slices:
+      the causal upper triangle is never computed), with no rematerialization. At S = 1024 and
+      blocks of 128 that is 56% of the S x S work; one DMS training layer's fwd+bwd at B 4,
+      S 1024 on CPU takes 0.14 s this way against 0.58 s mapped.
     - longer: `attention.map_query_blocks` over blocks of 512 queries against all S keys, each block
       rematerialized in autodiff, so memory is O(S * block_q) per head and no S x S array exists.
 
@@ -185,7 +186,7 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
     b, s, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
     log_keep = log_keep.astype(jnp.float32)
-    unrolled = s <= (attn_lib.DENSE_BLOCKWISE_MIN_QUERIES if unrolled_max is None else unrolled_max)
+    unrolled = s <= (DMS_UNROLLED_MAX_QUERIES if unrolled_max is None else unrolled_max)
     block_q = block_q or (DMS_CAUSAL_BLOCK if unrolled else 512)
 
     def one_block(start, q_blk, keys: int):

@@ -1,5 +1,5 @@
 """Memory features of the model: per-layer remat, hidden-state output with a chunkable head,
-blockwise dense attention, and the Pallas kernels under shard_map (8 fake CPU devices, in a
+blockwise and tiled dense attention, and the Pallas kernels under shard_map (8 fake CPU devices, in a
 subprocess since the device count is fixed when JAX starts)."""
 
 import json
@@ -132,7 +132,7 @@ def test_blockwise_dense_attention_against_a_cache():
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
 
 
-def test_dense_attention_goes_blockwise_above_the_threshold(monkeypatch):
+def test_dense_attention_goes_tiled_from_the_threshold(monkeypatch):
     _, q, k, v = random_attention_inputs(2, 1, 24, 24, 4, 2, 8)
     pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (1, 24))
     want = attention.dense_attention_reference(q, k, v, q_positions=pos, kv_positions=pos)
@@ -141,12 +141,14 @@ def test_dense_attention_goes_blockwise_above_the_threshold(monkeypatch):
         raise AssertionError("built the S x T logits")
 
     monkeypatch.setattr(attention, "dense_attention_reference", no_reference)
-    with pytest.raises(AssertionError, match="S x T"):
+    with pytest.raises(AssertionError, match="S x T"):  # 24 queries: below the threshold
         attention.dense_attention(q, k, v, q_positions=pos, kv_positions=pos)
-    monkeypatch.setattr(attention, "DENSE_BLOCKWISE_MIN_QUERIES", 16)
+    monkeypatch.setattr(attention, "DENSE_TILED_MIN_QUERIES", 16)
     got = attention.dense_attention(q, k, v, q_positions=pos, kv_positions=pos)
     for a, w in zip(got, want):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        attention.dense_attention(q, k, v, q_positions=pos, kv_positions=pos, impl="flash")
 
 
 # ------------------------------------------------------------------------------ kernels under shard_map

@@ -445,7 +445,7 @@ def test_teacher_blockwise_attention_equals_dense_model(monkeypatch, tied):
     def no_dense(*args, **kwargs):
         raise AssertionError("the teacher built the S x S dense attention")
 
-    monkeypatch.setattr(attention, "DENSE_BLOCKWISE_MIN_QUERIES", 16)  # S = 48 counts as long
+    monkeypatch.setattr(attention, "DENSE_TILED_MIN_QUERIES", 16)  # S = 48 counts as long
     monkeypatch.setattr(attention, "dense_attention_reference", no_dense)
     values, indices = st.teacher_topk_logits(st.Model(config), params, ids, pos, 8, 16)
     ref_values, ref_indices = losses.teacher_topk(logits, 8)

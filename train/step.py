@@ -95,8 +95,8 @@ def _unchunk(x):
 def teacher_topk_logits(teacher: Model, teacher_params, input_ids, positions, k: int, chunk: int):
     """The frozen teacher's top-k logits: (values float32 [B, S, K], indices int32 [B, S, K]).
 
-    The dense teacher's attention goes blockwise above `attention.DENSE_BLOCKWISE_MIN_QUERIES`
-    queries, so no `[B, H, S, S]` logits are built at long S.
+    The dense teacher's attention runs tiled (`attention.dense_attention`) from
+    `attention.DENSE_TILED_MIN_QUERIES` queries on, so no `[B, H, S, S]` logits are built.
     """
     teacher_params = jax.lax.stop_gradient(teacher_params)
     x = teacher.apply({"params": teacher_params}, input_ids, positions, return_hidden=True).hidden
