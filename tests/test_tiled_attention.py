@@ -85,3 +85,18 @@ def test_the_upper_triangle_is_skipped():
     shifted = pos.at[1].add(16)  # one row's queries and keys later: the union over the batch counts
     visible = np.asarray(_visible(_Tiles(1.0, 16, 16), shifted, pos))
     np.testing.assert_array_equal(visible, np.tri(4, k=1, dtype=bool))
+
+
+def test_lowers_for_gpu_and_tpu():
+    """Plain XLA with its own backward: forward and gradient export for CUDA and TPU from CPU."""
+    from jax import export
+
+    _, q, k, v = inputs(5, 2, 40, 40)
+    pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+
+    def loss(q, k, v):
+        out, lse = dense_attention_tiled(q, k, v, q_positions=pos, kv_positions=pos, block_q=16, block_k=16)
+        return jnp.sum(out) + jnp.sum(lse)
+
+    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda", "tpu"])(q, k, v)
+    assert exported.platforms == ("cuda", "tpu") and "stablehlo.while" in exported.mlir_module()
