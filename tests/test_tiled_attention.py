@@ -100,3 +100,25 @@ def test_lowers_for_gpu_and_tpu():
 
     exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda", "tpu"])(q, k, v)
     assert exported.platforms == ("cuda", "tpu") and "stablehlo.while" in exported.mlir_module()
+
+
+def test_bfloat16_inputs_match_the_reference_to_bfloat16_rounding():
+    """The GPU recipes' compute dtype: outputs and gradients keep the inputs' dtype, and agree with
+    the reference to within bf16 rounding of their scale (the logits and sums run in float32)."""
+    _, q, k, v = inputs(6, 2, 70, 70, d=16)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    pos = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32), (2, 70))
+    kw = dict(q_positions=pos, kv_positions=pos)
+
+    def loss(fn, **extra):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, **kw, **extra)[0].astype(jnp.float32) ** 2)
+
+    want = attention.dense_attention_reference(q, k, v, **kw)
+    got = dense_attention_tiled(q, k, v, block_q=16, block_k=16, **kw)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    g_want = jax.grad(loss(attention.dense_attention_reference), argnums=(0, 1, 2))(q, k, v)
+    g_got = jax.grad(loss(dense_attention_tiled, block_q=16, block_k=16), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip((*got, *g_got), (*want, *g_want)):
+        assert a.dtype == w.dtype
+        a, w = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        assert np.abs(a - w).max() <= 2e-2 * np.abs(w).max()
