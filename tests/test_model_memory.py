@@ -1,6 +1,6 @@
 """Memory features of the model: per-layer remat, hidden-state output with a chunkable head,
-blockwise and tiled dense attention, and the Pallas kernels under shard_map (8 fake CPU devices, in a
-subprocess since the device count is fixed when JAX starts)."""
+blockwise and tiled dense attention, and the Pallas kernels under shard_map (8 fake CPU devices,
+in a subprocess since the device count is fixed when JAX starts)."""
 
 import json
 import os

@@ -429,7 +429,7 @@ def test_missing_flag_exits_with_message(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_teacher_blockwise_attention_equals_dense_model(monkeypatch, tied):
+def test_teacher_tiled_attention_equals_dense_model(monkeypatch, tied):
     from kvpop_jax import attention, losses
     from kvpop_jax.config import Qwen3Config
     from kvpop_jax.modeling import Qwen3ForCausalLM, init_params

@@ -13,7 +13,9 @@ def bench(f,*a,n=5):
         t=time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter()-t)
     return sorted(ts)[n//2]
 B,S=4,1024
-q=jax.random.normal(jax.random.key(0),(B,S,4,64)); k=jax.random.normal(jax.random.key(1),(B,S,2,64)); v=jax.random.normal(jax.random.key(2),(B,S,2,64))
+q = jax.random.normal(jax.random.key(0), (B, S, 4, 64))
+k = jax.random.normal(jax.random.key(1), (B, S, 2, 64))
+v = jax.random.normal(jax.random.key(2), (B, S, 2, 64))
 sc = jax.random.normal(jax.random.key(3),(B,2,S))
 ranks = policy.ranks_from_priority(sc)
 cut = policy.running_topk_cutoff(ranks, sinks=4, window=32, topk=70)
@@ -27,4 +29,5 @@ g = jax.jit(jax.grad(lambda q,k,v: jnp.sum(fn(q,k,v)[0]**2)+jnp.sum(fn(q,k,v)[1]
 print("dense tiled", "fwd", bench(jax.jit(fn),q,k,v), "fwd+bwd", bench(g,q,k,v), flush=True)
 lse = targets.dense_lse(q,k)
 print("target", bench(jax.jit(lambda q,k,l: targets.future_attention_target(q,k,l,window=32,eps=1e-6)), q, k, lse))
-print("ranks+cutoff", bench(jax.jit(lambda s: policy.running_topk_cutoff(policy.ranks_from_priority(s), sinks=4, window=32, topk=70)), sc))
+cutoffs = jax.jit(lambda s: policy.running_topk_cutoff(policy.ranks_from_priority(s), sinks=4, window=32, topk=70))
+print("ranks+cutoff", bench(cutoffs, sc))

@@ -20,7 +20,8 @@ sc0 = setup.step_config(cfg, mc)
 params = modeling.init_params(sc0.model, jax.random.PRNGKey(0))
 B, S, K = 4, 1024, 32
 rng = np.random.default_rng(0)
-mb = {"input_ids": jnp.asarray(rng.integers(3, 90, (B, S)), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(S), (B, S)),
+mb = {"input_ids": jnp.asarray(rng.integers(3, 90, (B, S)), jnp.int32),
+      "positions": jnp.broadcast_to(jnp.arange(S), (B, S)),
       "loss_mask": jnp.ones((B, S)), "teacher_values": jnp.asarray(rng.normal(size=(B, S, K)), jnp.float32),
       "teacher_indices": jnp.asarray(rng.integers(0, 90, (B, S, K)), jnp.int32)}
 def bench(f, *a, n=5):
@@ -41,4 +42,5 @@ for name, ch in variants.items():
     loss_fn = st.make_loss_fn(sc)
     g = jax.jit(jax.grad(lambda p, mb, r: loss_fn(p, None, mb, r, jnp.int32(0))[0]))
     f = jax.jit(lambda p, mb, r: loss_fn(p, None, mb, r, jnp.int32(0))[0])
-    print(f"{name}: loss fwd {bench(f, params, mb, jax.random.key(1)):.3f} s, grad {bench(g, params, mb, jax.random.key(1)):.3f} s", flush=True)
+    key = jax.random.key(1)
+    print(f"{name}: loss fwd {bench(f, params, mb, key):.3f} s, grad {bench(g, params, mb, key):.3f} s", flush=True)
