@@ -62,6 +62,15 @@ def _visible(tiles: _Tiles, qpos, kpos):
     return kmin[None, :] <= qmax[:, None]
 
 
+def _tile_logits(tiles: _Tiles, q_i, qpos_i, qseg_i, k, kpos, kseg, j):
+    """Query block i against key block j: (k_j, scaled logits float32 [B, Hkv, G, Q, K], visibility mask)."""
+    bk = tiles.block_k
+    k_j = _block(k, 2, j, bk)
+    mask = _tile_mask(qpos_i, qseg_i, _block(kpos, 1, j, bk), _block(kseg, 1, j, bk))
+    x = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32) * tiles.scale
+    return k_j, x, mask
+
+
 def _forward(tiles: _Tiles, q, k, v, qpos, qseg, kpos, kseg):
     """q [B, Hkv, G, Sp, D]; k, v [B, Hkv, Tp, D] (padded) -> out like q, lse [B, Hkv, G, Sp]."""
     bq, bk = tiles.block_q, tiles.block_k
@@ -75,14 +84,13 @@ def _forward(tiles: _Tiles, q, k, v, qpos, qseg, kpos, kseg):
         def key_block(j, carry):
             def visit(carry):
                 m, l, acc = carry
-                k_j, v_j = _block(k, 2, j, bk), _block(v, 2, j, bk)
-                mask = _tile_mask(qpos_i, qseg_i, _block(kpos, 1, j, bk), _block(kseg, 1, j, bk))
-                x = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32) * tiles.scale
+                _, x, mask = _tile_logits(tiles, q_i, qpos_i, qseg_i, k, kpos, kseg, j)
                 x = jnp.where(mask, x, NEG_INF)
                 m_new = jnp.maximum(m, x.max(axis=-1))
                 p = jnp.exp(x - m_new[..., None])
                 corr = jnp.exp(m - m_new)
-                pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+                pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _block(v, 2, j, bk),
+                                preferred_element_type=jnp.float32)
                 return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
             return jax.lax.cond(visible[i, j], visit, lambda c: c, carry)
@@ -118,11 +126,9 @@ def _backward(tiles: _Tiles, q, k, v, qpos, qseg, kpos, kseg, out, lse, d_out, d
         def key_block(j, carry):
             def visit(carry):
                 dq_i, dk, dv = carry
-                k_j, v_j = _block(k, 2, j, bk), _block(v, 2, j, bk)
-                mask = _tile_mask(qpos_i, qseg_i, _block(kpos, 1, j, bk), _block(kseg, 1, j, bk))
-                x = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32) * tiles.scale
+                k_j, x, mask = _tile_logits(tiles, q_i, qpos_i, qseg_i, k, kpos, kseg, j)
                 p = jnp.exp(jnp.where(mask, x - lse_i[..., None], NEG_INF))
-                dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j.astype(jnp.float32))
+                dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, _block(v, 2, j, bk).astype(jnp.float32))
                 ds = p * (dp - delta_i[..., None]) * tiles.scale
                 dq_i = dq_i + jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32))
                 dk_j = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i.astype(jnp.float32))

@@ -4,9 +4,17 @@ import time
 import jax
 
 
-def bench(f, *args, n: int = 3) -> float:
-    """Seconds per call of f(*args), after one call that compiles."""
+def bench(f, *args, n: int = 3, median: bool = False) -> float:
+    """Seconds per call of f(*args), after one call that compiles: the mean of n calls, or their
+    median (each call timed on its own)."""
     jax.block_until_ready(f(*args))
+    if median:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t)
+        return sorted(times)[n // 2]
     t = time.perf_counter()
     for _ in range(n):
         jax.block_until_ready(f(*args))

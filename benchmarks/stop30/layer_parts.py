@@ -5,13 +5,22 @@ and cutoffs. Median of 5 calls after the compile.
 
     python benchmarks/stop30/layer_parts.py
 """
-import time, jax, jax.numpy as jnp
-from kvpop_jax import targets, attention as A, policy
-def bench(f,*a,n=5):
-    jax.block_until_ready(f(*a)); ts=[]
-    for _ in range(n):
-        t=time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter()-t)
-    return sorted(ts)[n//2]
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from kvpop_jax import attention as A, policy, targets
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stop29"))
+from timing import bench as _bench  # noqa: E402
+
+
+def bench(f, *args):
+    return _bench(f, *args, n=5, median=True)
+
+
 B,S=4,1024
 q = jax.random.normal(jax.random.key(0), (B, S, 4, 64))
 k = jax.random.normal(jax.random.key(1), (B, S, 2, 64))

@@ -4,7 +4,7 @@ precomputed teacher (as the job trains). Median of 5 calls after the compile.
 
     python benchmarks/stop30/train_step_parts.py
 """
-import dataclasses, sys, tempfile, time
+import dataclasses, os, sys, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from absl import flags
 from train.flags import define_flags
@@ -12,6 +12,14 @@ from train.configure import config_from_flags
 from train import setup, step as st
 from kvpop_jax import modeling
 from train.config import load_model_config
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stop29"))
+from timing import bench as _bench  # noqa: E402
+
+
+def bench(f, *args):
+    return _bench(f, *args, n=5, median=True)
+
+
 FLAGS = flags.FLAGS; define_flags(FLAGS)
 FLAGS(["x", "--flagfile=configs/tiny_cpu.flags", "--teacher_logits_dir=" + tempfile.mkdtemp()] + sys.argv[1:])
 cfg = config_from_flags(FLAGS)
@@ -24,11 +32,6 @@ mb = {"input_ids": jnp.asarray(rng.integers(3, 90, (B, S)), jnp.int32),
       "positions": jnp.broadcast_to(jnp.arange(S), (B, S)),
       "loss_mask": jnp.ones((B, S)), "teacher_values": jnp.asarray(rng.normal(size=(B, S, K)), jnp.float32),
       "teacher_indices": jnp.asarray(rng.integers(0, 90, (B, S, K)), jnp.int32)}
-def bench(f, *a, n=5):
-    jax.block_until_ready(f(*a)); ts = []
-    for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
-    return sorted(ts)[n // 2]
 kv0 = sc0.model.kvpop
 variants = {
     "recipe": {},
