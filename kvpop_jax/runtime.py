@@ -9,7 +9,6 @@ recipe silently trains on CPU. The start-up line names the backend and the devic
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from typing import TextIO
@@ -29,27 +28,6 @@ def gpu_workload_reasons(*, compute_dtype: str | None = None, seq_len: int | Non
     if seq_len is not None and seq_len >= GPU_SEQ_LEN:
         reasons.append(f"sequences of {seq_len} tokens (>= {GPU_SEQ_LEN})")
     return reasons
-
-
-def auto_workers(requested: int = 0) -> int:
-    """How many independent jobs (the recipe's trainings) to run at a time: `requested` if >= 1, else
-    2 on a CPU backend with at least 2 cores (one XLA CPU training keeps ~1.5 cores busy; two in two
-    processes finish 1.3x sooner, BENCHMARKS.md, stop 31) and 1 on an accelerator (one job fills it)."""
-    if requested < 0:
-        raise ValueError(f"workers must be >= 0 (0: auto), got {requested}")
-    if requested:
-        return requested
-    return 2 if jax.default_backend() == "cpu" and (os.cpu_count() or 1) >= 2 else 1
-
-
-PROGRESS_POSITION_ENV = "KVPOP_PROGRESS_POSITION"  # set in the recipe's worker processes (train/workers.py)
-
-
-def progress_position() -> int | None:
-    """The row of this process's progress bars: a worker's own row (`PROGRESS_POSITION_ENV`), so
-    two workers' bars do not draw over each other; None (tqdm's choice) elsewhere."""
-    value = os.environ.get(PROGRESS_POSITION_ENV, "")
-    return int(value) if value.strip() else None
 
 
 def backend_line() -> str:

@@ -165,7 +165,6 @@ class TrainConfig:
     divergence_warmup: int = 3  # steps of history before the divergence guard checks
     retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)
     dms: DMSConfig | None = None  # the DMS settings (memory-matched to `kvpop`), when a run or variant needs them
-    workers: int = 0  # the recipe trains this many variants at a time (0: auto; train/workers.py)
 
     @property
     def grad_accum(self) -> int:

@@ -108,8 +108,6 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         except ValueError as e:
             raise FlagError(f"bad DMS flags (--dms_*, memory of --sinks/--window/--topk at --seq_len): {e}") from e
     evaluation = evaluation_from_flags(f, kvpop, variants, head_dim, dms)
-    if f.workers < 0:
-        raise FlagError(f"--workers must be >= 0 (0: auto), got {f.workers}")
     steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
@@ -171,7 +169,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         export=f.export, export_dir=export_dir, log_every=f.log_every,
         tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
         overwrite=f.overwrite, divergence_factor=f.divergence_factor, divergence_warmup=f.divergence_warmup,
-        retrofit=f.retrofit, dms=dms, workers=f.workers,
+        retrofit=f.retrofit, dms=dms,
     )
 
 

@@ -202,10 +202,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       "which lets them see every read in the prompt before deciding.", **d)
     flags.DEFINE_list("eval_long_methods", ["kvpop-mlstm", "kvpop-mlp"],
                       "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
-    flags.DEFINE_integer("workers", 0,
-                         "With --variants: train this many variants at a time, each in its own process (the "
-                         "results do not depend on it). 0: auto, 2 on a CPU with 2+ cores (one CPU training "
-                         "keeps ~1.5 cores busy), 1 on an accelerator.", **d)
     flags.DEFINE_bool("quick", False,
                       "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
                       "--checkpoint_every and --eval_problems).", **d)

@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.fileio import atomic_write_bytes
-from kvpop_jax.runtime import progress_position
 from train import optim
 from train import step as st
 from train.checkpointing import Checkpointer
@@ -209,7 +208,7 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
     log = MetricsLog(cfg, start)
     guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records)
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", position=progress_position(),
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
                disable=not cfg.progress or jax.process_index() != 0, dynamic_ncols=True)
     last = {}
     try:

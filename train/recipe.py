@@ -48,7 +48,6 @@ from eval.dms_patterns import run_dms_patterns
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.runtime import auto_workers
 from kvpop_jax.sampling import SamplingConfig
 from train.config import TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
@@ -56,7 +55,6 @@ from train.recipe_report import plot_training, write_summary
 from train.run_dir import checkpoint_steps, lock_run_dir
 from train.setup import info, prepare_init_checkpoint, run_tokenizer
 from train.teacher_cache import write_teacher_logits
-from train.workers import Job, run_jobs
 
 SHARED_TEACHER_MAX_BYTES = 1 << 30  # teacher top-k files the recipe writes once and shares between variants
 
@@ -107,7 +105,6 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
-    workers = auto_workers(cfg.workers)
     exports, times, teacher_seconds = {}, {}, None
     teacher_dir = shared_teacher_dir(cfg)
     if teacher_dir and not all(finished(variant_config(cfg, n, init_dir, tokenizer_dir)) for n in cfg.variants):
@@ -117,27 +114,16 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
         write_teacher_logits(dataclasses.replace(cfg, init_checkpoint=init_dir, tokenizer=tokenizer_dir,
                                                  teacher_logits_dir=teacher_dir))
         teacher_seconds = time.perf_counter() - t0
-    jobs = []
     for name in cfg.variants:
         vcfg = variant_config(cfg, name, init_dir, tokenizer_dir, teacher_dir)
         exports[name] = vcfg.export_dir
         if finished(vcfg) and not cfg.overwrite:  # a rerun after a crash skips what is done
             info(f"[{name}] already trained: {vcfg.export_dir}")
             continue
-        jobs.append(Job(name, train_variant, (name, vcfg)))
-    parallel = workers > 1 and len(jobs) > 1
-    if parallel:
-        info(f"training {len(jobs)} variants, {workers} at a time in worker processes (--workers)")
-
-    def done(job: Job, result, seconds: float) -> None:
-        times[job.key] = seconds
-        if parallel:
-            info(f"[{job.key}] trained in {seconds:.0f} s")
-
-    t0 = time.perf_counter()
-    run_jobs(jobs, workers, on_done=done)
-    training_seconds = time.perf_counter() - t0
-    times = {name: times[name] for name in cfg.variants if name in times}  # finished in any order
+        info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
+        t0 = time.perf_counter()
+        train(vcfg)
+        times[name] = time.perf_counter() - t0
     if not cfg.variants:
         train(cfg)
         exports = {cfg.retrofit: cfg.export_dir}
@@ -147,17 +133,9 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
         summary["evaluation"] = evaluate(cfg, init_dir, tokenizer_dir, exports)
         times["evaluation"] = time.perf_counter() - t0
     shared = {} if teacher_seconds is None else {"shared teacher top-k": teacher_seconds}
-    parts = [f"{k} {v:.0f} s" for k, v in {**shared, **times}.items()]
-    if parallel:
-        parts.insert(len(shared) + len(jobs), f"(the {len(jobs)} trainings, {workers} at a time: {training_seconds:.0f} s)")
-    info("wall time: " + ", ".join(parts) + f"; total {time.perf_counter() - start:.0f} s")
+    info("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in {**shared, **times}.items())
+         + f"; total {time.perf_counter() - start:.0f} s")
     return summary
-
-
-def train_variant(name: str, cfg: TrainConfig) -> None:
-    """One variant's training run (a job: in a worker process when the recipe trains several at a time)."""
-    info(f"[{name}] training into {cfg.run_dir} ({describe(cfg)})")
-    train(cfg)
 
 
 def finished(cfg: TrainConfig) -> bool:
