@@ -1,23 +1,35 @@
-"""Times every generate call of `python -m eval.main accuracy` (first call: trace, compile and run;
-later calls: run only). Usage, from the repository root with the venv active:
+"""Times every generate call of `python -m eval.main accuracy` (first call of a setting: trace,
+compile and run; later calls: run only). From the repository root with the venv active:
 
     python benchmarks/stop31/gen_time.py accuracy --checkpoints dense=...,kvpop-mlstm=... --methods ... (as eval.main)
 
-Prints one `GEN <cache> <method> <budget> ... <seconds>` line per call (BENCHMARKS.md, stop 31).
+Prints one `GEN <cache> <method> <budget> kv=<k> dms=<bool> stream=<bool> shape=<prompts> <seconds>`
+line per call (BENCHMARKS.md, stop 31).
 """
-import sys, time, jax
-import eval.accuracy as acc
-orig = acc.generate
-def timed(model, params, prompts, **kw):
-    t = time.perf_counter()
-    out = orig(model, params, prompts, **kw)
-    jax.block_until_ready(out)
-    c = kw["cache"]
-    print(f"GEN {type(c).__name__ if not isinstance(c, str) else c} {getattr(c,'method','')} {getattr(c,'budget','')} "
-          f"kv={getattr(model.config.kvpop,'topk',None) if model.config.kvpop else None} dms={model.config.dms is not None} "
-          f"stream={kw.get('stream_prompt')} shape={prompts.shape} {time.perf_counter()-t:.2f}s", flush=True)
-    return out
-acc.generate = timed
+
+import sys
+import time
+
+import jax
+
+import eval.accuracy as accuracy
 from eval.main import main
-sys.argv = ["eval.main"] + sys.argv[1:]
-main()
+
+_generate = accuracy.generate
+
+
+def timed_generate(model, params, prompts, **kwargs):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(_generate(model, params, prompts, **kwargs))
+    cache, kvpop = kwargs["cache"], model.config.kvpop
+    name = cache if isinstance(cache, str) else type(cache).__name__
+    print(f"GEN {name} {getattr(cache, 'method', '')} {getattr(cache, 'budget', '')} "
+          f"kv={kvpop.topk if kvpop else None} dms={model.config.dms is not None} "
+          f"stream={kwargs.get('stream_prompt')} shape={prompts.shape} {time.perf_counter() - t0:.2f}s", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    accuracy.generate = timed_generate
+    sys.argv = ["eval.main", *sys.argv[1:]]
+    main()
