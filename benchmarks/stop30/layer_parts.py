@@ -14,12 +14,7 @@ import jax.numpy as jnp
 from kvpop_jax import attention as A, policy, targets
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stop29"))
-from timing import bench as _bench  # noqa: E402
-
-
-def bench(f, *args):
-    return _bench(f, *args, n=5, median=True)
-
+from timing import bench_median as bench  # noqa: E402
 
 B,S=4,1024
 q = jax.random.normal(jax.random.key(0), (B, S, 4, 64))

@@ -13,12 +13,7 @@ from train import setup, step as st
 from kvpop_jax import modeling
 from train.config import load_model_config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stop29"))
-from timing import bench as _bench  # noqa: E402
-
-
-def bench(f, *args):
-    return _bench(f, *args, n=5, median=True)
-
+from timing import bench_median as bench  # noqa: E402
 
 FLAGS = flags.FLAGS; define_flags(FLAGS)
 FLAGS(["x", "--flagfile=configs/tiny_cpu.flags", "--teacher_logits_dir=" + tempfile.mkdtemp()] + sys.argv[1:])
