@@ -157,10 +157,14 @@ def cmd_recall(argv: Sequence[str]) -> None:
     parser.add_argument("--seq_len", type=int, default=None, help="default 2 x budget")
     parser.add_argument("--num_queries", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=int, default=None,
+                        help="memory per KV head B to measure at (k = B - s - w - scorer state); default the "
+                             "checkpoint's own (the paper's Fig. 7: B = 0.25 x seq_len, CR 75%%)")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
     run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
-               num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed)
+               num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed,
+               budget=args.budget)
     print(open(f"{args.out_dir}/recall.md").read())
 
 

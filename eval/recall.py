@@ -241,6 +241,7 @@ def run_recall(
     text_field: str = "auto",
     progress: bool = True,
     dtype=jnp.float32,
+    budget: int | None = None,
 ) -> RecallResult:
     """Teacher top-k recall per layer/head and token accuracy of a KVpop checkpoint.
 
@@ -255,8 +256,12 @@ def run_recall(
       batch_size: rows per forward pass.
       dtype: parameter and compute dtype (bfloat16 for large models on GPU; policy
         quantities are float32 regardless).
+      budget: memory per KV head B to measure at (`KVpopConfig.retarget`: k = B - s - w - the
+        scorer's state); default the checkpoint's own. The paper's Fig. 7 reports CR 75%.
     """
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)
+    if budget is not None:
+        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))
     kv = config.kvpop
     budget = kv.budget
     if kv.topk == 0:

@@ -109,6 +109,32 @@ def test_recall_equals_brute_force_top_k(checkpoint, recall_run):
     assert json.load(open(result.files["json"]))["global_mean"] == pytest.approx(result.global_mean)
 
 
+def test_recall_at_another_budget_equals_brute_force(checkpoint, tmp_path):
+    """`budget=` measures at another memory B (k = B - s - w, the paper's Fig. 7 is at CR 75%):
+    the brute-force keep sets of the retargeted model, at queries saturated for that B."""
+    ids = np.random.default_rng(5).integers(0, BASE.vocab_size, size=(2, SEQ))
+    k = 10  # B = 2 + 4 + 10 = 16 (the export's: 12)
+    result = run_recall(checkpoint, ids, num_sequences=2, num_queries=6, out_dir=tmp_path, budget=16, progress=False)
+    assert result.settings["topk"] == k and result.settings["budget"] == 16
+    q_idx = result.query_positions
+    assert q_idx.min() >= 16
+    np.testing.assert_array_equal(result.totals, 2 * 6 * k)
+    config, params = load_pretrained(checkpoint)
+    config = dataclasses.replace(config, kvpop=dataclasses.replace(config.kvpop, topk=k))
+    arrays = {key: np.asarray(v) for key, v in policy_arrays(Qwen3ForCausalLM(config), params, jnp.asarray(ids),
+                                                             jnp.asarray(q_idx)).items()}
+    t = np.arange(SEQ, dtype=np.float32)
+    hits = np.zeros((BASE.num_hidden_layers, BASE.num_key_value_heads), int)
+    for layer, head, b in np.ndindex(*hits.shape, 2):
+        lg = arrays["log_gamma"][layer, head]
+        student = arrays["scores"][layer, b, head] - t * lg
+        teacher = arrays["target"][layer, b, head] - t * lg
+        hits[layer, head] += sum(len(_topk_set(student, q, k) & _topk_set(teacher, q, k)) for q in map(int, q_idx[b]))
+    np.testing.assert_allclose(result.recall, hits / (2 * 6 * k), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="budget 5"):
+        run_recall(checkpoint, ids, num_sequences=2, out_dir=tmp_path, budget=5, progress=False)
+
+
 def test_recall_reads_text_and_token_id_jsonl(checkpoint, tmp_path):
     docs = [list(range(5, 35)), list(range(40, 80))]
     id_file = tmp_path / "ids.jsonl"

@@ -340,10 +340,30 @@ def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, mon
     assert max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want_grad)) > 1e-3
 
     cfg = dataclasses.replace(cfg, park_weight=5.0, park_window=8, phases=(Phase(128, 8, 4),))
-    _, optimizer, step = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    _, optimizer, steps = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    step = steps[5.0]
     state = init_state(cfg, optimizer)
     logged = []
     for i in range(8):
         state, metrics = step(state, make_batch(cfg, i))
         logged.append(float(metrics["park"]))
     assert logged[-1] < 0.7 * logged[0], logged
+
+
+def test_phase_park_weight_runs_the_parking_step_only_in_its_phase(tmp_path):
+    """`park=W` in a curriculum phase overrides --park_weight there: the run logs the parking loss in
+    that phase only (a phase without it runs the step that does not compute it), the model card says
+    so, and a negative or non-numeric weight is refused before step 0."""
+    phases = parse_curriculum("128:4:2, 128:4:2:park=2", 4)
+    assert [p.task for p in phases] == [(), (("park", 2),)]
+    cfg = tiny_config(tmp_path, phases=phases, park_queries="all", log_every=1, checkpoint_every=8)
+    assert [cfg.park_weight_of(p) for p in cfg.phases] == [0.0, 2.0]
+    assert cfg.task(cfg.phases[1]) == cfg.task(cfg.phases[0])  # park is not a demo-task field
+    _, records = train(cfg, progress=False)
+    logged = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(logged) == list(range(1, 9))
+    assert all("park" not in logged[s] for s in range(1, 5)) and all(logged[s]["park"] > 0 for s in range(5, 9))
+    assert "(per phase: 0, 2) x the parking loss" in model_card(cfg, [], "", 0.0)
+    for bad in ("park=-1", "park=x"):
+        with pytest.raises(ValueError, match="park="):
+            tiny_config(tmp_path, phases=parse_curriculum(f"128:4:2:{bad}", 4))

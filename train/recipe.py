@@ -193,9 +193,12 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
             os.replace(data + ".tmp", data)
         for name in (m for m in ev.methods if m in exports and m != "dms"
                      and variant_retrofit(cfg, m).topk > 0):
-            result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
-                                out_dir=os.path.join(out, f"recall_{name}"), progress=cfg.progress)
-            recall[name] = result.global_mean
+            recall[name] = {}
+            for cr, budget in budgets.items():  # at every CR's memory B (the paper's Fig. 7: CR 75%)
+                result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
+                                    out_dir=os.path.join(out, f"recall_{name}_B{budget}"), progress=cfg.progress,
+                                    budget=budget)
+                recall[name][cr] = result.global_mean
     dms_stats = None
     if "dms" in ev.methods and "dms" in exports and ev.recall_sequences:
         dms_stats = run_dms_patterns(exports["dms"], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,

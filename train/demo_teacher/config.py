@@ -52,6 +52,9 @@ class PretrainConfig:
         for p in self.phases:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
+            park = dict(p.task).get("park", 0.0)
+            if not isinstance(park, (int, float)) or park < 0:
+                raise ValueError(f"phase {p}: park={park!r} must be a parking-loss weight >= 0")
             task = self.task(p)  # validates the length and the overrides
             try:
                 reuse_rows(p, task)  # and the reuse rows make_batch would build, before step 0
@@ -83,6 +86,10 @@ class PretrainConfig:
     def total_steps(self) -> int:
         return sum(p.steps for p in self.phases)
 
+    def park_weight_of(self, phase: Phase) -> float:
+        """The parking loss's weight in a phase: its `park=W` override, else `park_weight`."""
+        return float(dict(phase.task).get("park", self.park_weight))
+
     def phase_at(self, step: int) -> Phase:
         """The phase that global step `step` (0-based) belongs to."""
         for p in self.phases:
@@ -96,8 +103,8 @@ class PretrainConfig:
         if isinstance(phase, int):
             return demo_task.make_config(self.difficulty, seq_len=phase)
         overrides = dict(phase.task)
-        for drill in ("drill", "lookup", "recall", "reuse"):  # not task fields: shares of drill / reuse rows
-            overrides.pop(drill, None)
+        for drill in ("drill", "lookup", "recall", "reuse", "park"):  # not task fields: shares of drill / reuse
+            overrides.pop(drill, None)                                  # rows, the phase's parking weight
         difficulty = overrides.pop("difficulty", self.difficulty)
         return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)
 

@@ -98,10 +98,13 @@ def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_sec
                          f"{r['accuracy']:.1%} |" for r in results)
     minutes = f"{train_seconds / 60:.0f} min" if train_seconds else "n/a"
     park = ""
-    if cfg.park_weight:
+    weights = [cfg.park_weight_of(p) for p in cfg.phases]
+    if any(weights):
         who = ("every prompt query but a lookup (a recall line's `=`, a name after `>`)"
                if cfg.park_queries == "all" else "the name of a binding or recall line")
-        park = (f" Plus {cfg.park_weight:g} x the parking loss (`train/demo_teacher/loop.py`, `park_loss`): the mean "
+        how = (f"{weights[0]:g} x" if len(set(weights)) == 1 else
+               "(per phase: " + ", ".join(f"{w:g}" for w in weights) + ") x")
+        park = (f" Plus {how} the parking loss (`train/demo_teacher/loop.py`, `park_loss`): the mean "
                 f"attention that {who} pays to keys {cfg.park_window} or more "
                 "tokens back, over every head, so that the teacher does not look up a value its next token "
                 "cannot use.")

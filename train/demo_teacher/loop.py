@@ -197,10 +197,13 @@ def _log(cfg: PretrainConfig, record: dict) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _compiled(cfg: PretrainConfig):
-    """Model, optimizer and jitted step of a config (cached: a resumed run in the same process
-    reuses the compiled step)."""
+    """Model, optimizer and a jitted step per parking weight of the curriculum's phases, as a dict
+    weight -> step (cached: a resumed run in the same process reuses the compiled steps). A phase
+    without the parking loss runs a step that does not compute it."""
     model, optimizer = Qwen3ForCausalLM(cfg.model), make_optimizer(cfg)
-    return model, optimizer, make_train_step(model, optimizer, cfg.park_weight, cfg.park_window)
+    steps = {w: make_train_step(model, optimizer, w, cfg.park_window)
+             for w in dict.fromkeys(cfg.park_weight_of(p) for p in cfg.phases)}
+    return model, optimizer, steps
 
 
 def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, list[dict]]:
@@ -209,7 +212,7 @@ def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = N
     training seconds since step 0 across resumes). Saves RUN_DIR/state.msgpack every
     `checkpoint_every` steps and at the end."""
     os.makedirs(cfg.run_dir, exist_ok=True)
-    model, optimizer, train_step = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    model, optimizer, train_steps = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
     state, elapsed = init_state(cfg, optimizer), 0.0
     restored = restore_state(cfg, state)
     if restored is not None:
@@ -226,7 +229,7 @@ def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = N
     for step in range(start, end):
         batch = future.result()
         future = pool.submit(make_batch, cfg, step + 1) if step + 1 < end else None
-        state, metrics = train_step(state, batch)
+        state, metrics = train_steps[cfg.park_weight_of(cfg.phase_at(step))](state, batch)
         window["tokens"] += batch["input_ids"].size
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.total_steps:
