@@ -61,6 +61,20 @@ def _topk_set(priority, q, k):
     return set(sorted(eligible, key=lambda t: (-priority[t], t))[:k])
 
 
+def _brute_force_hits(row, log_gamma, q_idx, k):
+    """int [L, Hkv, N]: per row b, the sum over its queries of |student top-k & teacher top-k|, with
+    `row(key, b)` the [L, Hkv, S] raw scores / targets of row b and priorities p_t = r_t - t log γ."""
+    t = np.arange(SEQ, dtype=np.float32)
+    n = q_idx.shape[0]
+    hits = np.zeros((BASE.num_hidden_layers, BASE.num_key_value_heads, n), int)
+    for layer, head, b in np.ndindex(*hits.shape):
+        lg = log_gamma[layer, head]
+        student = row("scores", b)[layer, head] - t * lg
+        teacher = row("target", b)[layer, head] - t * lg
+        hits[layer, head, b] = sum(len(_topk_set(student, q, k) & _topk_set(teacher, q, k)) for q in map(int, q_idx[b]))
+    return hits
+
+
 def test_recall_equals_brute_force_top_k(checkpoint, recall_run):
     ids, result = recall_run
     for key in ("md", "png", "json"):
@@ -80,16 +94,7 @@ def test_recall_equals_brute_force_top_k(checkpoint, recall_run):
     batches = [{k: np.asarray(v) for k, v in policy_arrays(model, params, jnp.asarray(ids[r]),
                                                            jnp.asarray(q_idx[r])).items()} for r in ([0, 1], [2, 0])]
     row = lambda key, b: batches[b // 2][key][..., b % 2, :, :]  # noqa: E731  [L, Hkv, S]
-    t = np.arange(SEQ, dtype=np.float32)
-    hits = np.zeros((num_layers, num_heads, 3), int)
-    for layer in range(num_layers):
-        for head in range(num_heads):
-            lg = batches[0]["log_gamma"][layer, head]
-            for b in range(3):
-                student = row("scores", b)[layer, head] - t * lg  # p_t = r_t - t log γ
-                teacher = row("target", b)[layer, head] - t * lg
-                for q in map(int, q_idx[b]):
-                    hits[layer, head, b] += len(_topk_set(student, q, KV.topk) & _topk_set(teacher, q, KV.topk))
+    hits = _brute_force_hits(row, batches[0]["log_gamma"], q_idx, KV.topk)
     np.testing.assert_allclose(result.recall, hits.sum(-1) / (3 * 8 * KV.topk), rtol=0, atol=1e-12)
     # The model's own training metric on the first batch (its first 32 queries: all 8) agrees.
     first = hits[..., :2].sum(axis=(1, 2)) / (2 * num_heads * 8 * KV.topk)
@@ -123,13 +128,7 @@ def test_recall_at_another_budget_equals_brute_force(checkpoint, tmp_path):
     config = dataclasses.replace(config, kvpop=dataclasses.replace(config.kvpop, topk=k))
     arrays = {key: np.asarray(v) for key, v in policy_arrays(Qwen3ForCausalLM(config), params, jnp.asarray(ids),
                                                              jnp.asarray(q_idx)).items()}
-    t = np.arange(SEQ, dtype=np.float32)
-    hits = np.zeros((BASE.num_hidden_layers, BASE.num_key_value_heads), int)
-    for layer, head, b in np.ndindex(*hits.shape, 2):
-        lg = arrays["log_gamma"][layer, head]
-        student = arrays["scores"][layer, b, head] - t * lg
-        teacher = arrays["target"][layer, b, head] - t * lg
-        hits[layer, head] += sum(len(_topk_set(student, q, k) & _topk_set(teacher, q, k)) for q in map(int, q_idx[b]))
+    hits = _brute_force_hits(lambda key, b: arrays[key][:, b], arrays["log_gamma"], q_idx, k).sum(-1)
     np.testing.assert_allclose(result.recall, hits / (2 * 6 * k), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="budget 5"):
         run_recall(checkpoint, ids, num_sequences=2, out_dir=tmp_path, budget=5, progress=False)

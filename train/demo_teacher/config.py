@@ -52,7 +52,7 @@ class PretrainConfig:
         for p in self.phases:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
-            park = dict(p.task).get("park", 0.0)
+            park = dict(p.task).get("park", 0.0)  # park_weight_of's override, checked before step 0
             if not isinstance(park, (int, float)) or park < 0:
                 raise ValueError(f"phase {p}: park={park!r} must be a parking-loss weight >= 0")
             task = self.task(p)  # validates the length and the overrides
