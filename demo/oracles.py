@@ -46,7 +46,7 @@ def kept_positions(n_tokens: int, s: int, w: int, k: int, priority: Sequence[flo
 
 def oracle_recovery(example: dict, budget: int, s: int = 4, w: int = 32) -> dict[str, bool]:
     """Whether each idealized policy keeps every queried fact's value token at the end of the
-    prompt (in the reuse task too: a recall `q=4` reads the fact, it does not bind it again),
+    prompt (in the reuse task too: a recall `>q4` reads the fact, it does not bind it again),
     with a per-head budget B = s + w + k:
 
     streaming: sinks + recent window only (StreamingLLM).

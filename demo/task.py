@@ -33,12 +33,15 @@ Why this shape:
   name then digit, so it is a plain induction head (find the earlier `q`, copy the digit
   after it). The chain-of-thought completion splits the answer into such steps.
 - A lookup says so before its name: `>` comes right before every name whose value is read by
-  the name (scratch lines, the completion's lookups), and nowhere else. At a name, a 2-layer model sees only the
+  the name (scratch lines, the reuse task's recall lines, the completion's lookups), and nowhere else. At a name, a 2-layer model sees only the
   tokens just before it, so without the mark it cannot tell a lookup (`q1` answering the
   question) from a binding (`q1` in the trace, a random digit): it then fetches the name's old
   value at every binding too, and the future-attention target counts those useless reads as
-  much as the facts' (BENCHMARKS.md, "A teacher that parks"). Recall lines `q=4` are told
-  apart by their `=` and read at it.
+  much as the facts' (BENCHMARKS.md, "A teacher that parks"). Recall lines `>q4` use the same
+  syntax, so the circuit that answers the question reads the fact at every recall too. (Until
+  stop 33 they were `q=4`, read at `=`: a second circuit, which teachers trained on the rest of the
+  task learned in 1 of 4 measured runs; the others guessed the recalls, the fact was read once, by the
+  question, and the mean target could not single it out. BENCHMARKS.md, stop 33.)
 
 Two tasks (`TASKS`, `make_config(task=...)`):
 - "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
@@ -46,11 +49,11 @@ Two tasks (`TASKS`, `make_config(task=...)`):
   singles a fact out (BENCHMARKS.md), a harder benchmark kept beside the main one.
 - "reuse" (the main task; the shipped teacher answers it after its second training stage,
   configs/tiny_teacher_reuse.flags): like a reasoning trace that comes back to earlier results, each
-  marked fact is recalled `n_reuse` times on lines `q=4` (its value predictable only by looking
+  marked fact is recalled `n_reuse` times on lines `>q4` (its value predictable only by looking
   the fact up), the first recall at least `reuse_gap` of the prompt after the fact and the last
-  at least `final_gap` before the question. A recall reads the fact without binding it again
-  (the `=` keeps `q=4` from being a `name digit` pair), so every read, the question's included,
-  goes to the fact itself: the paper's target collects n_reuse + 1 reads for it. Every read
+  at least `final_gap` before the question. A recall is a lookup, not a binding (the `>`), and the
+  teachers measured read the fact itself there, not an earlier recall's copy, so every read, the
+  question's included, goes to the fact: the paper's target collects n_reuse + 1 reads for it. Every read
   comes after the fact has left any heuristic's budget (B <= 25% of the prompt: StreamingLLM,
   TOVA and H2O have seen no attention to it while they could still keep it, provided they evict
   as they read the trace: `generate(stream_prompt=True)`, the demo recipe's default), and at insertion
@@ -101,7 +104,7 @@ class DemoTaskConfig:
       tokens before the restated digit, so distractors are read only inside a window w >= it.
     cot: the completion shows the lookups and additions before the boxed answer.
     answer_format: "boxed" (\\boxed{7}) or "hash" (#### 7).
-    n_reuse: recall lines `q=4` of each marked fact (0: the read-once task).
+    n_reuse: recall lines `>q4` of each marked fact (0: the read-once task).
     reuse_gap: the first recall comes at least this fraction of seq_len after the fact.
     final_gap: the last recall comes at least this fraction of seq_len before the question.
     """
@@ -327,11 +330,11 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
                 if pending is not None or next_marked < cfg.n_marked or due:
                     raise AssertionError("marked zone or recall overflow; validation should prevent this")
                 break
-            if due and due[0][0] <= 1 + len(body) + 2:  # recall a marked fact: `q=4`, read, not re-bound
+            if due and due[0][0] <= 1 + len(body) + 2:  # recall a marked fact: `>q4`, a lookup, not a binding
                 _, i = due.pop(0)
                 facts[i]["reuse_pos"].append(1 + len(body) + 2)
                 determined.append(facts[i]["reuse_pos"][-1])  # predictable: the fact's own value
-                line = [marked[i], "=", str(marked_values[i]), "\n"]
+                line = [">", marked[i], str(marked_values[i]), "\n"]
                 body += line
                 continue
             line = scratch_line() if rng.random() < cfg.p_scratch else None

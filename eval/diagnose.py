@@ -637,17 +637,16 @@ NAME_KINDS = ("binding", "scratch restatement", "keep mark", "recall", "question
 def name_kind(tokens: Sequence[str], d: int, n_prompt: int) -> str | None:
     """What the name at position d of a demo text does (`NAME_KINDS`), None if it is not a name.
     A binding's name is followed by its digit; a scratch line restates `>name digit`; a recall line is
-    `name=digit`; `keep name` marks a fact; `ask a+b` asks; the completion looks names up."""
+    `>name digit` alone on its line; `keep name` marks a fact; `ask a+b` asks; the completion looks names up."""
     if tokens[d] not in NAMES:
         return None
     if d >= n_prompt:
         return "completion"
     prev, before = tokens[d - 1], tokens[d - 2] if d >= 2 else ""
     nxt = tokens[d + 1] if d + 1 < len(tokens) else ""
-    if prev == ">":
-        return "scratch restatement"
-    if nxt == "=":
-        return "recall"
+    if prev == ">":  # a lookup: a recall line `>q4` ends after its digit, a scratch line goes on `>q4+3=7`
+        after = tokens[d + 2] if d + 2 < len(tokens) else ""
+        return "recall" if after == "\n" else "scratch restatement"
     if prev == " " and before == KEEP:
         return "keep mark"
     if prev == "+" or (prev == " " and before == ASK):

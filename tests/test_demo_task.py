@@ -212,12 +212,13 @@ def test_reuse_recalls_each_fact_after_any_budget_and_before_the_gap(reuse_set):
             assert len(reuse) == cfg.n_reuse and reuse == sorted(reuse)
             assert reuse[0] - f["value_pos"] >= int(cfg.reuse_gap * 1024) > 256  # beyond B at CR 75%
             assert reuse[-1] <= 1024 - int(cfg.final_gap * 1024)
-            for p in reuse:  # a recall line `name = digit`: reads the fact's value, binds nothing
-                assert tokens[p - 2 : p + 2] == [f["name"], "=", str(f["value"]), "\n"]
+            for p in reuse:  # a recall line `> name digit`: a lookup of the fact's value, binds nothing
+                assert tokens[p - 3 : p + 2] == ["\n", ">", f["name"], str(f["value"]), "\n"]
                 assert p not in meta["binding_value_positions"] and p in meta["determined_positions"]
-            # the prompt binds the name once: the only `name digit` pair before the completion is the fact
+            # the prompt binds the name once: the only `name digit` pair before the completion that is no
+            # lookup (`>`) is the fact
             pairs = [i + 1 for i in range(meta["n_prompt_tokens"] - 1)
-                     if tokens[i] == f["name"] and tokens[i + 1] in atoms.DIGITS]
+                     if tokens[i] == f["name"] and tokens[i + 1] in atoms.DIGITS and tokens[i - 1] != ">"]
             assert pairs == [f["value_pos"]]
         assert oracles.solve_from_tokens(tokens[: meta["n_prompt_tokens"]]) == ex["answer"]
     # the read-once task is the reuse task without restatements

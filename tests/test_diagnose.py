@@ -249,8 +249,8 @@ def test_parks_names_each_lookup_by_its_meta_and_shares_match_a_brute_force(rng,
     """`diagnose parks`: name_kind tells a binding, a scratch restatement, a keep mark, a recall, the
     question and the completion apart as the task's meta places them; park_shares splits a query's
     attention into first token / window / older digits / older other (summing to 1) as loops do; on
-    the shipped teacher a completion's lookup lands on one older key (the fact) and the names no lookup serves
-    (bindings, recalls) park on the first token or the window."""
+    the shipped teacher a completion's and a recall's lookup land on one older key (the fact) and the names no lookup serves
+    (bindings) park on the first token or the window."""
     import argparse
 
     from demo.task import generate_dataset
@@ -263,7 +263,7 @@ def test_parks_names_each_lookup_by_its_meta_and_shares_match_a_brute_force(rng,
     tokens = [tokenizer.decode([i]) for i in tokenizer(ex["text"])["input_ids"]]
     kinds = {d: name_kind(tokens, d, n) for d in range(1, len(tokens))}
     facts = meta["facts"]
-    assert {d for d, k in kinds.items() if k == "recall"} == {p - 2 for f in facts for p in f["reuse_pos"]}
+    assert {d for d, k in kinds.items() if k == "recall"} == {p - 1 for f in facts for p in f["reuse_pos"]}
     assert {d for d, k in kinds.items() if k == "keep mark"} == {f["mark_pos"] for f in facts}
     binds = {p - 1 for p in meta["binding_value_positions"]}
     recalled = {p for f in facts for p in f["reuse_pos"]}
@@ -293,10 +293,11 @@ def test_parks_names_each_lookup_by_its_meta_and_shares_match_a_brute_force(rng,
     assert [" ".join(r[:-7]) for r in rows[::2]] == list(NAME_KINDS)
     for r in rows:
         np.testing.assert_allclose(sum(float(x) for x in r[-5:-1]), 1.0, atol=2e-3)
-    lookup = next(r for r in rows if r[0] == "completion" and r[2] == "0")  # the match head reads the fact
-    assert float(lookup[-1]) > 0.9
+    for kind in ("completion", "recall"):  # the match head reads the fact at the question and at each recall
+        lookup = next(r for r in rows if r[0] == kind and r[2] == "0")
+        assert float(lookup[-1]) > 0.9, lookup
     for r in rows:  # and the shipped teacher parks the names that no lookup serves (tiny_teacher_park*.flags)
-        if r[0] in ("binding", "recall"):
+        if r[0] == "binding":
             assert float(r[-4]) + float(r[-5]) > 0.9, r  # first token + window
 
 

@@ -121,6 +121,26 @@ def test_offset_heads_attend_back_at_init():
                                 run_dir="r", out_dir="o", offset_heads=(1, 2))
 
 
+@pytest.mark.skipif(not os.path.isdir(TEACHER), reason="no shipped demo teacher")
+def test_recall_accuracy_counts_the_recalled_values_a_model_predicts():
+    """`recall_accuracy` against a per-problem loop over the recall lines (one forward per problem, no
+    padding): the shipped teacher reads every recalled value, a random model about one in ten."""
+    from kvpop_jax.modeling import init_params
+    from train.demo_teacher.evaluate import recall_accuracy
+
+    config, params = load_pretrained(TEACHER)
+    model = Qwen3ForCausalLM(config)
+    examples = demo_task.generate_dataset(3, 11, "test", task="reuse", seq_len=1024)
+    for p, (lo, hi) in ((params, (0.95, 1.0)), (init_params(config, jax.random.key(5)), (0.0, 0.5))):
+        got = recall_accuracy(model, p, examples, batch=2)  # a batch of 2 and one of 1
+        hits = []
+        for ex in examples:
+            ids = encode(ex["text"])
+            pred = np.asarray(model.apply({"params": p}, jnp.asarray([ids])).logits[0]).argmax(-1)
+            hits += [pred[r - 1] == ids[r] for f in ex["meta"]["facts"] for r in f["reuse_pos"]]
+        assert len(hits) == 27 and got == pytest.approx(np.mean(hits)) and lo <= got <= hi
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
     from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
@@ -219,8 +239,9 @@ def test_shipped_teacher_loads_and_answers():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_planted_recall_head_reads_the_fact_on_recall_lines(seed):
-    """The reuse task's `q=4` lines: the recall head predicts the digit bound to q before training,
-    and the match head never takes a recall line's digit for a binding."""
+    """The recall drills' `q=4` lines (the reuse task's recall lines until stop 33): the recall head
+    predicts the digit bound to q before training, and the match head never takes such a line's digit
+    for a binding; the reuse task's `>q4` recall lines are read like the question's lookups."""
     from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
 
     config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
@@ -264,13 +285,28 @@ def test_recall_drills_and_reuse_rows(tmp_path):
     assert decode(batch["input_ids"][0]).count("=") > 20  # the recall drill row
     reuse_rows = [decode(r) for r in batch["input_ids"][2:]]
     assert all("keep" in r for r in reuse_rows) and all(
-        any(f"\n{c}=" in r for c in atoms.NAMES) for r in reuse_rows)  # the reuse task's recall lines
+        any(f"\n>{c}{d}\n" in r for c in atoms.NAMES for d in atoms.DIGITS) for r in reuse_rows)  # recall lines
     assert (batch["weights"][2:] == cfg.completion_weight).sum(-1).min() > 3 * 3  # recalls weigh like answers
+    names = [VOCAB[n] for n in atoms.NAMES]
+    for r in range(4):  # `recall` marks a reuse row's recall lines `>q4`: input the name after `>` on a line
+        ids, targets, rec = batch["input_ids"][r], batch["targets"][r], batch["recall"][r]  # that ends after its digit
+        want = (np.isin(ids, names) & (np.roll(ids, 1) == VOCAB[">"]) & (np.roll(ids, -2) == VOCAB["\n"])
+                & (np.roll(ids, 2) == VOCAB["\n"]) & (np.arange(len(ids)) < cfg.phases[0].prompt_len))
+        np.testing.assert_array_equal(rec, want if r >= 2 else np.zeros_like(rec))
+        assert r < 2 or (rec.sum() == 9 and np.isin(targets[rec], [VOCAB[d] for d in atoms.DIGITS]).all())
+    from train.demo_teacher.loop import _compiled  # the step's recall_acc: argmax hits at those targets, before the update
+    model, optimizer, steps = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
+    state = init_state(cfg, optimizer)
+    pred = np.asarray(model.apply({"params": state.params}, jnp.asarray(batch["input_ids"])).logits).argmax(-1)
+    want = np.mean(pred[batch["recall"]] == batch["targets"][batch["recall"]])
+    _, metrics = steps[0.0](state, batch)
+    assert float(metrics["recall_acc"]) == pytest.approx(want)
 
 
-def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
+def test_park_mask_marks_the_binding_names(tmp_path):
     """`park_mask` against the diagnostic's reading of each name (eval.diagnose.name_kind, written
-    from the token strings): parked are exactly the prompt's binding and recall names."""
+    from the token strings): parked are exactly the prompt's binding names ("names"), or every prompt
+    query but the lookups after `>`, recall lines' included ("all")."""
     from eval.diagnose import name_kind
     from train.demo_teacher.data import park_mask
 
@@ -280,25 +316,25 @@ def test_park_mask_marks_the_binding_and_recall_names(tmp_path):
         ids = np.concatenate([batch["input_ids"][row], batch["targets"][row, -1:]])
         tokens = [decode([i]) if i != BOS_ID else "<bos>" for i in ids]
         n_prompt = int(np.argmax(batch["completion"][row])) + 1  # target j is a completion token from j + 1 = n_prompt
-        want = [name_kind(tokens, j, n_prompt) in ("binding", "recall") for j in range(len(ids) - 1)]
+        want = [name_kind(tokens, j, n_prompt) == "binding" for j in range(len(ids) - 1)]
         np.testing.assert_array_equal(batch["park"][row], want)
         np.testing.assert_array_equal(park_mask(ids, n_prompt), want)
-        assert 20 < sum(want)  # bindings in every row; recall lines in the reuse rows
-        reads = [j for j in range(1, n_prompt) if (tokens[j - 1] == ">" and tokens[j].isalpha())  # >g6: g's value
-                 or (tokens[j] == "=" and tokens[j - 1].isalpha())]  # a recall line's x=2
+        assert 20 < sum(want)  # bindings in every row
+        reads = [j for j in range(1, n_prompt) if tokens[j - 1] == ">" and tokens[j].isalpha()]  # >g6: g's value
+        assert row < 2 or sum(name_kind(tokens, j, n_prompt) == "recall" for j in reads) == 9  # reuse rows' recalls
         want_all = [1 <= j < n_prompt and j not in reads for j in range(len(ids) - 1)]
         np.testing.assert_array_equal(park_mask(ids, n_prompt, "all"), want_all)
         assert reads and sum(want_all) > 10 * len(reads)
-    assert any(t == "=" for t in (decode([i]) for i in batch["targets"][2:][batch["park"][2:]]))  # reuse rows' recalls
     with pytest.raises(ValueError, match="park queries must be 'names' or 'all', got 'some'"):
         park_mask(ids, n_prompt, "some")
 
 
-@pytest.mark.parametrize("near", ["full", "band"])
-def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, monkeypatch, near):
+@pytest.mark.parametrize("near,lookups", [("full", False), ("band", False), ("full", True), ("band", True)])
+def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, monkeypatch, near, lookups):
     """`park_loss` (from the forward's sown q, k and lse) against a loop over the parked queries, heads
-    and layers of a random model's attention weights, its gradient against the same sum taken over
-    the full weights; and a train step with `park_weight` logs it and lowers it."""
+    and layers of a random model's attention weights (with `lookups`, plus the lookups' old attention of
+    every head but each layer's largest), its gradient against the same sum taken over the full
+    weights; and a train step with `park_weight` logs it and lowers it."""
     from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, init_params
     from train.demo_teacher import loop
     from train.demo_teacher.loop import _compiled, forward_attention, park_loss
@@ -311,35 +347,46 @@ def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, mon
     model = Qwen3ForCausalLM(cfg.model)
     ids = jnp.asarray(rng.integers(3, len(VOCAB), size=(2, 48)))
     park = jnp.asarray(rng.random((2, 48)) < 0.3)
+    look = jnp.asarray(rng.random((2, 48)) < 0.2) if lookups else None
     window = 5
     logits, attention = forward_attention(model, params, ids)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(model.apply({"params": params}, ids).logits))
-    got = float(park_loss(attention, park, window))
-    want, n = 0.0, 0
+    got = float(park_loss(attention, park, window, look))
+    want, n, extra, n_look = 0.0, 0, 0.0, 0
     for layer in range(2):
         probs = np.asarray(dense_attention_probs(cfg.model, params, ids, layer))
+        old = lambda b, h, d: sum(probs[b, h, d, t] for t in range(1, d - window + 1))  # noqa: E731
         for b, d in zip(*np.nonzero(np.asarray(park))):
             for h in range(cfg.model.num_attention_heads):
-                want += sum(probs[b, h, d, t] for t in range(1, d - window + 1))
+                want += old(b, h, d)
                 n += 1
-    assert want > 0.1 and got == pytest.approx(want / n, rel=1e-4)
+        for b, d in zip(*np.nonzero(np.asarray(look))) if lookups else ():
+            per_head = [old(b, h, d) for h in range(cfg.model.num_attention_heads)]
+            extra += sum(per_head) - max(per_head)
+            n_look += len(per_head)
+    want = want / n + (extra / n_look if lookups else 0.0)
+    assert want > 0.1 and got == pytest.approx(want, rel=1e-4)
+    assert not lookups or extra > 0.05
 
     s = ids.shape[1]
     old = (np.arange(s)[None] >= 1) & (np.arange(s)[None] <= np.arange(s)[:, None] - window)
 
     def full_weights(p):  # the same loss over the whole [B, H, S, S] weights
-        mass = sum(jnp.sum(jnp.sum(jnp.where(old, dense_attention_probs(cfg.model, p, ids, i), 0.0), -1)
-                           * park[:, None]) for i in range(2))
-        return mass / (2 * cfg.model.num_attention_heads * jnp.sum(park))
+        per = [jnp.sum(jnp.where(old, dense_attention_probs(cfg.model, p, ids, i), 0.0), -1) for i in range(2)]
+        loss = sum(jnp.sum(m * park[:, None]) for m in per) / (2 * cfg.model.num_attention_heads * jnp.sum(park))
+        if lookups:
+            loss += sum(jnp.sum((m.sum(1) - m.max(1)) * look) for m in per) / (
+                2 * cfg.model.num_attention_heads * jnp.sum(look))
+        return loss
 
     want_grad = jax.grad(full_weights)(params)
-    got_grad = jax.grad(lambda p: park_loss(forward_attention(model, p, ids)[1], park, window))(params)
+    got_grad = jax.grad(lambda p: park_loss(forward_attention(model, p, ids)[1], park, window, look))(params)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grad), jax.tree.leaves(want_grad)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
     assert max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want_grad)) > 1e-3
 
-    cfg = dataclasses.replace(cfg, park_weight=5.0, park_window=8, phases=(Phase(128, 8, 4),))
+    cfg = dataclasses.replace(cfg, park_weight=5.0, park_window=8, park_lookups=lookups, phases=(Phase(128, 8, 4),))
     _, optimizer, steps = _compiled(dataclasses.replace(cfg, run_dir="", out_dir=""))
     step = steps[5.0]
     state = init_state(cfg, optimizer)
@@ -363,6 +410,7 @@ def test_phase_park_weight_runs_the_parking_step_only_in_its_phase(tmp_path):
     logged = {r["step"]: r for r in records if "loss" in r}
     assert sorted(logged) == list(range(1, 9))
     assert all("park" not in logged[s] for s in range(1, 5)) and all(logged[s]["park"] > 0 for s in range(5, 9))
+    assert not any("recall_acc" in r for r in logged.values())  # no reuse rows at 128 tokens: not logged
     assert "(per phase: 0, 2) x the parking loss" in model_card(cfg, [], "", 0.0)
     for bad in ("park=-1", "park=x"):
         with pytest.raises(ValueError, match="park="):

@@ -40,10 +40,11 @@ class PretrainConfig:
     export_dtype: str = "float32"
     offset_heads: tuple[int, ...] = ()  # KV head i of layer 0 starts attending offset_heads[i] back
     lookup_circuit: bool = False  # plant the name -> digit lookup circuit (train/demo_teacher/init.py)
-    recall_head: bool = False  # plant the recall head too (reads `q=4` lines of the reuse task)
+    recall_head: bool = False  # plant the recall head too (reads `q=4` lines: the recall drills)
     init_from: str = ""  # start from this exported teacher's weights (HF dir) instead of a fresh init
     park_weight: float = 0.0  # weight of the parking loss (`data.park_mask`, `loop.park_loss`); 0: off
     park_window: int = 32  # parking loss: keys older than this many tokens count as a read
+    park_lookups: bool = False  # parking loss: at a lookup too, every head's old attention but the layer's largest
     park_queries: str = "names"  # parked queries: "names" (binding / recall names) or "all" (every prompt query but the lookups)
 
     def __post_init__(self):
@@ -112,6 +113,6 @@ class PretrainConfig:
         """The settings a resumed run must share with the saved one."""
         keys = ("phases", "difficulty", "seed", "lr", "final_lr", "warmup_steps", "weight_decay", "b1", "b2",
                 "clip_norm", "prompt_weight", "completion_weight", "offset_heads", "lookup_circuit", "recall_head",
-                "init_from", "park_weight", "park_window", "park_queries")
+                "init_from", "park_weight", "park_window", "park_queries", "park_lookups")
         return json.loads(json.dumps(dict(model=self.model.to_hf(),  # phases' tuples become lists
                                           **{k: dataclasses.asdict(self)[k] for k in keys})))

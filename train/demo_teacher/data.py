@@ -110,9 +110,9 @@ def lookup_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.nda
 
 
 def recall_row(rng: np.random.Generator, length: int) -> tuple[list[int], np.ndarray]:
-    """A recall drill row: a lookup drill (`lookup_row`) whose every other read is a recall line
-    `name=value` (the reuse task's reads: the value follows `=`, not the name); the mask marks
-    each recalled or looked-up value and each result."""
+    """A recall drill row: a lookup drill (`lookup_row`) whose every other read is a line
+    `name=value`, read at `=` (the reuse task's recall lines until stop 33; they are `>name value`
+    lookups now); the mask marks each recalled or looked-up value and each result."""
     names = [atoms.NAMES[i] for i in rng.permutation(len(atoms.NAMES))[: int(rng.integers(2, 9))]]
     values = {n: int(v) for n, v in zip(names, rng.integers(10, size=len(names)))}
     text = "".join(f"{n}{values[n]}\n" for n in names)
@@ -135,21 +135,27 @@ _DIGIT_IDS = np.asarray([VOCAB[x] for x in atoms.DIGITS])
 
 
 def park_mask(ids: np.ndarray, n_prompt: int, queries: str = "names") -> np.ndarray:
-    """bool [len(ids) - 1]: input positions j (predicting ids[j + 1]) that are a prompt name whose next
-    token no lookup can predict: a binding's name (its digit is drawn at random) or a recall line's
-    (`q=4`: the next token is `=`; the value is read at `=`). A scratch line's name (`>q4`) and the
-    completion's names do predict their digit from the name's value and are left out."""
+    """bool [len(ids) - 1]: input positions j (predicting ids[j + 1]) whose attention the parking loss
+    keeps off old keys. "names": a prompt binding's name, whose digit is drawn at random, so no lookup
+    can predict it. "all": every prompt query but the lookups, the names after `>` (scratch lines,
+    the reuse task's recall lines `>q4`) that predict their digit from the name's value."""
     ids = np.asarray(ids)
     cur, nxt = ids[:-1], ids[1:]
-    prev = np.concatenate([[BOS_ID], ids[:-2]])
     j = np.arange(len(cur))
-    if queries == "all":  # every prompt query but the lookups: a recall line's `=` and a name after `>`
-        reads = (np.isin(cur, _NAME_IDS) & (prev == VOCAB[">"])) | ((cur == VOCAB["="]) & np.isin(prev, _NAME_IDS))
-        return ~reads & (j >= 1) & (j < n_prompt)
+    lookup = lookup_mask(ids)
+    if queries == "all":
+        return ~lookup & (j >= 1) & (j < n_prompt)
     if queries != "names":
         raise ValueError(f"park queries must be 'names' or 'all', got {queries!r}")
-    return (np.isin(cur, _NAME_IDS) & (np.isin(nxt, _DIGIT_IDS) | (nxt == VOCAB["="]))
-            & (prev != VOCAB[">"]) & (j < n_prompt))
+    return np.isin(cur, _NAME_IDS) & np.isin(nxt, _DIGIT_IDS) & ~lookup & (j < n_prompt)
+
+
+def lookup_mask(ids: np.ndarray) -> np.ndarray:
+    """bool [len(ids) - 1]: input positions j that are a lookup, a name right after `>` (scratch
+    lines, recall lines, the completion's lookups), which predicts its digit from the name's value."""
+    ids = np.asarray(ids)
+    prev = np.concatenate([[BOS_ID], ids[:-2]])
+    return np.isin(ids[:-1], _NAME_IDS) & (prev == VOCAB[">"])
 
 
 def reuse_rows(phase: Phase, task) -> tuple[int, Any]:
@@ -162,8 +168,9 @@ def reuse_rows(phase: Phase, task) -> tuple[int, Any]:
 
 def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     """Rows `<bos> prompt completion <eos>` of `cfg.phase_at(step)` (a `train.pretrain.PretrainConfig`);
-    input_ids, targets int32, weights float32, completion and park bool (`park_mask`; drill rows have
-    none), all [B, T - 1].
+    input_ids, targets int32, weights float32, completion, park (`park_mask`) and recall (targets that
+    are a reuse row's recalled value, `>q4`) and lookup (`lookup_mask`) bool, drill rows none of the
+    last four, all [B, T - 1].
 
     A phase's `drill=F` / `lookup=F` / `recall=F` overrides make the first round(F * batch) rows
     arithmetic (`drill_row`) / lookup (`lookup_row`) / recall (`recall_row`) drills, weighted like
@@ -179,7 +186,7 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
     kinds = [make_row for make_row, n in drills for _ in range(n)]
     n_reuse, reuse_task = reuse_rows(phase, task)
     length = phase.prompt_len + task.completion_tokens + 1
-    rows, weights, completion, park = [], [], [], []
+    rows, weights, completion, park, recall, lookup = [], [], [], [], [], []
     for r in range(phase.batch):
         index = step * MAX_BATCH + r
         if r < len(kinds):
@@ -187,6 +194,7 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             is_completion = np.zeros(length - 1, bool)
             target_weighted = target_weighted[1:]
             parked = np.zeros(length - 1, bool)
+            is_recall = np.zeros(length - 1, bool)
         else:
             row_task = reuse_task if r >= phase.batch - n_reuse else task
             ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=row_task)
@@ -195,14 +203,18 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             target_weighted = is_completion.copy()
             recalled = [p for f in ex["meta"]["facts"] for p in f["reuse_pos"]]  # reuse rows: its reads
             target_weighted[np.asarray(recalled, int) - 1] = True  # target j predicts token j + 1
+            is_recall = np.zeros(len(ids) - 1, bool)
+            is_recall[np.asarray(recalled, int) - 1] = True
             parked = park_mask(ids, ex["meta"]["n_prompt_tokens"], cfg.park_queries)
         rows.append(ids)
         completion.append(is_completion)
         park.append(parked)
+        recall.append(is_recall)
+        lookup.append(lookup_mask(ids) if r >= len(kinds) else np.zeros(length - 1, bool))
         weights.append(np.where(target_weighted, cfg.completion_weight, cfg.prompt_weight).astype(np.float32))
     ids = np.asarray(rows, np.int32)
     return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], weights=np.stack(weights), completion=np.stack(completion),
-                park=np.stack(park))
+                park=np.stack(park), recall=np.stack(recall), lookup=np.stack(lookup))
 
 
 _ID_TO_TOKEN = {i: t for t, i in VOCAB.items()}

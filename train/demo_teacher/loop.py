@@ -74,10 +74,13 @@ def load_init(cfg: PretrainConfig) -> dict:
 FULL_NEAR_MAX_LEN = 512
 
 
-def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
+def park_loss(attention, park_BxS: jax.Array, window: int, lookup_BxS: jax.Array | None = None) -> jax.Array:
     """Mean attention that the parked queries (`data.park_mask`) pay to keys older than `window`
     tokens (1 <= t <= d - window), over every head of every layer: 0 when they attend only to the first
-    token and the recent window, where a future-attention target (Eq. 2) does not count them.
+    token and the recent window, where a future-attention target (Eq. 2) does not count them. With
+    `lookup_BxS` (`data.lookup_mask`), plus the same mean over the lookups of every head's old
+    attention but the layer's largest: a lookup needs one head to read the fact, and the target of a
+    KV head (the max over its query heads) also counts what its other query heads read there.
 
     A lookup at such a name is of no use to the next token, but a teacher trained on the task alone
     keeps making it (its match head fetches the name's previous value, or at a new name the digits
@@ -108,7 +111,12 @@ def park_loss(attention, park_BxS: jax.Array, window: int) -> jax.Array:
         masses.append(jnp.maximum(1.0 - jnp.exp(near - lse), 0.0))  # [B, Hq, S]
     park = park_BxS.astype(jnp.float32)[:, None]
     per_query = sum(jnp.sum(m * park) for m in masses) / (len(masses) * masses[0].shape[1])
-    return per_query / jnp.maximum(jnp.sum(park), 1.0)
+    loss = per_query / jnp.maximum(jnp.sum(park), 1.0)
+    if lookup_BxS is not None:
+        look = lookup_BxS.astype(jnp.float32)
+        others = sum(jnp.sum((jnp.sum(m, 1) - jnp.max(m, 1)) * look) for m in masses)  # [B, S] per layer
+        loss = loss + others / (len(masses) * masses[0].shape[1]) / jnp.maximum(jnp.sum(look), 1.0)
+    return loss
 
 
 def forward_attention(model: Qwen3ForCausalLM, params, ids_BxS: jax.Array):
@@ -118,11 +126,13 @@ def forward_attention(model: Qwen3ForCausalLM, params, ids_BxS: jax.Array):
     return out.logits, [layers[f"layers_{i}"]["self_attn"]["attention"][0] for i in range(model.config.num_hidden_layers)]
 
 
-def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0, park_window: int = 32):
+def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0, park_window: int = 32,
+                    park_lookups: bool = False):
     """jitted (state, batch) -> (state, metrics); batch as `data.make_batch` ([B, S] arrays).
 
-    Metrics: the weighted loss, the plain mean CE, and over completion tokens their CE, token
-    accuracy and the share of rows whose whole completion is argmax-right (teacher forced); with
+    Metrics: the weighted loss, the plain mean CE, over completion tokens their CE, token accuracy and
+    the share of rows whose whole completion is argmax-right (teacher forced), and the argmax accuracy
+    of the reuse rows' recalled values (`recall_acc`; the loop drops it from batches without); with
     `park_weight` > 0 the loss adds `park_weight * park_loss` and `park` logs the latter.
     """
 
@@ -136,17 +146,19 @@ def make_train_step(model: Qwen3ForCausalLM, optimizer, park_weight: float = 0.0
         loss = jnp.sum(ce * w) / jnp.sum(w)
         extra = {}
         if park_weight > 0:
-            extra["park"] = park_loss(attention, batch["park"], park_window)
+            extra["park"] = park_loss(attention, batch["park"], park_window, batch["lookup"] if park_lookups else None)
             loss = loss + park_weight * extra["park"]
         comp = batch["completion"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
         has_completion = jnp.any(batch["completion"], axis=-1).astype(jnp.float32)  # drill rows have none
+        recall = batch["recall"].astype(jnp.float32)  # reuse rows' recalled values: read by a lookup or guessed
         metrics = dict(loss=loss, ce=jnp.mean(ce),
                        completion_ce=jnp.sum(ce * comp) / jnp.sum(comp),
                        completion_token_acc=jnp.sum(correct * comp) / jnp.sum(comp),
                        # a completion is right iff all its tokens are (teacher-forced exact match)
                        completion_exact=jnp.sum(jnp.all((correct > 0) | ~batch["completion"], axis=-1) * has_completion)
-                       / jnp.maximum(jnp.sum(has_completion), 1.0), **extra)
+                       / jnp.maximum(jnp.sum(has_completion), 1.0),
+                       recall_acc=jnp.sum(correct * recall) / jnp.maximum(jnp.sum(recall), 1.0), **extra)
         return loss, metrics
 
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -201,7 +213,7 @@ def _compiled(cfg: PretrainConfig):
     weight -> step (cached: a resumed run in the same process reuses the compiled steps). A phase
     without the parking loss runs a step that does not compute it."""
     model, optimizer = Qwen3ForCausalLM(cfg.model), make_optimizer(cfg)
-    steps = {w: make_train_step(model, optimizer, w, cfg.park_window)
+    steps = {w: make_train_step(model, optimizer, w, cfg.park_window, cfg.park_lookups)
              for w in dict.fromkeys(cfg.park_weight_of(p) for p in cfg.phases)}
     return model, optimizer, steps
 
@@ -234,6 +246,8 @@ def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = N
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.total_steps:
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not batch["recall"].any():  # no reuse rows: nothing to score
+                metrics.pop("recall_acc")
             now = time.perf_counter()
             tok_s = window["tokens"] / max(now - window["time"], 1e-9)
             window.update(tokens=0, time=now)

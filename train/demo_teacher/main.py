@@ -35,7 +35,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("max_position_embeddings", 4096, "Recorded in config.json.", **d)
     flags.DEFINE_string("offset_heads", "", "Comma-separated offsets: KV head i of layer 0 starts as an "
                         "offset-i-back head (sets attention_bias); e.g. 1,2. Empty: plain random init.", **d)
-    flags.DEFINE_bool("recall_head", False, "Plant the recall head too (reads the reuse task's `q=4` lines; "
+    flags.DEFINE_bool("recall_head", False, "Plant the recall head too (reads `q=4` lines, the recall drills' and the "
+                      "reuse task's until stop 33; "
                       "train/demo_teacher/init.py); needs --lookup_circuit.", **d)
     flags.DEFINE_string("init_from", "", "Start from this exported teacher (HF dir) instead of a fresh init, "
                         "e.g. a reuse phase on top of checkpoints/demo-teacher (configs/tiny_teacher_reuse.flags).", **d)
@@ -64,10 +65,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("checkpoint_every", 100, "Save the resumable state every N steps.", **d)
     flags.DEFINE_integer("log_every", 20, "Log metrics every N steps.", **d)
     flags.DEFINE_float("park_weight", 0.0, "Weight of the parking loss: the mean attention that a name of a "
-                       "binding or recall line (whose next token no lookup can predict) pays to keys older than "
+                       "binding (whose digit no lookup can predict) pays to keys older than "
                        "--park_window, over every head (train/demo_teacher/loop.py: park_loss). 0: off.", **d)
     flags.DEFINE_enum("park_queries", "names", ["names", "all"], "Parking loss: the queries it parks, the names "
-                      "of bindings and recall lines, or every prompt query but the lookups.", **d)
+                      "of bindings, or every prompt query but the lookups.", **d)
+    flags.DEFINE_bool("park_lookups", False, "Parking loss: at each lookup (a name after `>`) also the old "
+                      "attention of every head but the layer's largest, so that one head reads the fact.", **d)
     flags.DEFINE_integer("park_window", 32, "Parking loss: keys this many tokens back or older count as a read "
                          "(the KVpop window of the demo recipe, whose target ignores newer keys).", **d)
     flags.DEFINE_bool("eval_only", False, "Only evaluate the exported OUT_DIR model (test split, final_eval_lens).", **d)
@@ -95,7 +98,7 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         log_every=f.log_every, export_dtype=f.export_dtype, offset_heads=offsets,
         lookup_circuit=f.lookup_circuit, recall_head=f.recall_head, init_from=f.init_from,
         park_weight=f.park_weight, park_window=f.park_window,
-        park_queries=f.park_queries)
+        park_queries=f.park_queries, park_lookups=f.park_lookups)
 
 
 def main(argv):
