@@ -33,22 +33,23 @@ Why this shape:
   name then digit, so it is a plain induction head (find the earlier `q`, copy the digit
   after it). The chain-of-thought completion splits the answer into such steps.
 - A lookup says so before its name: `>` comes right before every name whose value is read by
-  the name (scratch lines, the reuse task's recall lines, the completion's lookups), and nowhere else. At a name, a 2-layer model sees only the
-  tokens just before it, so without the mark it cannot tell a lookup (`q1` answering the
-  question) from a binding (`q1` in the trace, a random digit): it then fetches the name's old
-  value at every binding too, and the future-attention target counts those useless reads as
-  much as the facts' (BENCHMARKS.md, "A teacher that parks"). Recall lines `>q4` use the same
-  syntax, so the circuit that answers the question reads the fact at every recall too. (Until
-  stop 33 they were `q=4`, read at `=`: a second circuit, which teachers trained on the rest of the
-  task learned in 1 of 4 measured runs; the others guessed the recalls, the fact was read once, by the
-  question, and the mean target could not single it out. BENCHMARKS.md, stop 33.)
+  the name (scratch lines, the reuse task's recall lines, the completion's lookups), and nowhere
+  else. At a name, a 2-layer model sees only the tokens just before it, so without the mark it
+  cannot tell a lookup (`q1` answering the question) from a binding (`q1` in the trace, a random
+  digit): it then fetches the name's old value at every binding too, and the future-attention
+  target counts those useless reads as much as the facts' (BENCHMARKS.md, "A teacher that
+  parks"). Recall lines `>q4` use the same syntax, so the circuit that answers the question reads
+  the fact at every recall too. (Until stop 33 they were `q=4`, read at `=`: a second circuit,
+  which teachers trained on the rest of the task learned in 1 of 4 measured runs; the others
+  guessed the recalls, the fact was read once, by the question, and the mean target could not
+  single it out. BENCHMARKS.md, stop 33.)
 
 Two tasks (`TASKS`, `make_config(task=...)`):
 - "read_once" (the fields' defaults): each fact is read exactly once, by the final question.
   One decisive read among ~900 later queries: the paper's mean future-attention target barely
   singles a fact out (BENCHMARKS.md), a harder benchmark kept beside the main one.
-- "reuse" (the main task; the shipped teacher answers it after its second training stage,
-  configs/tiny_teacher_reuse.flags): like a reasoning trace that comes back to earlier results, each
+- "reuse" (the main task; the demo teacher's first stage, trained on read_once only, already
+  answers it: configs/tiny_teacher_reuse.flags): like a reasoning trace that comes back to earlier results, each
   marked fact is recalled `n_reuse` times on lines `>q4` (its value predictable only by looking
   the fact up), the first recall at least `reuse_gap` of the prompt after the fact and the last
   at least `final_gap` before the question. A recall is a lookup, not a binding (the `>`), and the

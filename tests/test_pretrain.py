@@ -329,6 +329,30 @@ def test_park_mask_marks_the_binding_names(tmp_path):
         park_mask(ids, n_prompt, "some")
 
 
+def test_state_saved_before_park_lookups_resumes_without_it(tmp_path):
+    """A state whose settings predate `park_lookups` restores as a run without it, and is refused by a
+    run with it."""
+    import flax.serialization
+
+    from train.demo_teacher.loop import restore_state, save_state
+
+    cfg = tiny_config(tmp_path)
+    state = init_state(cfg, make_optimizer(cfg))
+    save_state(cfg, state, 3.0)
+    path = os.path.join(cfg.run_dir, STATE_FILE)
+    with open(path, "rb") as f:
+        payload = flax.serialization.msgpack_restore(f.read())
+    old = json.loads(payload["config"])
+    del old["park_lookups"]
+    payload["config"] = json.dumps(old)
+    with open(path, "wb") as f:
+        f.write(flax.serialization.msgpack_serialize(payload))
+    restored, seconds = restore_state(cfg, state)
+    assert seconds == 3.0 and int(restored.step) == 0
+    with pytest.raises(ValueError, match=r"different settings \(park_lookups\)"):
+        restore_state(dataclasses.replace(cfg, park_lookups=True), state)
+
+
 @pytest.mark.parametrize("near,lookups", [("full", False), ("band", False), ("full", True), ("band", True)])
 def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, monkeypatch, near, lookups):
     """`park_loss` (from the forward's sown q, k and lse) against a loop over the parked queries, heads

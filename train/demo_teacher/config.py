@@ -45,7 +45,7 @@ class PretrainConfig:
     park_weight: float = 0.0  # weight of the parking loss (`data.park_mask`, `loop.park_loss`); 0: off
     park_window: int = 32  # parking loss: keys older than this many tokens count as a read
     park_lookups: bool = False  # parking loss: at a lookup too, every head's old attention but the layer's largest
-    park_queries: str = "names"  # parked queries: "names" (binding / recall names) or "all" (every prompt query but the lookups)
+    park_queries: str = "names"  # parked queries: "names" (binding names) or "all" (every prompt query but the lookups)
 
     def __post_init__(self):
         if not self.phases:

@@ -14,8 +14,9 @@ low mutual coherence, `name_codes`); other tokens a random unit vector in T, dig
 - Layer 0, KV head 0: a previous-token head (`init_offset_heads`: q/k biases on fast rotary
   pairs); its query head 0 copies N of the previous token into P.
 - Layer 1, KV head 0 / query head 1, the recall head (`recall_head`): the same match with q read
-  from P, the *previous* token's code: at `=` in a line `q=4` (the reuse task's recall lines until stop 33, the
-  recall drills: `data.recall_row`) it finds the digit bound to q (such a line's own digit follows `=`, not a name, so it is never matched) and copies it.
+  from P, the *previous* token's code: at `=` in a line `q=4` (the recall drills, `data.recall_row`;
+  the reuse task's recall lines until stop 33) it finds the digit bound to q (such a line's own digit
+  follows `=`, not a name, so it is never matched) and copies it.
 - Layer 1, KV head 0 / query head 0, the match head: q reads the current name's code from N,
   k the previous token's code from P plus the digit flag, both onto the slowest rotary pairs
   (`rope_theta` large, so those barely rotate over the demo length and the match ignores

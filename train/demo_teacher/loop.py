@@ -193,6 +193,7 @@ def restore_state(cfg: PretrainConfig, target: TrainState) -> tuple[TrainState, 
     with open(path, "rb") as f:
         payload = flax.serialization.msgpack_restore(f.read())
     saved = json.loads(payload["config"])
+    saved.setdefault("park_lookups", False)  # states saved before the option ran without it
     if saved != cfg.resume_key():
         diff = sorted(k for k in saved.keys() | cfg.resume_key().keys() if saved.get(k) != cfg.resume_key().get(k))
         raise ValueError(f"{path} was saved with different settings ({', '.join(diff)}); "
