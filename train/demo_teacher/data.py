@@ -194,7 +194,7 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             is_completion = np.zeros(length - 1, bool)
             target_weighted = target_weighted[1:]
             parked = np.zeros(length - 1, bool)
-            is_recall = np.zeros(length - 1, bool)
+            is_recall = looked_up = np.zeros(length - 1, bool)
         else:
             row_task = reuse_task if r >= phase.batch - n_reuse else task
             ex = demo_task.generate_example(demo_task.example_seed(cfg.seed, "train", index), config=row_task)
@@ -206,11 +206,12 @@ def make_batch(cfg, step: int) -> dict[str, np.ndarray]:
             is_recall = np.zeros(len(ids) - 1, bool)
             is_recall[np.asarray(recalled, int) - 1] = True
             parked = park_mask(ids, ex["meta"]["n_prompt_tokens"], cfg.park_queries)
+            looked_up = lookup_mask(ids)
         rows.append(ids)
         completion.append(is_completion)
         park.append(parked)
         recall.append(is_recall)
-        lookup.append(lookup_mask(ids) if r >= len(kinds) else np.zeros(length - 1, bool))
+        lookup.append(looked_up)
         weights.append(np.where(target_weighted, cfg.completion_weight, cfg.prompt_weight).astype(np.float32))
     ids = np.asarray(rows, np.int32)
     return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], weights=np.stack(weights), completion=np.stack(completion),
