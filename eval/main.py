@@ -160,11 +160,15 @@ def cmd_recall(argv: Sequence[str]) -> None:
     parser.add_argument("--budget", type=int, default=None,
                         help="memory per KV head B to measure at (k = B - s - w - scorer state); default the "
                              "checkpoint's own (the paper's Fig. 7: B = 0.25 x seq_len, CR 75%%)")
+    parser.add_argument("--rows", default="stream", choices=["stream", "documents"],
+                        help="stream: documents concatenated and cut into rows (long text, as training packs it); "
+                             "documents: one row per document of >= seq_len tokens, its first seq_len (problems, "
+                             "as they are run)")
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
     run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed,
-               budget=args.budget)
+               budget=args.budget, rows=args.rows)
     print(open(f"{args.out_dir}/recall.md").read())
 
 

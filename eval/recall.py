@@ -104,17 +104,26 @@ def _read_jsonl_ids(path: str) -> list[list[int]] | None:
     return docs
 
 
+ROWS = ("stream", "documents")
+
+
 def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
-              text_field: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+              text_field: str = "auto", rows: str = "stream") -> tuple[np.ndarray, np.ndarray]:
     """Rows of token ids to evaluate: (ids int32 [N, S], loss_mask float32 [N, S]).
 
     `data` is an int array [N, S'] (rows, truncated to `seq_len`), a JSONL of token ids, or a
     text dataset `kvpop_jax.documents` reads (JSONL/parquet/hub name, tokenized with the
-    checkpoint's tokenizer, EOS-terminated as in training). Documents are concatenated into
-    one stream and cut into rows of `seq_len` (split across rows, no attention reset).
+    checkpoint's tokenizer, EOS-terminated as in training). How documents become rows:
+    - rows="stream": concatenated into one stream and cut into rows of `seq_len` (split across
+      rows, no attention reset), as the paper packs long-text training rows;
+    - rows="documents": one row per document, its first `seq_len` tokens, so every row starts
+      where its document starts, as problems are run (the demo's prompts); documents shorter
+      than `seq_len` are skipped.
     loss_mask is 1 where the next token belongs to the same document (0 on the last
     column).
     """
+    if rows not in ROWS:
+        raise ValueError(f"rows must be one of {ROWS}, got {rows!r}")
     if not isinstance(data, (str, os.PathLike)):
         ids = np.asarray(data)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
@@ -134,7 +143,17 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
     if docs is None:
         if tokenizer is None:
             raise ValueError(f"{path} holds text: the checkpoint needs a tokenizer (or pass token ids)")
-        docs = _text_documents(DocumentSpec(path, text_field=text_field), tokenizer, num_sequences * seq_len)
+        docs = _text_documents(DocumentSpec(path, text_field=text_field), tokenizer, num_sequences * seq_len,
+                               rows_of=seq_len if rows == "documents" else None, num_rows=num_sequences)
+    if rows == "documents":
+        long_enough = [np.asarray(d[:seq_len], np.int32) for d in docs if len(d) >= seq_len][:num_sequences]
+        if not long_enough:
+            raise ValueError(f"{path}: no document holds seq_len={seq_len} tokens (longest "
+                             f"{max(map(len, docs))}); use rows='stream' or a shorter seq_len")
+        ids = np.stack(long_enough)
+        mask = np.ones(ids.shape, np.float32)
+        mask[:, -1] = 0
+        return ids, mask
     stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
     segments = np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)])
     n = min(num_sequences, len(stream) // seq_len)
@@ -147,8 +166,10 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
     return ids, mask
 
 
-def _text_documents(spec: DocumentSpec, tokenizer, tokens: int) -> list[np.ndarray]:
-    """Tokenized documents of a text source, in stored order, until `tokens` tokens are read."""
+def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | None = None,
+                    num_rows: int = 0) -> list[np.ndarray]:
+    """Tokenized documents of a text source, in stored order, until `tokens` tokens are read (with
+    `rows_of`: until `num_rows` documents of at least `rows_of` tokens are read)."""
     ds = open_dataset(spec)
     text = text_spec(spec, *columns_and_first(spec, ds))
     docs, total = [], 0
@@ -158,8 +179,8 @@ def _text_documents(spec: DocumentSpec, tokenizer, tokens: int) -> list[np.ndarr
             continue
         (ids,) = tokenize([rendered], tokenizer, text.chat)
         docs.append(ids)
-        total += len(ids)
-        if total >= tokens:
+        total += len(ids) if rows_of is None else len(ids) >= rows_of
+        if total >= (tokens if rows_of is None else num_rows):
             break
     return docs
 
@@ -242,6 +263,7 @@ def run_recall(
     progress: bool = True,
     dtype=jnp.float32,
     budget: int | None = None,
+    rows: str = "stream",
 ) -> RecallResult:
     """Teacher top-k recall per layer/head and token accuracy of a KVpop checkpoint.
 
@@ -258,6 +280,7 @@ def run_recall(
         quantities are float32 regardless).
       budget: memory per KV head B to measure at (`KVpopConfig.retarget`: k = B - s - w - the
         scorer's state); default the checkpoint's own. The paper's Fig. 7 reports CR 75%.
+      rows: how dataset documents become rows, "stream" or "documents" (see `load_rows`).
     """
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)
     if budget is not None:
@@ -270,7 +293,7 @@ def run_recall(
     if seq_len is None and isinstance(data, (str, os.PathLike)):
         seq_len = 2 * budget
     ids, mask = load_rows(data, seq_len=seq_len, num_sequences=num_sequences, tokenizer=tokenizer,
-                          text_field=text_field)
+                          text_field=text_field, rows=rows)
     n, s = ids.shape
     if ids.max() >= config.vocab_size or ids.min() < 0:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{ids.min()}, {ids.max()}]")
@@ -291,18 +314,18 @@ def run_recall(
     batch_size = min(batch_size, n)
     for lo in tqdm(range(0, n, batch_size), desc="recall", unit="batch", disable=not progress):
         # The last batch is padded with repeats of row 0 (one compiled shape), then dropped.
-        rows = np.arange(lo, lo + batch_size)
-        rows = np.where(rows < n, rows, 0)
+        picked = np.arange(lo, lo + batch_size)
+        picked = np.where(picked < n, picked, 0)
         real = min(batch_size, n - lo)
-        q_rows = jnp.asarray(q_idx[rows])
-        arrays = policy_arrays(model, params, jnp.asarray(ids[rows]), q_rows)
+        q_rows = jnp.asarray(q_idx[picked])
+        arrays = policy_arrays(model, params, jnp.asarray(ids[picked]), q_rows)
         h, t = recall_counts(arrays["ranks"], arrays["cutoffs"], arrays["teacher_ranks"], arrays["teacher_cutoffs"],
                              q_rows, sinks=kv.sinks, window=kv.window)
         hits += np.asarray(h)[:, :real].sum(axis=1)
         totals += np.asarray(t)[:, :real].sum(axis=1)
         preds.append(np.asarray(arrays["argmax"])[:real])
         if t_model is not None:
-            t_preds.append(np.asarray(_argmax_batch(t_model, t_params, jnp.asarray(ids[rows])))[:real])
+            t_preds.append(np.asarray(_argmax_batch(t_model, t_params, jnp.asarray(ids[picked])))[:real])
     recall = hits / np.maximum(totals, 1)
 
     pred = np.concatenate(preds)
@@ -319,7 +342,7 @@ def run_recall(
         checkpoint=str(checkpoint) if not isinstance(checkpoint, tuple) else "<in memory>",
         data=str(data) if isinstance(data, (str, os.PathLike)) else f"<array {ids.shape}>",
         teacher=None if teacher is None else (str(teacher) if not isinstance(teacher, tuple) else "<in memory>"),
-        num_sequences=n, seq_len=s, num_queries=int(q_idx.shape[1]), seed=seed,
+        num_sequences=n, seq_len=s, rows=rows, num_queries=int(q_idx.shape[1]), seed=seed,
         sinks=kv.sinks, window=kv.window, topk=kv.topk, budget=budget, scorer=kv.scorer,
         date=timestamp(),
     )

@@ -150,6 +150,39 @@ def test_recall_reads_text_and_token_id_jsonl(checkpoint, tmp_path):
     assert 0.0 <= result.global_mean <= 1.0 and _nonempty(result.files["png"])
 
 
+def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
+    """rows="documents": one row per document of >= seq_len tokens, its first seq_len tokens (the
+    demo's prompts as they are run); shorter documents are skipped, none is mixed into another's row."""
+    rng = np.random.default_rng(4)
+    lengths = [SEQ + 7, SEQ - 3, SEQ, 2 * SEQ + 1]  # the second is too short
+    docs = [rng.integers(0, BASE.vocab_size, size=n).tolist() for n in lengths]
+    id_file = tmp_path / "ids.jsonl"
+    id_file.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    ids, mask = load_rows(str(id_file), seq_len=SEQ, num_sequences=5, rows="documents")
+    np.testing.assert_array_equal(ids, np.array([docs[0][:SEQ], docs[2][:SEQ], docs[3][:SEQ]]))
+    assert mask[:, :-1].all() and not mask[:, -1].any()
+    ids2, _ = load_rows(str(id_file), seq_len=SEQ, num_sequences=2, rows="documents")
+    np.testing.assert_array_equal(ids2, ids[:2])
+    stream, _ = load_rows(str(id_file), seq_len=SEQ, num_sequences=5)  # the stream cuts across documents
+    assert not np.array_equal(stream[1], ids[1])
+    with pytest.raises(ValueError, match=r"no document holds seq_len=500 tokens \(longest 81\)"):
+        load_rows(str(id_file), seq_len=500, num_sequences=1, rows="documents")
+    with pytest.raises(ValueError, match=r"rows must be one of .*'rows'"):
+        load_rows(str(id_file), seq_len=SEQ, num_sequences=1, rows="rows")
+
+    text_file = tmp_path / "text.jsonl"
+    texts = ["a1b2c3\nkeep a\nm+3=6\n" * (6 + i) for i in range(3)]
+    text_file.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    result = run_recall(checkpoint, str(text_file), num_sequences=2, seq_len=SEQ, num_queries=8, rows="documents",
+                        out_dir=tmp_path / "out", batch_size=2, progress=False)
+    assert result.settings["rows"] == "documents" and result.settings["num_sequences"] == 2
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+    tok = checkpoint_tokenizer(checkpoint)
+    first = np.array([tok(t)["input_ids"][:SEQ] for t in texts[:2]])
+    by_rows = run_recall(checkpoint, first, num_queries=8, out_dir=tmp_path / "out2", batch_size=2, progress=False)
+    np.testing.assert_array_equal(result.hits, by_rows.hits)
+
+
 def test_patterns_counts_heads_of_the_final_query_mask(checkpoint, tmp_path):
     ids = np.random.default_rng(2).integers(0, BASE.vocab_size, size=60)
     result = run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30)

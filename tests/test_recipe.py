@@ -99,6 +99,7 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     for budget, topk in ((80, 60), (40, 20)):  # recall at each CR's B: k = B - s - w (an MLP has no state)
         recall = json.load(open(os.path.join(out, f"recall_kvpop-mlp_B{budget}", "recall.json")))
         assert 0.0 <= np.mean(recall["recall"]) <= 1.0 and recall["settings"]["topk"] == topk
+        assert recall["settings"]["rows"] == "documents" and recall["settings"]["seq_len"] == 160  # the prompts
     assert re.search(r"- kvpop-mlp: [01]\.\d{3} at CR 50% \(B 80\), [01]\.\d{3} at CR 75% \(B 40\)", summary)
     assert os.path.getsize(os.path.join(out, "training.png")) > 1000
     assert os.path.getsize(os.path.join(out, "read_once", "accuracy.png")) > 1000

@@ -195,9 +195,11 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
                      and variant_retrofit(cfg, m).topk > 0):
             recall[name] = {}
             for cr, budget in budgets.items():  # at every CR's memory B (the paper's Fig. 7: CR 75%)
+                # One row per problem, its prompt (the first prompt_len tokens of its text): the rows the
+                # accuracy columns decode, not a stream cut across problems (BENCHMARKS.md, stop 34).
                 result = run_recall(exports[name], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
                                     out_dir=os.path.join(out, f"recall_{name}_B{budget}"), progress=cfg.progress,
-                                    budget=budget)
+                                    budget=budget, rows="documents")
                 recall[name][cr] = result.global_mean
     dms_stats = None
     if "dms" in ev.methods and "dms" in exports and ev.recall_sequences:

@@ -112,7 +112,8 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
     if recall:
         lines += ["## Teacher-retention recall", "",
                   f"Share of the teacher policy's long-range keep set the learned policy also keeps ({main}, "
-                  f"{ev.recall_sequences} held-out traces; the paper's Fig. 7 reports CR 75%):", ""]
+                  f"{ev.recall_sequences} held-out prompts of {ev.prompt_len} tokens, one per row; the paper's Fig. 7 "
+                  f"reports CR 75%):", ""]
         lines += [f"- {name}: " + ", ".join(f"{value:.3f} at CR {cr:.0%} (B {budgets[cr]})"
                                             for cr, value in sorted(by_cr.items()))
                   for name, by_cr in recall.items()] + [""]
