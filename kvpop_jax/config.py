@@ -192,6 +192,7 @@ TARGET_REDUCTIONS = ("sum", "max")
 RETENTION_LABELS = ("hard", "soft")
 RANK_PARTNERS = ("random", "similar")
 SCORER_KEYS = ("rotated", "unrotated")
+SCORER_POSITIONS = ("none", "log")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +216,9 @@ class KVpopConfig:
     # the keys a scorer reads: rotated (the cached keys as the attention uses them, RoPE applied; the
     # paper's [k; v]) | unrotated (RoPE undone: no absolute position for the scorer to learn, not in the paper)
     scorer_keys: str = "rotated"
+    # none (the paper) | log: the raw score gains a learned a_h * log(1 + t), t the token's index, so a head
+    # can rank older (a_h < 0) or newer (a_h > 0) tokens first at any length, beside its decay (not in the paper)
+    scorer_position: str = "none"
     mlstm_dim: int | None = None  # d, feature dim of q~/k~ per head; None: head_dim (App. A)
     mlstm_feature_map: str = "hedgehog"  # hedgehog ([softmax(x); softmax(-x)] of a d/2 projection) | softmax
     mlstm_value: str = "projection"  # v~: projection (2D -> d/2, Eq. 37) | cached (v itself, E.5)
@@ -317,6 +321,9 @@ class KVpopConfig:
             )
         if self.scorer_keys not in SCORER_KEYS:
             raise ValueError(f"KVpopConfig.scorer_keys must be one of {SCORER_KEYS}, got {self.scorer_keys!r}")
+        if self.scorer_position not in SCORER_POSITIONS:
+            raise ValueError(f"KVpopConfig.scorer_position must be one of {SCORER_POSITIONS}, "
+                             f"got {self.scorer_position!r}")
         if self.rank_partners not in RANK_PARTNERS:
             raise ValueError(f"KVpopConfig.rank_partners must be one of {RANK_PARTNERS}, got {self.rank_partners!r}")
         if self.retention_labels not in RETENTION_LABELS:

@@ -52,6 +52,24 @@ class KVpopHead(nn.Module):
         self.scorer = make_scorer(self.config, self.num_kv_heads, self.head_dim)
         # α = 0 puts log γ halfway between log γ_min and log γ_max.
         self.decay_alpha = self.param("decay_alpha", nn.initializers.zeros, (self.num_kv_heads,), jnp.float32)
+        if self.config.scorer_position == "log":  # a_h = 0: the paper's scorer until trained
+            self.position_weight = self.param("position_weight", nn.initializers.zeros, (self.num_kv_heads,),
+                                              jnp.float32)
+
+    def position_term(self, t) -> jax.Array | float:
+        """What `config.scorer_position` adds to the raw score of the token at index t (the count from 0
+        of the static priority and the cache): a_h * log(1 + t), float32 [Hkv] for an int t, [Hkv, S]
+        for t int [S]; 0 when off."""
+        if self.config.scorer_position == "none":
+            return 0.0
+        t = jnp.asarray(t, jnp.float32)
+        return self.position_weight.reshape((-1,) + (1,) * t.ndim) * jnp.log1p(t)
+
+    def score(self, scorer_k: jax.Array, v: jax.Array) -> jax.Array:
+        """Raw scores [B, Hkv, S] float32 of a sequence from index 0: the scorer on (scorer_k, v), plus the
+        position term."""
+        scores = self.scorer(scorer_k, v).astype(jnp.float32)
+        return scores + self.position_term(jnp.arange(scores.shape[-1]))
 
     def log_gamma(self) -> jax.Array:
         """log γ_h, float32 [Hkv] (Eq. 21)."""
@@ -70,7 +88,7 @@ class KVpopHead(nn.Module):
     def __call__(self, k: jax.Array, v: jax.Array, positions=None) -> tuple[jax.Array, jax.Array]:
         """k, v [B, S, Hkv, D] (k rotated at `positions`, None: 0..S-1) -> raw scores [B, Hkv, S]
         float32 and log γ [Hkv]."""
-        return self.scorer(self.scorer_keys(k, positions), v).astype(jnp.float32), self.log_gamma()
+        return self.score(self.scorer_keys(k, positions), v), self.log_gamma()
 
     # -- decoding with the bounded cache (cache.py) ------------------------------------
 
@@ -94,7 +112,7 @@ class KVpopHead(nn.Module):
         the RoPE positions; those only tell an unrotated-key scorer how to undo the rotation.
         """
         scorer_k = self.scorer_keys(k, positions)
-        scores, log_gamma = self.scorer(scorer_k, v).astype(jnp.float32), self.log_gamma()
+        scores, log_gamma = self.score(scorer_k, v), self.log_gamma()
         out, aux = kvpop_layer_attention(q, k, v, scores, log_gamma, self.config, return_policy=return_policy)
         return out, self.prefill_cache(k, v, scores, log_gamma, scorer_k), aux
 
@@ -138,6 +156,7 @@ class KVpopHead(nn.Module):
                 score_t = self.scorer.readout(state, ks_t, v_t)
             else:
                 score_t = self.scorer(ks_t[:, None], v_t[:, None])[:, :, 0]
+            score_t = score_t + self.position_term(position)
             prio_t = cache_lib.static_priority_at(score_t, log_gamma, position)
         slot = cache_lib.ring_slot(position, kv)
         if kv.topk > 0:
@@ -146,7 +165,8 @@ class KVpopHead(nn.Module):
             k_u, v_u = lc.k[:, :, slot], lc.v[:, :, slot]
             if self.delayed:
                 ks_u = self.scorer_keys(k_u[:, None], rope_positions - kv.window)[:, 0]
-                prio_u = cache_lib.static_priority_at(self.scorer.readout(state, ks_u, v_u), log_gamma, u)
+                score_u = self.scorer.readout(state, ks_u, v_u) + self.position_term(u)
+                prio_u = cache_lib.static_priority_at(score_u, log_gamma, u)
             else:
                 prio_u = lc.priority[:, :, slot]
             lc = cache_lib.admit_to_long_range(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u, leaving, kv)

@@ -126,6 +126,7 @@ class KVpopLayer(CacheLayerMixin):
             scores, self.state = scorer.scores_and_state(k_bshd, v_bshd)
         else:
             scores = scorer(k_bshd, v_bshd)
+        scores = scores.float() + self.head.position_term(t)
         priority = static_priority(scores, self.head.log_gamma(), t)
         last_kept = policy.last_kept_query(policy.ranks_from_priority(priority), sinks=s, window=w, topk=topk)
         mask = KVpopMask(prefill_last_kept=last_kept, sinks=s, window=w)
@@ -165,6 +166,7 @@ class KVpopLayer(CacheLayerMixin):
         else:
             score_t = scorer.readout(self.state, ks_t, v_t) if cfg.scorer == "mlstm" else \
                 scorer(ks_t[:, None], v_t[:, None])[:, :, 0]
+            score_t = score_t.float() + self.head.position_term(at(q))
             prio_t = static_priority(score_t[..., None], log_gamma, at(q))[..., 0]
         slot = ring_slot(q, cfg)
         u = q - cfg.window  # leaves the window now: the token in the ring slot q takes
@@ -172,7 +174,8 @@ class KVpopLayer(CacheLayerMixin):
             k_u, v_u = self.keys[:, :, slot], self.values[:, :, slot]
             if cfg.delayed:
                 ks_u = self.head.scorer_keys(k_u[:, None], at(u))[:, 0]
-                prio_u = static_priority(scorer.readout(self.state, ks_u, v_u)[..., None], log_gamma, at(u))[..., 0]
+                score_u = scorer.readout(self.state, ks_u, v_u).float() + self.head.position_term(at(u))
+                prio_u = static_priority(score_u[..., None], log_gamma, at(u))[..., 0]
             else:
                 prio_u = self.priority[:, :, slot]
             self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; _admit writes only long-range slots

@@ -20,6 +20,7 @@ SCORERS = ("linear", "mlp", "mlstm")
 FEATURE_MAPS = ("hedgehog", "softmax")
 MLSTM_VALUES = ("projection", "cached")
 SCORER_KEYS = ("rotated", "unrotated")
+SCORER_POSITIONS = ("none", "log")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class KVpopSettings:
     scorer: str = "mlp"  # linear | mlp | mlstm
     scorer_hidden: int = 64
     scorer_keys: str = "rotated"  # rotated (cached keys) | unrotated (RoPE undone before the scorer)
+    scorer_position: str = "none"  # none | log: the raw score gains a_h * log(1 + t) (position_weight)
     mlstm_dim: int | None = None  # d; None: head_dim
     mlstm_feature_map: str = "hedgehog"
     mlstm_value: str = "projection"
@@ -52,7 +54,8 @@ class KVpopSettings:
         if self.window < 1:
             raise ValueError(f"kvpop.window must be >= 1, got {self.window}")
         for name, allowed in (("scorer", SCORERS), ("mlstm_feature_map", FEATURE_MAPS),
-                              ("mlstm_value", MLSTM_VALUES), ("scorer_keys", SCORER_KEYS)):
+                              ("mlstm_value", MLSTM_VALUES), ("scorer_keys", SCORER_KEYS),
+                              ("scorer_position", SCORER_POSITIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"kvpop.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.decay_step != 1:

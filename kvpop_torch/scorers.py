@@ -273,6 +273,16 @@ class KVpopHead(nn.Module):
         self.settings, self.rope_theta = settings, rope_theta
         self.scorer = SCORER_CLASSES[settings.scorer](settings, num_kv_heads, head_dim)
         self.decay_alpha = _param(num_kv_heads)
+        if settings.scorer_position == "log":
+            self.position_weight = _param(num_kv_heads)
+
+    def position_term(self, t: torch.Tensor) -> torch.Tensor | float:
+        """a_h * log(1 + t) for `settings.scorer_position == "log"` (t int [] -> [Hkv], [S] -> [Hkv, S]),
+        else 0; as `kvpop_jax.kvpop.KVpopHead.position_term`."""
+        if self.settings.scorer_position == "none":
+            return 0.0
+        t = torch.as_tensor(t, device=self.decay_alpha.device).float()
+        return self.position_weight.float().reshape((-1,) + (1,) * t.ndim) * torch.log1p(t)
 
     def scorer_keys(self, k: torch.Tensor, positions) -> torch.Tensor:
         """The keys the scorer reads: k [B, S, Hkv, D] (rotated at `positions`, int broadcastable to

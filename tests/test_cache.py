@@ -149,6 +149,30 @@ def test_mlstm_variants_decode_equals_masked_forward(rng, options):
     assert state.C.shape[-2:] == (kv.mlstm_features(BASE.head_dim), kv.mlstm_value_dim(BASE.head_dim))
 
 
+@pytest.mark.parametrize("scorer, delayed", [("mlp", False), ("mlstm", True), ("mlstm", False)])
+def test_position_score_decode_equals_masked_forward(rng, scorer, delayed):
+    """scorer_position="log" (a_h * log(1 + t) added to the raw score): the scores are the plain scorer's
+    plus that term (numpy), and decoding the bounded cache still equals the masked forward, the term
+    computed at each token's index when it is scored (on entry, or when it leaves the window)."""
+    kv = KVpopConfig(sinks=1, window=4, topk=6, scorer=scorer, mlstm_chunk=8, delayed_readout=delayed,
+                     scorer_keys="unrotated", scorer_position="log")
+    model, params = kvpop_model(kv, rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 36)))
+    full, _ = assert_decode_equals_forward(model, params, ids, (5, 20))
+    plain_config = dataclasses.replace(BASE, kvpop=dataclasses.replace(kv, scorer_position="none"))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    weights = [np.asarray(flat.pop(k)) for k in sorted(k for k in flat if k.endswith("/kvpop/position_weight"))]
+    assert len(weights) == BASE.num_hidden_layers
+    plain = traverse_util.unflatten_dict(flat, sep="/")
+    policy = lambda m, p: m.apply({"params": p}, ids, return_policy=True).aux["layers"]  # noqa: E731
+    with_term, without = policy(model, params), policy(Qwen3ForCausalLM(plain_config), plain)
+    # Layer 0 reads the same keys either way (later layers read what the changed policy let through).
+    np.testing.assert_allclose(np.asarray(with_term[0]["scores"]),
+                               np.asarray(without[0]["scores"]) + weights[0][None, :, None] * np.log1p(np.arange(36)),
+                               rtol=1e-5, atol=1e-4)
+    assert np.abs(np.asarray(Qwen3ForCausalLM(plain_config).apply({"params": plain}, ids).logits) - full).max() > 1e-3
+
+
 @pytest.mark.parametrize("capacity, chunk, new", [(37, 4, 1), (37, 8, 3), (64, 16, 1), (20, 2048, 2)])
 def test_dense_decode_attention_matches_dense_reference(rng, capacity, chunk, new):
     """`prefix_attention` (chunk loop over the filled prefix, or one pass over the capacity, plus

@@ -40,6 +40,9 @@ CASES = [
           mlstm_init="random"), (5, 20)),
     (BASE, dict(scorer="mlstm", sinks=2, window=4, topk=5, scorer_keys="unrotated"), (3, 25)),  # RoPE undone
     (BASE, dict(scorer="mlp", sinks=1, window=3, topk=8, scorer_keys="unrotated"), (5, 30)),
+    # + a_h * log(1 + t) on the raw score, at entry and at a delayed readout
+    (BASE, dict(scorer="mlstm", sinks=2, window=4, topk=5, scorer_keys="unrotated", scorer_position="log"), (3, 25)),
+    (BASE, dict(scorer="mlp", sinks=1, window=3, topk=8, scorer_position="log"), (5, 30)),
 ]
 
 

@@ -46,7 +46,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     try:
         kvpop = KVpopConfig(
             sinks=f.sinks, window=f.window, topk=f.topk, scorer=f.scorer, scorer_hidden=f.scorer_hidden,
-            scorer_keys=f.scorer_keys,
+            scorer_keys=f.scorer_keys, scorer_position=f.scorer_position,
             mlstm_dim=f.mlstm_dim, mlstm_feature_map=f.mlstm_feature_map, mlstm_value=f.mlstm_value,
             mlstm_skip=f.mlstm_skip, mlstm_norm=f.mlstm_norm, mlstm_init=f.mlstm_init,
             mlstm_gate_softcap=f.mlstm_gate_softcap, target_lookahead=f.target_lookahead,

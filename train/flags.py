@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORER_KEYS, SCORERS,
-                              TARGET_REDUCTIONS)
+from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORER_KEYS,
+                              SCORER_POSITIONS, SCORERS, TARGET_REDUCTIONS)
 from kvpop_jax.modeling import REMAT_POLICIES
 from train.config import DTYPES, RETROFITS, VARIANTS
 
@@ -44,6 +44,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("scorer_hidden", 64, "MLP scorer hidden width per KV head.", **d)
     flags.DEFINE_enum("scorer_keys", "rotated", list(SCORER_KEYS), "Keys the scorer reads: as cached (RoPE "
                       "applied, the paper's [k; v]) or unrotated (no absolute position; not in the paper).", **d)
+    flags.DEFINE_enum("scorer_position", "none", list(SCORER_POSITIONS), "none (the paper) or log: the raw score "
+                      "gains a learned a_h * log(1 + t) per KV head, t the token's index (not in the paper).", **d)
     flags.DEFINE_integer("mlstm_dim", None, "mLSTM feature dim d per head (default: head_dim, App. A).", **d)
     flags.DEFINE_enum("mlstm_feature_map", "hedgehog", list(FEATURE_MAPS), "mLSTM feature map (Eq. 37).", **d)
     flags.DEFINE_enum("mlstm_value", "projection", list(MLSTM_VALUES),
