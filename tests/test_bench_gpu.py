@@ -1,11 +1,13 @@
 """`python -m eval.main bench gpu` on CPU: its dry path runs every stage on tiny shapes."""
 
 import jax
+import pytest
 
 from eval.bench_gpu import STAGES
 from eval.main import main as eval_main
 
 
+@pytest.mark.long
 def test_bench_gpu_dry_path_runs_every_stage_and_appends_its_report(tmp_path, capsys):
     report = tmp_path / "BENCHMARKS.md"
     report.write_text("# Benchmarks\n\nearlier results\n")

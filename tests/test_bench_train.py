@@ -24,6 +24,7 @@ def _check_outputs(out_dir, md, rows, want):
     return text
 
 
+@pytest.mark.long
 def test_bench_train_small_run_writes_rows_tables_and_plot(tmp_path):
     md = tmp_path / "BENCH.md"
     parts = (PARTS[1], "cutoff")

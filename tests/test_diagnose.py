@@ -33,6 +33,7 @@ def test_auc_counts_pairs_ranked_right(rng):
     np.testing.assert_allclose(_auc(ranks, needed, others)[0], brute)
 
 
+@pytest.mark.long
 def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys):
     """`diagnose learn`'s data: y marks exactly the marked facts' value tokens, m the binding values
     eligible at the last prompt token (facts included); the run prints one AUC line per checkpoint."""
@@ -154,6 +155,7 @@ def test_shift_ranks_move_only_with_a_position_reading_scorer(rng):
     assert moved == {"rotated": True, "unrotated": False}
 
 
+@pytest.mark.long
 def test_margin_and_shift_print_on_the_shipped_export(capsys):
     """`diagnose margin` and `shift` run on the shipped KVpop export: the margins over the 1st, 10th,
     30th, k-th and 200th other token can only grow down the list (the others are sorted), the exact

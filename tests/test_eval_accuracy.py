@@ -56,6 +56,7 @@ def test_budget_table_and_specs():
     assert "| 50% | 8 | tova | 0.25 | 0.25 | 0.33 |" in table and "dense (teacher)" in table
 
 
+@pytest.mark.long
 def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     from demo.atoms import VOCAB
     from demo.tokenizer import save_tokenizer

@@ -210,6 +210,7 @@ def test_patterns_counts_heads_of_the_final_query_mask(checkpoint, tmp_path):
     assert "Most retained" in open(with_text.files["md"]).read()
 
 
+@pytest.mark.long
 def test_bench_decode_kvpop_flat_dense_growing(tmp_path):
     bench_md = tmp_path / "BENCHMARKS.md"
     bench_md.write_text("# Benchmarks\n\nearlier results\n")

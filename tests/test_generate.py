@@ -158,6 +158,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(rng):
             model.apply({"params": params}, jnp.asarray([[1, 5, bad]]))
 
 
+@pytest.mark.long
 def test_training_only_knobs_do_not_change_decoding(rng):
     """KVpopConfig.for_decoding resets what only training reads: a model decodes bit for bit the same
     with every such knob changed, so eval shares one compile between exports trained differently."""

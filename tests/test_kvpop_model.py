@@ -127,6 +127,7 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
         Qwen3ForCausalLM(config).apply({"params": params}, ids, segment_ids=jnp.zeros((1, 8), jnp.int32))
 
 
+@pytest.mark.long
 def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
     """retention_labels="soft", rank_pairs, target_head_samples and listwise_queries (training options, not in
     the paper): each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the

@@ -49,6 +49,7 @@ def test_unknown_remat_policy_is_an_error():
         model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
 
 
+@pytest.mark.long
 def test_remat_gives_the_same_loss_and_gradients():
     config = tiny_config(tied=False)
     params = jax.tree.map(lambda x: x * 3.0, init_params(config, jax.random.PRNGKey(0)))

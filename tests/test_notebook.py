@@ -3,6 +3,7 @@
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +22,7 @@ def test_notebook_is_built_from_its_source(tmp_path):
     assert fresh == committed, "run `python notebooks/build_explore.py` after editing its cells"
 
 
+@pytest.mark.long
 def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPOP_NB_SEQ_LEN", "192")
     monkeypatch.setenv("KVPOP_NB_OUT", str(tmp_path / "out"))

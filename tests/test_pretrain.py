@@ -121,6 +121,7 @@ def test_offset_heads_attend_back_at_init():
                                 run_dir="r", out_dir="o", offset_heads=(1, 2))
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not os.path.isdir(TEACHER), reason="no shipped demo teacher")
 def test_recall_accuracy_counts_the_recalled_values_a_model_predicts():
     """`recall_accuracy` against a per-problem loop over the recall lines (one forward per problem, no

@@ -62,6 +62,7 @@ def test_length_generalization_table():
     assert row[:3] == ["kvpop-mlstm", 123, "88%"] and row[3:] == pytest.approx([0.9, 0.9, 0.6, 0.75, -0.15])
 
 
+@pytest.mark.long
 def test_variants_then_comparison_end_to_end(tmp_path, arch):
     run = str(tmp_path / "run")
     argv = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+",

@@ -4,6 +4,7 @@ import io
 import subprocess
 
 import jax
+import pytest
 
 from helpers import REPO, tiny_flags, train_cmd, train_env
 from kvpop_jax.runtime import GPU_INSTALL, backend_line, gpu_workload_reasons, report_backend
@@ -32,6 +33,7 @@ def test_report_warns_on_stderr_only_for_gpu_work_on_cpu():
     assert GPU_INSTALL in err.getvalue() and out.getvalue() == backend_line() + "\n"
 
 
+@pytest.mark.long
 def test_train_main_prints_the_backend_and_warns_for_a_gpu_recipe_on_cpu(tmp_path, arch):
     argv = tiny_flags(str(tmp_path / "run"), arch, compute_dtype="bfloat16", dry_run=True)
     proc = subprocess.run(train_cmd(argv), cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True,

@@ -205,6 +205,7 @@ def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path):
     assert report["temp_size_in_bytes"] > 0 and report["peak_estimate"] > report["params"]
 
 
+@pytest.mark.long
 def test_dms_dry_run_on_8_fake_devices(tmp_path):
     """`--retrofit=dms --dry_run` compiles the sharded DMS step (the DMS recipes' path) on 8 devices."""
     (tmp_path / "arch.json").write_text(json.dumps(ARCH))

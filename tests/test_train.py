@@ -347,6 +347,7 @@ LOSS_KEYS = ("loss", "kl", "retention_loss", "grad_norm", "boundary_accuracy", "
              "lr_base", "lr_new", "tokens")
 
 
+@pytest.mark.long
 def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_export(tmp_path, arch):
     env = train_env(tmp_path)
     full_dir, killed_dir = str(tmp_path / "full"), str(tmp_path / "killed")
