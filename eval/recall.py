@@ -105,6 +105,7 @@ def _read_jsonl_ids(path: str) -> list[list[int]] | None:
 
 
 ROWS = ("stream", "documents")
+DOCUMENT_SCAN = 100  # rows="documents" reads at most this many documents per row asked for
 
 
 def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
@@ -148,8 +149,8 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
     if rows == "documents":
         long_enough = [np.asarray(d[:seq_len], np.int32) for d in docs if len(d) >= seq_len][:num_sequences]
         if not long_enough:
-            raise ValueError(f"{path}: no document holds seq_len={seq_len} tokens (longest "
-                             f"{max(map(len, docs))}); use rows='stream' or a shorter seq_len")
+            raise ValueError(f"{path}: none of the {len(docs)} documents read holds seq_len={seq_len} tokens "
+                             f"(longest {max(map(len, docs))}); use rows='stream' or a shorter seq_len")
         ids = np.stack(long_enough)
         mask = np.ones(ids.shape, np.float32)
         mask[:, -1] = 0
@@ -169,7 +170,8 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
 def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | None = None,
                     num_rows: int = 0) -> list[np.ndarray]:
     """Tokenized documents of a text source, in stored order, until `tokens` tokens are read (with
-    `rows_of`: until `num_rows` documents of at least `rows_of` tokens are read)."""
+    `rows_of`: until `num_rows` documents of at least `rows_of` tokens are read, or DOCUMENT_SCAN x
+    num_rows documents, so a stream of short documents is not read to its end)."""
     ds = open_dataset(spec)
     text = text_spec(spec, *columns_and_first(spec, ds))
     docs, total = [], 0
@@ -181,6 +183,8 @@ def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | N
         docs.append(ids)
         total += len(ids) if rows_of is None else len(ids) >= rows_of
         if total >= (tokens if rows_of is None else num_rows):
+            break
+        if rows_of is not None and len(docs) >= DOCUMENT_SCAN * max(num_rows, 1):
             break
     return docs
 

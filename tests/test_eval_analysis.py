@@ -165,7 +165,7 @@ def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
     np.testing.assert_array_equal(ids2, ids[:2])
     stream, _ = load_rows(str(id_file), seq_len=SEQ, num_sequences=5)  # the stream cuts across documents
     assert not np.array_equal(stream[1], ids[1])
-    with pytest.raises(ValueError, match=r"no document holds seq_len=500 tokens \(longest 81\)"):
+    with pytest.raises(ValueError, match=r"none of the 4 documents read holds seq_len=500 tokens \(longest 81\)"):
         load_rows(str(id_file), seq_len=500, num_sequences=1, rows="documents")
     with pytest.raises(ValueError, match=r"rows must be one of .*'rows'"):
         load_rows(str(id_file), seq_len=SEQ, num_sequences=1, rows="rows")
@@ -181,6 +181,10 @@ def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
     first = np.array([tok(t)["input_ids"][:SEQ] for t in texts[:2]])
     by_rows = run_recall(checkpoint, first, num_queries=8, out_dir=tmp_path / "out2", batch_size=2, progress=False)
     np.testing.assert_array_equal(result.hits, by_rows.hits)
+    short_file = tmp_path / "short.jsonl"  # a source of short documents is not read to its end
+    short_file.write_text("\n".join(json.dumps({"text": f"a{i % 10}"}) for i in range(250)) + "\n")
+    with pytest.raises(ValueError, match=r"none of the 100 documents read holds seq_len=40"):
+        load_rows(str(short_file), seq_len=SEQ, num_sequences=1, tokenizer=tok, rows="documents")
 
 
 def test_patterns_counts_heads_of_the_final_query_mask(checkpoint, tmp_path):
