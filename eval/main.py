@@ -30,7 +30,7 @@ from eval import bench_decode, bench_gpu, bench_kernels, bench_train, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
-from eval.recall import run_recall
+from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.generate import generate
@@ -160,7 +160,7 @@ def cmd_recall(argv: Sequence[str]) -> None:
     parser.add_argument("--budget", type=int, default=None,
                         help="memory per KV head B to measure at (k = B - s - w - scorer state); default the "
                              "checkpoint's own (the paper's Fig. 7: B = 0.25 x seq_len, CR 75%%)")
-    parser.add_argument("--rows", default="stream", choices=["stream", "documents"],
+    parser.add_argument("--rows", default="stream", choices=ROWS,
                         help="stream: documents concatenated and cut into rows (long text, as training packs it); "
                              "documents: one row per document of >= seq_len tokens, its first seq_len (problems, "
                              "as they are run)")

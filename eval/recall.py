@@ -133,10 +133,7 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
             if ids.shape[1] < seq_len:
                 raise ValueError(f"rows have {ids.shape[1]} tokens, fewer than seq_len={seq_len}")
             ids = ids[:, :seq_len]
-        ids = ids[:num_sequences].astype(np.int32)
-        mask = np.ones(ids.shape, np.float32)
-        mask[:, -1] = 0
-        return ids, mask
+        return _whole_rows(ids[:num_sequences])
     path = os.fspath(data)
     if seq_len is None:
         raise ValueError("seq_len is required when reading rows from a dataset")
@@ -151,10 +148,7 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
         if not long_enough:
             raise ValueError(f"{path}: none of the {len(docs)} documents read holds seq_len={seq_len} tokens "
                              f"(longest {max(map(len, docs))}); use rows='stream' or a shorter seq_len")
-        ids = np.stack(long_enough)
-        mask = np.ones(ids.shape, np.float32)
-        mask[:, -1] = 0
-        return ids, mask
+        return _whole_rows(np.stack(long_enough))
     stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
     segments = np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)])
     n = min(num_sequences, len(stream) // seq_len)
@@ -167,6 +161,13 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
     return ids, mask
 
 
+def _whole_rows(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32, loss_mask) of rows that each hold one document's tokens: 1 but on the last column."""
+    mask = np.ones(ids.shape, np.float32)
+    mask[:, -1] = 0
+    return ids.astype(np.int32), mask
+
+
 def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | None = None,
                     num_rows: int = 0) -> list[np.ndarray]:
     """Tokenized documents of a text source, in stored order, until `tokens` tokens are read (with
@@ -174,18 +175,21 @@ def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | N
     num_rows documents, so a stream of short documents is not read to its end)."""
     ds = open_dataset(spec)
     text = text_spec(spec, *columns_and_first(spec, ds))
-    docs, total = [], 0
+    docs, total, long_enough = [], 0, 0
     for example in checked_rows(spec, ds):
         rendered = render(example, text, tokenizer)
         if rendered is None:  # no text in this row
             continue
         (ids,) = tokenize([rendered], tokenizer, text.chat)
         docs.append(ids)
-        total += len(ids) if rows_of is None else len(ids) >= rows_of
-        if total >= (tokens if rows_of is None else num_rows):
-            break
-        if rows_of is not None and len(docs) >= DOCUMENT_SCAN * max(num_rows, 1):
-            break
+        if rows_of is None:
+            total += len(ids)
+            if total >= tokens:
+                break
+        else:
+            long_enough += len(ids) >= rows_of
+            if long_enough >= num_rows or len(docs) >= DOCUMENT_SCAN * max(num_rows, 1):
+                break
     return docs
 
 

@@ -69,6 +69,8 @@ class KVpopHead(nn.Module):
         """Raw scores [B, Hkv, S] float32 of a sequence from index 0: the scorer on (scorer_k, v), plus the
         position term."""
         scores = self.scorer(scorer_k, v).astype(jnp.float32)
+        if self.config.scorer_position == "none":
+            return scores
         return scores + self.position_term(jnp.arange(scores.shape[-1]))
 
     def log_gamma(self) -> jax.Array:
