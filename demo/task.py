@@ -237,8 +237,16 @@ def _answer_atoms(value: int, answer_format: str) -> list[str]:
 
 
 def generate_example(seed, *, difficulty: str | None = None, task: str | None = None,
-                     config: DemoTaskConfig | None = None, **overrides) -> dict:
+                     config: DemoTaskConfig | None = None, resample: tuple[int, int] | None = None,
+                     **overrides) -> dict:
     """One trace. `seed`: int, tuple of ints (see `example_seed`) or np.random.Generator.
+
+    `resample=(position, future_seed)`: the same trace up to `position`, then a fresh future. Every
+    line that starts before token `position` is the trace's own, so its first `position` tokens are
+    kept (and up to a line more); every later random choice is drawn from `future_seed`. The plan
+    made before `position` stays: which facts the question asks, where the remaining marked
+    bindings go, when the facts already made are recalled. A draw of the future given the past (and
+    that plan), for `eval.diagnose ceiling`.
 
     Returns dict(prompt, answer, text, meta): text = prompt + completion; answer is the
     integer answer as a string. meta holds token positions in the tokenized prompt (<bos> = 0):
@@ -315,6 +323,9 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
         return [">", name, str(value), op, str(operand), "=", str(result), "\n"]
 
     while True:
+        if resample is not None and 1 + len(body) >= resample[0]:
+            rng = np.random.default_rng(resample[1])  # the closures above read `rng` when called
+            resample = None
         remaining = body_len - len(body)
         if pending is not None and delay == 0:
             facts[pending]["mark_pos"] = 1 + len(body) + 2

@@ -44,6 +44,12 @@ small table; each takes under a minute on CPU.
           scorer whose log-priorities are off by that much matches the teacher that well; then what the
           target follows per head: its spread, the share of its variance that token identity, the
           (previous, current) token pair and position explain, and how the scorer's priority correlates
+  ceiling how much of the target can a scorer predict when a token leaves the window? Per export and
+          per layer / KV head, at the saturated queries `noise` uses: the export's recall next to that of
+          a policy ranking each token by its log-target averaged over `--futures` continuations of the
+          prompt drawn from the task generator after each cut (`--cut_step` tokens apart; a cut sees
+          up to cut_step - 1 tokens more than the scorer, and the generator keeps its plan): the
+          conditional mean a squared-error fit approaches, an estimate of the best a delayed scorer can do
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
           with the answer given directly (`--labels told`: balanced logistic loss, marked facts 1 vs
@@ -67,9 +73,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from demo.atoms import ASK, DIGITS, KEEP, NAMES
-from demo.task import TASKS, generate_dataset, min_seq_len
+from demo.task import TASKS, example_seed, generate_dataset, generate_example, min_seq_len
 from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
@@ -286,6 +293,59 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
+def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, cut_step: int, seed: int,
+                   num_queries: int = 64, progress: bool = False):
+    """(export, conditional): recall [L, Hkv] of the export's keep sets against its teacher's, and of a
+    policy that ranks each token by the mean of its log-target over `futures` drawn continuations of
+    what came before it: an estimate of the best recall a scorer that decides when the token leaves
+    the window can reach (squared error fits that mean; it beats E[log r]'s rivals in practice).
+
+    Each row is cut every `cut_step` tokens; at cut c, `draw(row, c, j)` (j < futures) returns a row
+    of the same length whose first c tokens are this row's (checked) and the rest a draw of the future;
+    the export's target on each draw, averaged, scores the tokens that leave the window by query c - 1
+    (t <= c - 1 - w). Such a token's score sees up to cut_step - 1 tokens past its leave time, and the
+    draws whatever the sampler keeps of the past (the demo generator keeps its plan), both more than a
+    scorer gets; the Monte-Carlo noise of a finite mean, less. At the same saturated queries as
+    `noise_recall` and `eval.recall.run_recall` (seed)."""
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    n, s = ids_NxS.shape
+    if futures < 1 or cut_step < 1:
+        raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
+    q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
+    layers = range(config.num_hidden_layers)
+    cuts = sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
+    hits, total = {}, 0
+    bar = tqdm(total=n * len(cuts), desc="ceiling", unit="cut", disable=not progress)
+    for row in range(n):
+        q = jnp.asarray(q_idx[row: row + 1])
+        arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
+        predicted = np.zeros(np.asarray(arr["target"]).shape, np.float32)  # [L, 1, H, S]
+        lo = 0
+        for c in cuts:
+            drawn = np.stack([np.asarray(draw(row, c, j), np.int32) for j in range(futures)])
+            if drawn.shape != (futures, s) or not np.array_equal(drawn[:, :c], np.broadcast_to(ids_NxS[row, :c],
+                                                                                                 (futures, c))):
+                raise ValueError(f"draw(row={row}, c={c}, j) must return {s} tokens starting with the row's first {c}")
+            hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
+            target = np.asarray(policy_arrays(model, params, jnp.asarray(drawn),
+                                              jnp.asarray(np.repeat(q_idx[row: row + 1], futures, 0)))["target"])
+            predicted[..., lo:hi] = target[..., lo:hi].mean(1, keepdims=True)
+            lo = max(lo, hi)
+            bar.update()
+        ranks = [ranks_from_priority(static_priority(jnp.asarray(predicted[layer]), arr["log_gamma"][layer]))
+                 for layer in layers]
+        cutoffs = [running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk) for r in ranks]
+        for name, (r, c) in (("export", (arr["ranks"], arr["cutoffs"])),
+                             ("conditional", (jnp.stack(ranks), jnp.stack(cutoffs)))):
+            h, tot = recall_counts(r, c, arr["teacher_ranks"], arr["teacher_cutoffs"], q,
+                                   sinks=kv.sinks, window=kv.window)
+            hits[name] = hits.get(name, 0) + np.asarray(h)[:, 0]
+        total = total + np.asarray(tot)[:, 0]
+    bar.close()
+    total = np.maximum(total, 1)
+    return hits["export"] / total, hits["conditional"] / total
+
+
 def explained_share(y: np.ndarray, groups: Sequence) -> float:
     """R^2 of predicting y by the mean of its group: 1 - var(y - group mean) / var(y)."""
     y = np.asarray(y, np.float64)
@@ -363,6 +423,29 @@ def noise(args) -> None:
                   f"pair {r['pair']:.2f}, position {r['position']:.2f}, id+position {r['token_position']:.2f}; "
                   f"rank corr(priority, teacher's) {r['corr']:.2f}, corr(t, target) {r['corr_position']:.2f}",
                   flush=True)
+
+
+def ceiling(args) -> None:
+    for path in args.exports:
+        config, params = load_pretrained(path)
+        config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget, config.head_dim))
+        tokenizer = checkpoint_tokenizer(path)
+        ids = np.asarray([tokenizer(ex["text"])["input_ids"][: args.prompt_len] for ex in _problems(args)], np.int32)
+
+        def draw(row: int, c: int, j: int) -> list[int]:  # problem `row` up to token c, then a fresh future
+            future_seed = int(np.random.SeedSequence([args.seed, row, c, j]).generate_state(1)[0])
+            ex = generate_example(example_seed(args.seed, "test", row), task=args.task, seq_len=args.prompt_len,
+                                  resample=(c, future_seed))
+            return tokenizer(ex["text"])["input_ids"][: args.prompt_len]
+
+        export, conditional = ceiling_recall(config, params, ids, draw, futures=args.futures,
+                                             cut_step=args.cut_step, seed=args.seed, progress=True)
+        queries = min(64, ids.shape[1] - config.kvpop.budget)
+        print(f"{path}: teacher-retention recall per [layer, kv head] at B {args.budget} (k {config.kvpop.topk}), "
+              f"{args.problems} {args.task} prompts, {queries} saturated queries each")
+        print(f"  the export                              : {export.round(3).tolist()}  mean {export.mean():.3f}")
+        print(f"  mean log-target over {args.futures:3d} drawn futures: {conditional.round(3).tolist()}  "
+              f"mean {conditional.mean():.3f}  (cut every {args.cut_step} tokens)", flush=True)
 
 
 def margin(args) -> None:
@@ -697,7 +780,8 @@ def parks(args) -> None:
 
 
 DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "rank": rank, "probe": probe,
-               "learn": learn, "shift": shift, "margin": margin, "reads": reads, "parks": parks, "noise": noise}
+               "learn": learn, "shift": shift, "margin": margin, "reads": reads, "parks": parks, "noise": noise,
+               "ceiling": ceiling}
 
 
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
@@ -706,7 +790,8 @@ TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # 
 def check_args(args) -> None:
     """Bad values refused by name before anything loads: counts, the budget against s + w, and
     --layer / --kv_head against the models' config.json (an export for the export diagnostics)."""
-    for name, low in (("problems", 1), ("steps", 0), ("sinks", 0), ("window", 0), ("seed", 0)):
+    for name, low in (("problems", 1), ("steps", 0), ("sinks", 0), ("window", 0), ("seed", 0), ("futures", 1),
+                      ("cut_step", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     shortest = min_seq_len(args.task)
@@ -732,9 +817,9 @@ def check_args(args) -> None:
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
         if not uses_teacher:
             topk = config.kvpop.retarget(args.budget, config.head_dim).topk  # --budget below s + w + state: named there
-            if args.what == "noise" and topk < 1:
-                raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): noise "
-                                 "measures the recall of the k long-range slots")
+            if args.what in ("noise", "ceiling") and topk < 1:
+                raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): "
+                                 f"{args.what} measures the recall of the k long-range slots")
         if not 0 <= args.layer < config.num_hidden_layers:
             raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
         if not 0 <= args.kv_head < config.num_key_value_heads:
@@ -778,6 +863,11 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--older_first", type=float, default=0.0,
                         help="noise: also the recall of keeping the oldest tokens, and of the export's priority "
                              "minus this many nats per token of position (a probe; 0: off)")
+    parser.add_argument("--futures", type=int, default=8,
+                        help="ceiling: continuations drawn per cut (the Monte-Carlo sample of the mean)")
+    parser.add_argument("--cut_step", type=int, default=16,
+                        help="ceiling: tokens between cuts (a cut's scores see up to this many - 1 tokens past "
+                             "leave time)")
     parser.add_argument("--sigmas", default="0.1,0.25,0.5,1,2",
                         help="noise: comma-separated noise levels (nats) added to the teacher's log-target")
     args = parser.parse_args(argv)

@@ -253,3 +253,21 @@ def test_demo_cli_prints_the_main_task_and_refuses_bad_values(capsys, tmp_path):
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_resample_keeps_the_prefix_and_draws_a_fresh_future():
+    """generate_example(resample=(c, seed')): the trace's own first c tokens, then a future from seed'
+    (the same for the same seed', different for another), as long; c past the prompt gives the trace itself."""
+    tok = build_tokenizer()
+    ids = lambda ex: tok(ex["prompt"])["input_ids"]  # noqa: E731
+    seed = dt.example_seed(0, "test", 2)
+    base = dt.generate_example(seed, task="reuse", seq_len=1024)
+    assert dt.generate_example(seed, task="reuse", seq_len=1024, resample=(2000, 5))["prompt"] == base["prompt"]
+    for c in (50, 400, 900):
+        a = dt.generate_example(seed, task="reuse", seq_len=1024, resample=(c, 1))
+        b = dt.generate_example(seed, task="reuse", seq_len=1024, resample=(c, 2))
+        assert a["prompt"] == dt.generate_example(seed, task="reuse", seq_len=1024, resample=(c, 1))["prompt"]
+        assert a["prompt"] != b["prompt"]
+        for other in (a, b):
+            assert len(ids(other)) == len(ids(base)) == 1024
+            assert ids(other)[:c] == ids(base)[:c] and ids(other) != ids(base)

@@ -332,6 +332,9 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
         (["noise", "--older_first", "-0.1"], r"--older_first must be finite and >= 0 \(nats per token\), got -0.1"),
         (["noise", "--sigmas", "abc"], "--sigmas must be comma-separated numbers, got 'abc'"),
         (["noise", "--budget", "53"], r"--budget 53 leaves no long-range slot in 'checkpoints/demo-kvpop-mlstm' \(k = 0\)"),
+        (["ceiling", "--budget", "53"], r"--budget 53 leaves no long-range slot .* ceiling measures"),
+        (["ceiling", "--futures", "0"], "--futures must be >= 1, got 0"),
+        (["ceiling", "--cut_step", "0"], "--cut_step must be >= 1, got 0"),
     ):
         with pytest.raises(ValueError, match=message):
             diagnose.main(base + argv)  # argparse: the later --exports wins
@@ -379,6 +382,62 @@ def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(
             hits[layer] += teacher[:, :, s_: s_ + k].sum((1, 2))
             tot[layer] += teacher.sum((1, 2))
     np.testing.assert_allclose(position["oldest first"], hits / tot)
+
+
+def test_ceiling_recall_is_one_when_the_future_is_known_and_falls_when_it_is_drawn(rng, tmp_path):
+    """`diagnose ceiling` (random retrofitted model, fresh random tokens): with draws that are the row
+    itself the mean log-target is the target, so the policy recalls every teacher token; with a
+    random future after each cut it recalls fewer, and more with the future known from a later cut;
+    the export's column is `run_recall`'s; a draw that changes the past is refused. Brute force: the
+    score of token t at cut_step 7 is the mean over the draws at the first cut c >= t + w + 1."""
+    import dataclasses
+
+    from eval.diagnose import ceiling_recall
+    from eval.recall import run_recall
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=6, scorer="mlp", normalizer="dense"))
+    params = retrofit_params(config, init_params(base, jax.random.key(7)), jax.random.key(8))
+    ids = rng.integers(0, base.vocab_size, size=(3, 60)).astype(np.int32)
+    known = lambda row, c, j: ids[row]  # noqa: E731
+    export, conditional = ceiling_recall(config, params, ids, known, futures=2, cut_step=5, seed=3, num_queries=8)
+    np.testing.assert_array_equal(conditional, 1.0)
+    reference = run_recall((config, params), ids, num_queries=8, seed=3, out_dir=str(tmp_path), progress=False)
+    np.testing.assert_allclose(export, reference.recall)
+
+    def random_future(row, c, j):
+        out = ids[row].copy()
+        out[c:] = np.random.default_rng([row, c, j]).integers(0, base.vocab_size, size=60 - c)
+        return out
+
+    _, drawn = ceiling_recall(config, params, ids, random_future, futures=4, cut_step=7, seed=3, num_queries=8)
+    assert drawn.mean() < 0.95
+    _, coarse = ceiling_recall(config, params, ids, random_future, futures=4, cut_step=30, seed=3, num_queries=8)
+    assert coarse.mean() > drawn.mean()  # the future known further past leave time
+    with pytest.raises(ValueError, match=r"must return 60 tokens starting with the row's first"):
+        ceiling_recall(config, params, ids, lambda row, c, j: ids[(row + 1) % 3], futures=1, cut_step=20, seed=3)
+
+    # brute force of the drawn policy's scores, row 0, through the same recall counting
+    from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
+    from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    q = jnp.asarray(sample_saturated_queries(np.random.default_rng(3), 3, seq_len=60, budget=kv.budget, num=8)[:1])
+    arr = policy_arrays(model, params, jnp.asarray(ids[:1]), q)
+    score = np.zeros((config.num_hidden_layers, config.num_key_value_heads, 60), np.float32)
+    for t in range(60 - kv.window):
+        c = next(c for c in (7, 14, 21, 28, 35, 42, 49, 56, 60) if c >= t + kv.window + 1)
+        draws = np.stack([random_future(0, c, j) for j in range(4)])
+        tg = np.asarray(policy_arrays(model, params, jnp.asarray(draws), jnp.repeat(q, 4, 0))["target"])
+        score[:, :, t] = tg[:, :, :, t].mean(1)
+    ranks = jnp.stack([ranks_from_priority(static_priority(jnp.asarray(score[layer][None]), arr["log_gamma"][layer]))
+                       for layer in range(config.num_hidden_layers)])
+    cutoffs = jnp.stack([running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk) for r in ranks])
+    h, tot = recall_counts(ranks, cutoffs, arr["teacher_ranks"], arr["teacher_cutoffs"], q, sinks=kv.sinks,
+                           window=kv.window)
+    _, row0 = ceiling_recall(config, params, ids[:1], random_future, futures=4, cut_step=7, seed=3, num_queries=8)
+    np.testing.assert_allclose(row0, np.asarray(h)[:, 0] / np.maximum(np.asarray(tot)[:, 0], 1))
 
 
 def test_explained_share_equals_a_loop_over_groups(rng):
