@@ -253,6 +253,9 @@ class KVpopConfig:
     target_head_samples: int = 0  # + per head, the leave times of the target's top tokens (not in the paper)
     listwise_queries: int = 0  # + at this many of the sampled queries, a listwise KL over E(q) (not in the paper)
     listwise_temperature: float = 0.25  # its τ
+    # + this weight times the squared error of the raw score against the log-target over every token that
+    # competes (losses.regression_loss; not in the paper): fits the ranking below the top, for recall
+    regression_weight: float = 0.0
     kl_topk: int = 256  # teacher top-k logits for distillation
     kl_temperature: float = 1.0
     retention_loss_weight: float = 1.0
@@ -262,8 +265,9 @@ class KVpopConfig:
             value = getattr(self, f.name)
             if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
-        if self.retention_loss_weight < 0:
-            raise ValueError(f"KVpopConfig.retention_loss_weight must be >= 0, got {self.retention_loss_weight!r}")
+        for name in ("retention_loss_weight", "regression_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KVpopConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
                      "listwise_queries"):
             value = getattr(self, name)
@@ -394,7 +398,7 @@ class KVpopConfig:
                      "tau_omega", "balance_weighting", "balance_min", "balance_max", "eps", "aggregate",
                      "count_normalize", "normalizer", "target_reduce", "target_lookahead", "num_query_samples",
                      "late_bias_fraction", "rank_pairs", "rank_partners", "keepset_queries", "target_head_samples",
-                     "listwise_queries", "listwise_temperature", "kl_topk", "kl_temperature",
+                     "listwise_queries", "listwise_temperature", "regression_weight", "kl_topk", "kl_temperature",
                      "retention_loss_weight")
 
     def for_decoding(self) -> "KVpopConfig":

@@ -278,6 +278,10 @@ def retention_objective(
             temperature=c.listwise_temperature)
         loss = loss + list_loss
         metrics.update(list_metrics)
+    if c.regression_weight:
+        reg_loss, reg_metrics = losses.regression_loss(scores, target, sinks=c.sinks, window=c.window)
+        loss = loss + c.regression_weight * reg_loss
+        metrics.update(reg_metrics)
     metrics["teacher_recall"] = teacher_recall(
         ranks, cutoffs, t_ranks, t_cutoffs, q_idx[:, :RECALL_QUERIES], sinks=c.sinks, window=c.window
     )

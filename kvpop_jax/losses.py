@@ -390,6 +390,45 @@ def listwise_retention_loss(
     return loss, {"listwise_top1": jax.lax.stop_gradient(jnp.sum((valid & top1).astype(jnp.float32)) / denom)}
 
 
+def regression_loss(
+    scores: jax.Array,
+    target_scores: jax.Array,
+    *,
+    sinks: int,
+    window: int,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Squared error of the raw scores against the log-target, per token, up to a constant (not in the paper).
+
+    Why: the teacher-retention recall (Fig. 7) asks the student's whole ranking of E(q) to match the
+    target's, down to the k-th token, where at CR 75% the kept set is mostly tokens whose target
+    depends on what comes later. The best a scorer can do there, knowing only what it sees when the
+    token leaves the window, is the conditional mean of the log-target; squared error is the loss
+    whose minimum is that mean. The boundary, pair and listwise losses rank the top; this one fits
+    the rest. Both sides are centred per (row, head) over the tokens that compete, so only the
+    ranking counts (the log-target sits near log ε ≈ -13 for most tokens, a level the score's bias
+    would otherwise spend training on), and both are raw scores: Eq. 20's decay `-t log γ` is the
+    same on each.
+
+    Args:
+      scores, target_scores: float [B, H, S]; the loss covers every token that ever competes for
+        the long-range budget, s <= t <= S - 1 - w (Eq. 4).
+      sinks, window: s and w.
+
+    Returns:
+      (loss, metrics): the float32 mean over (row, head, token) of ((r̂ - mean r̂) - (r - mean r))²,
+      0 when no token competes; metrics: `regression_rmse`, its square root.
+    """
+    seq_len = scores.shape[-1]
+    t = jnp.arange(seq_len)
+    competes = (t >= sinks) & (t <= seq_len - 1 - window)
+    n = jnp.maximum(jnp.sum(competes).astype(jnp.float32), 1.0)
+    err = jnp.where(competes, scores.astype(jnp.float32) - jax.lax.stop_gradient(target_scores.astype(jnp.float32)),
+                    0.0)
+    err = jnp.where(competes, err - jnp.sum(err, -1, keepdims=True) / n, 0.0)
+    loss = jnp.sum(err * err) / (n * err.shape[0] * err.shape[1])
+    return loss, {"regression_rmse": jax.lax.stop_gradient(jnp.sqrt(loss))}
+
+
 def boundary_auc(margin: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
     """Ranking quality at the boundary: the probability that a token the teacher keeps gets a larger
     student margin r̂_new(q) − r̂_bnd(q) than one it drops (ties count 1/2), over all (keep, drop)

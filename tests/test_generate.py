@@ -174,7 +174,7 @@ def test_training_only_knobs_do_not_change_decoding(rng):
         balance_min=0.5, balance_max=2.0, eps=1e-3, aggregate="mean", count_normalize=False, normalizer="dense",
         target_reduce="max", target_lookahead=5, num_query_samples=7, late_bias_fraction=0.2, rank_pairs=3,
         rank_partners="similar", keepset_queries=2, target_head_samples=1, listwise_queries=2,
-        listwise_temperature=0.5, kl_topk=5, kl_temperature=2.0, retention_loss_weight=3.0)
+        listwise_temperature=0.5, regression_weight=0.5, kl_topk=5, kl_temperature=2.0, retention_loss_weight=3.0)
     decoding = trained.for_decoding()
     defaults = KVpopConfig()
     for name in KVpopConfig.TRAINING_ONLY:

@@ -129,15 +129,16 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
 
 @pytest.mark.long
 def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
-    """retention_labels="soft", rank_pairs, target_head_samples and listwise_queries (training options, not in
-    the paper): each layer's loss is the soft-label boundary loss at the shared + per-head queries plus the
-    pairwise ranking loss plus the listwise fit at the first queries, rebuilt here from the layer's own scores, target and boundary; only scorer and decay
-    receive its gradient."""
+    """retention_labels="soft", rank_pairs, target_head_samples, listwise_queries and regression_weight (training
+    options, not in the paper): each layer's loss is the soft-label boundary loss at the shared + per-head queries
+    plus the pairwise ranking loss plus the listwise fit at the first queries plus the weighted squared-error fit,
+    rebuilt here from the layer's own scores, target and boundary; only scorer and decay receive its gradient."""
     from kvpop_jax import losses
 
     s = 48
     kv = KVpopConfig(sinks=2, window=4, topk=6, scorer="mlstm", mlstm_chunk=8, retention_labels="soft",
-                     rank_pairs=3, target_head_samples=5, listwise_queries=4, listwise_temperature=0.7)
+                     rank_pairs=3, target_head_samples=5, listwise_queries=4, listwise_temperature=0.7,
+                     regression_weight=0.3)
     _, config, params = _models(kv, rng)
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
     q_idx = jnp.asarray(rng.integers(kv.budget, s, size=(2, 8)))
@@ -156,10 +157,12 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
                                             window=kv.window, **knobs)
         listwise, _ = losses.listwise_retention_loss(layer["scores"], layer["log_gamma"], layer["target"], q_idx[:, :4],
                                                      sinks=kv.sinks, window=kv.window, temperature=0.7)
-        np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair + listwise), rtol=1e-5)
-        assert float(pair) > 0 and float(listwise) > 0
+        regression, _ = losses.regression_loss(layer["scores"], layer["target"], sinks=kv.sinks, window=kv.window)
+        np.testing.assert_allclose(float(layer["retention_loss"]), float(want + pair + listwise + 0.3 * regression),
+                                   rtol=1e-5)
+        assert float(pair) > 0 and float(listwise) > 0 and float(regression) > 0
     plain = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=dataclasses.replace(
-        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0, listwise_queries=0)))
+        kv, retention_labels="hard", rank_pairs=0, target_head_samples=0, listwise_queries=0, regression_weight=0.0)))
     assert float(plain.apply({"params": params}, ids, query_samples=q_idx).aux["retention_loss"]) != \
         pytest.approx(float(out.aux["retention_loss"]))
     grads = traverse_util.flatten_dict(jax.grad(
@@ -173,6 +176,7 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
     ("listwise_queries", -1, "listwise_queries must be an int >= 0, got -1"),
     ("keepset_queries", 2.5, "keepset_queries must be an int >= 0, got 2.5"),
     ("listwise_temperature", 0.0, "listwise_temperature must be > 0, got 0.0"),
+    ("regression_weight", -0.5, "regression_weight must be >= 0, got -0.5"),
 ])
 def test_retention_options_refuse_bad_values_by_name(field, value, message):
     """A typo in a retention option is refused with its name and value, not run as the default."""

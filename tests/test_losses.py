@@ -472,3 +472,35 @@ def test_listwise_retention_loss_matches_python_loop_and_is_zero_at_the_target(r
     assert abs(float(same)) < 1e-5 and float(loss) > 1e-2
     with pytest.raises(ValueError, match="temperature must be > 0"):
         losses.listwise_retention_loss(scores, log_gamma, target, q_idx, sinks=sinks, window=w, temperature=0.0)
+
+
+def test_regression_loss_matches_python_loop_and_fits_every_competing_token(rng):
+    """Mean over (row, head, s <= t <= S - 1 - w) of the squared difference of score and target, each
+    centred over those tokens, by loops; tokens that never compete (sinks, the last w) are left out and
+    a constant per (row, head) changes nothing; the gradient reaches no target; zero at the target up
+    to a constant; 0 when no token competes."""
+    scores, _, target, _, _ = _random_problem(rng)
+    sinks, w = 2, 5
+    loss, metrics = losses.regression_loss(scores, target, sinks=sinks, window=w)
+    errs = []
+    for b in range(B):
+        for h in range(H):
+            d = scores[b, h, sinks:S - w].astype(np.float64) - target[b, h, sinks:S - w]
+            errs += list((d - d.mean()) ** 2)
+    np.testing.assert_allclose(float(loss), np.mean(errs), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["regression_rmse"]), np.sqrt(np.mean(errs)), rtol=1e-5)
+    moved = scores + rng.normal(size=(B, H, 1)).astype(np.float32) * 3
+    moved[..., :sinks] += 7.0
+    moved[..., S - w:] -= 5.0
+    np.testing.assert_allclose(float(losses.regression_loss(moved, target, sinks=sinks, window=w)[0]), float(loss),
+                               rtol=1e-5)
+    g_s, g_t = jax.grad(lambda a, b: losses.regression_loss(a, b, sinks=sinks, window=w)[0], argnums=(0, 1))(
+        jnp.asarray(scores), jnp.asarray(target))
+    competes = (np.arange(S) >= sinks) & (np.arange(S) <= S - 1 - w)
+    d = np.where(competes, scores - target, 0.0)
+    d = np.where(competes, d - d.sum(-1, keepdims=True) / competes.sum(), 0.0)
+    np.testing.assert_allclose(np.asarray(g_s), 2 * d / len(errs), rtol=1e-4, atol=1e-7)
+    assert not np.any(np.asarray(g_t))
+    assert float(losses.regression_loss(target + 4.0, target, sinks=sinks, window=w)[0]) < 1e-10 < float(loss)
+    nothing, _ = losses.regression_loss(scores, target, sinks=S, window=w)  # no token competes
+    assert float(nothing) == 0.0

@@ -59,6 +59,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             target_head_samples=f.target_head_samples, rank_pairs=f.rank_pairs, rank_partners=f.rank_partners,
             keepset_queries=f.keepset_queries,
             listwise_queries=f.listwise_queries, listwise_temperature=f.listwise_temperature,
+            regression_weight=f.regression_weight,
             kl_topk=f.kl_topk, kl_temperature=f.kl_temperature, retention_loss_weight=f.retention_loss_weight,
         )
     except ValueError as e:

@@ -85,6 +85,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "the student's over the target's softmax(priority / tau) over the eligible tokens "
                          "(not in the paper; 0 = off).", **d)
     flags.DEFINE_float("listwise_temperature", 0.25, "tau of --listwise_queries (small: the target's top).", **d)
+    flags.DEFINE_float("regression_weight", 0.0, "Weight of a squared-error fit of every competing token's raw "
+                       "score to its log-target, which ranks below the top (not in the paper; 0 = off).", **d)
     flags.DEFINE_float("retention_loss_weight", 1.0, "Weight of the retention loss.", **d)
     flags.DEFINE_integer("kl_topk", 256, "Teacher top-k logits for the KL.", **d)
     flags.DEFINE_float("kl_temperature", 1.0, "KL temperature.", **d)
