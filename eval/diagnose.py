@@ -1,7 +1,7 @@
 """`python -m eval.main diagnose <what>`: why a retrofit does or does not keep the demo's facts.
 
 Each diagnostic reads held-out demo problems (`demo/task.py`, test split) and prints one
-small table; each takes under a minute on CPU.
+small table; each takes under a minute on CPU but `ceiling` (about 5 minutes for 8 problems).
 
   keep    per layer / KV head: share of problems whose queried facts the trained policy keeps
           at the last prompt token, and the share its future-attention target's top-k holds
