@@ -322,10 +322,10 @@ def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, c
         predicted = np.zeros(np.asarray(arr["target"]).shape, np.float32)  # [L, 1, H, S]
         lo = 0
         for c in cuts:
-            drawn = np.stack([np.asarray(draw(row, c, j), np.int32) for j in range(futures)])
-            if drawn.shape != (futures, s) or not np.array_equal(drawn[:, :c], np.broadcast_to(ids_NxS[row, :c],
-                                                                                                 (futures, c))):
+            drawn = [np.asarray(draw(row, c, j), np.int32) for j in range(futures)]
+            if any(d.shape != (s,) or not np.array_equal(d[:c], ids_NxS[row, :c]) for d in drawn):
                 raise ValueError(f"draw(row={row}, c={c}, j) must return {s} tokens starting with the row's first {c}")
+            drawn = np.stack(drawn)
             hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
             target = np.asarray(policy_arrays(model, params, jnp.asarray(drawn),
                                               jnp.asarray(np.repeat(q_idx[row: row + 1], futures, 0)))["target"])

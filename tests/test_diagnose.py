@@ -418,6 +418,8 @@ def test_ceiling_recall_is_one_when_the_future_is_known_and_falls_when_it_is_dra
     assert coarse.mean() > drawn.mean()  # the future known further past leave time
     with pytest.raises(ValueError, match=r"must return 60 tokens starting with the row's first"):
         ceiling_recall(config, params, ids, lambda row, c, j: ids[(row + 1) % 3], futures=1, cut_step=20, seed=3)
+    with pytest.raises(ValueError, match=r"must return 60 tokens"):
+        ceiling_recall(config, params, ids, lambda row, c, j: ids[row, :59 - j], futures=2, cut_step=20, seed=3)
 
     # brute force of the drawn policy's scores, row 0, through the same recall counting
     from eval.recall import policy_arrays, recall_counts, sample_saturated_queries

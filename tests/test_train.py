@@ -322,17 +322,20 @@ def test_divergence_stops_the_run_naming_step_and_term(tmp_path, arch):
     assert [m["step"] for m in _metrics(run)] == [1, 2]
 
 
-def test_pair_accuracy_is_logged_only_with_ranking_pairs(tmp_path, arch):
+def test_pair_accuracy_and_regression_rmse_are_logged_only_with_their_losses(tmp_path, arch):
     from train import step as st
     from train.setup import step_config
 
     run = str(tmp_path / "run")
-    train(parse(tiny_flags(run, arch, rank_pairs=2, steps=2, checkpoint_every=2, export=False)))
+    train(parse(tiny_flags(run, arch, rank_pairs=2, regression_weight=0.5, steps=2, checkpoint_every=2,
+                           export=False)))
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0.0 <= m["pair_accuracy"] <= 1.0 for m in metrics)
+    assert all(0.0 < m["regression_rmse"] < 100.0 for m in metrics)
     plain = parse(tiny_flags(run, arch))
-    assert "pair_accuracy" not in st.metric_keys(step_config(plain, load_model_config(plain)))
+    keys = st.metric_keys(step_config(plain, load_model_config(plain)))
+    assert "pair_accuracy" not in keys and "regression_rmse" not in keys
 
 
 # ------------------------------------------------------------------------------ end to end (subprocesses)

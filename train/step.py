@@ -48,9 +48,13 @@ METRIC_KEYS = ("loss", "kl", "retention_loss", "boundary_accuracy", "boundary_au
 
 def metric_keys(sc: "StepConfig") -> tuple[str, ...]:
     """The step's scalar metrics: METRIC_KEYS, plus `pair_accuracy` (the share of ranking pairs
-    the scorer orders as the target does) when the retention loss has ranking pairs."""
+    the scorer orders as the target does) when the retention loss has ranking pairs, and
+    `regression_rmse` (the squared-error fit's root mean, in nats) when it has that fit."""
     kv = sc.model.kvpop
-    return METRIC_KEYS + (("pair_accuracy",) if kv is not None and kv.topk > 0 and kv.rank_pairs else ())
+    if kv is None or kv.topk == 0:
+        return METRIC_KEYS
+    return METRIC_KEYS + (("pair_accuracy",) if kv.rank_pairs else ()) + \
+        (("regression_rmse",) if kv.regression_weight else ())
 
 
 @flax.struct.dataclass
