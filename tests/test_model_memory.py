@@ -200,6 +200,7 @@ SHARDED_KERNELS_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.long
 def test_pallas_kernels_under_shard_map_equal_unsharded(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))

@@ -142,6 +142,7 @@ def test_recall_accuracy_counts_the_recalled_values_a_model_predicts():
         assert len(hits) == 27 and got == pytest.approx(np.mean(hits)) and lo <= got <= hi
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("seed", [0, 1])
 def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
     from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
@@ -172,6 +173,7 @@ def test_planted_lookup_circuit_retrieves_digits_before_training(seed):
         assert (np.mean(right) == 1.0) if expect_all else (np.mean(right) < 0.5), (expect_all, right)
 
 
+@pytest.mark.long
 def test_train_checkpoint_resume_export(tmp_path):
     cfg = tiny_config(tmp_path)
     state, records = train(cfg, progress=False)

@@ -174,6 +174,7 @@ FLAGS = ["--run_dir={tmp}/run", "--model_config={tmp}/arch.json", "--dry_run", "
          "--remat=full", "--loss_chunk=32", "--mesh_data=2", "--mesh_fsdp=2", "--mesh_tensor=2"]
 
 
+@pytest.mark.long
 def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path):
     (tmp_path / "arch.json").write_text(json.dumps(ARCH))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
