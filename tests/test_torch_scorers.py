@@ -16,9 +16,6 @@ from kvpop_torch.config import KVpopSettings
 from kvpop_torch.scorers import KVpopHead
 
 HKV, D = 2, 16
-# What serving never reads (initialization and the training losses, targets and sampler) is the
-# config's own list; test_generate checks that none of it changes a decode.
-TRAINING_ONLY = set(KVpopConfig.TRAINING_ONLY)
 SCORERS = [
     dict(scorer="linear"),
     dict(scorer="mlp", scorer_hidden=8),
@@ -32,7 +29,8 @@ SCORERS = [
 def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
     jax_fields = {f.name: f.default for f in dataclasses.fields(KVpopConfig)}
     torch_fields = {f.name: f.default for f in dataclasses.fields(KVpopSettings)}
-    assert set(jax_fields) == set(torch_fields) | TRAINING_ONLY
+    # What serving never reads is the config's own list; test_generate checks none of it changes a decode.
+    assert set(jax_fields) == set(torch_fields) | set(KVpopConfig.TRAINING_ONLY)
     assert {n: jax_fields[n] for n in torch_fields} == torch_fields
     kv = KVpopConfig(sinks=1, window=2, topk=3, scorer="mlstm", mlstm_dim=8, mlstm_skip=True, gamma_min=0.9)
     settings = KVpopSettings.from_dict(kv.to_dict())
