@@ -73,7 +73,8 @@ def _evictions(model: Qwen3ForCausalLM, params, ids_BxS) -> jax.Array:
 
 
 def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int | None = None,
-                     out_dir: str | os.PathLike, batch: int = 4, dtype=jnp.float32) -> DMSPatternsResult:
+                     out_dir: str | os.PathLike, batch: int = 4, dtype=jnp.float32,
+                     rows: str = "stream") -> DMSPatternsResult:
     """Eviction ratio and occupancy per layer and KV head of a DMS export.
 
     Args:
@@ -81,12 +82,15 @@ def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int |
       data: token ids [N, S] or a dataset `eval.recall.load_rows` reads.
       seq_len: tokens per row (required for a dataset; default: the rows' length).
       batch: rows per forward.
+      rows: how a dataset's documents become rows (`eval.recall.load_rows`): "stream" (concatenated,
+        cut into rows of seq_len) or "documents" (one row per document, its first seq_len tokens: the
+        demo's prompts as they are run).
     """
     config, params = load_model(checkpoint, dtype=dtype)
     if config.dms is None:
         raise ValueError("this analysis needs a DMS export (config.json with a 'dms' entry)")
     ids, _ = load_rows(data, seq_len=seq_len, num_sequences=num_sequences,
-                       tokenizer=checkpoint_tokenizer(checkpoint))
+                       tokenizer=checkpoint_tokenizer(checkpoint), rows=rows)
     window = config.dms.window
     if ids.shape[1] <= window:
         raise ValueError(f"rows of {ids.shape[1]} tokens never leave the DMS window w = {window}")
@@ -98,7 +102,7 @@ def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int |
     occupancy = np.moveaxis(stats["occupancy"], 1, 0)
     s = ids.shape[1]
     settings = dict(date=timestamp(), checkpoint=checkpoint if isinstance(checkpoint, (str, os.PathLike)) else
-                    "in-memory", rows=int(len(ids)), seq_len=int(s), window=window, budget=config.dms.budget,
+                    "in-memory", rows=int(len(ids)), row_source=rows, seq_len=int(s), window=window, budget=config.dms.budget,
                     target_eviction=config.dms.target_eviction, num_layers=config.num_hidden_layers,
                     num_kv_heads=config.num_key_value_heads)
     result = DMSPatternsResult(ratio=ratio, ratio_median=np.median(ratio, axis=0), occupancy=occupancy,
@@ -131,7 +135,7 @@ def dms_patterns_markdown(result: DMSPatternsResult) -> str:
     occ = result.occupancy
     lines = [
         "# DMS eviction patterns\n",
-        f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['rows']} rows of {st['seq_len']} tokens · window "
+        f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['rows']} rows of {st['seq_len']} tokens ({st.get('row_source', 'stream')}) · window "
         f"w = {st['window']}, memory {st['budget']} entries per KV head, target eviction rate "
         f"{st['target_eviction']:.3f}\n",
         f"Hard decisions: {result.eviction_rate:.3f} of the decided tokens are marked for eviction. Entries per KV "

@@ -184,6 +184,9 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     src.add_argument("--data", help="DMS only: rows of a dataset (JSONL of ids or text), the median over rows")
     parser.add_argument("--num_sequences", type=int, default=100, help="--data: rows")
     parser.add_argument("--seq_len", type=int, default=None, help="--data: tokens per row")
+    parser.add_argument("--rows", default="stream", choices=ROWS,
+                        help="--data: stream (documents concatenated and cut into rows) or documents (one row per "
+                             "document of >= seq_len tokens, its first seq_len: problems as they are run)")
     parser.add_argument("--last_n", type=int, default=112)
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args(argv)
@@ -201,7 +204,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
             text = open(args.text_file).read() if args.text_file else args.text
             data = np.asarray([tokenizer(text)["input_ids"]])
         run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
-                         out_dir=args.out_dir)
+                         out_dir=args.out_dir, rows=args.rows)
         print(open(f"{args.out_dir}/dms_patterns.md").read())
         return
     if args.data:

@@ -310,6 +310,31 @@ def test_dms_patterns_match_the_decode_cache(dms_checkpoint, tmp_path):
         run_dms_patterns(dms_checkpoint, ids[:, :4], out_dir=tmp_path / "short")
 
 
+def test_dms_patterns_read_document_rows(dms_checkpoint, tmp_path, capsys):
+    """rows="documents" (what the main job passes for its held-out prompts): each row is one document's
+    first seq_len tokens, the same result as those rows given directly; the stream cuts across them."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, BASE.vocab_size, size=n).tolist() for n in (SEQ + 5, SEQ - 2, SEQ + 9)]
+    id_file = tmp_path / "ids.jsonl"
+    id_file.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    by_docs = run_dms_patterns(dms_checkpoint, str(id_file), num_sequences=2, seq_len=SEQ, rows="documents",
+                               out_dir=tmp_path / "docs", batch=2)
+    direct = run_dms_patterns(dms_checkpoint, np.array([docs[0][:SEQ], docs[2][:SEQ]]), out_dir=tmp_path / "direct",
+                              batch=2)
+    np.testing.assert_array_equal(by_docs.occupancy, direct.occupancy)
+    assert by_docs.settings["row_source"] == "documents"
+    assert f"2 rows of {SEQ} tokens (documents)" in open(by_docs.files["md"]).read()
+    stream = run_dms_patterns(dms_checkpoint, str(id_file), num_sequences=2, seq_len=SEQ, out_dir=tmp_path / "stream",
+                              batch=2)
+    assert not np.array_equal(stream.occupancy, by_docs.occupancy)
+    from eval.main import cmd_patterns
+    cmd_patterns(["--checkpoint", dms_checkpoint, "--data", str(id_file), "--num_sequences", "2", "--seq_len",
+                  str(SEQ), "--rows", "documents", "--out_dir", str(tmp_path / "cli")])
+    assert "(documents)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="rows must be one of"):
+        run_dms_patterns(dms_checkpoint, str(id_file), seq_len=SEQ, rows="problems", out_dir=tmp_path / "bad")
+
+
 def test_patterns_command_on_a_dms_export(dms_checkpoint, tmp_path, capsys):
     from eval.main import cmd_patterns
 

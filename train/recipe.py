@@ -204,7 +204,7 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
     dms_stats = None
     if "dms" in ev.methods and "dms" in exports and ev.recall_sequences:
         dms_stats = run_dms_patterns(exports["dms"], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
-                                     out_dir=os.path.join(out, "dms_patterns"))
+                                     out_dir=os.path.join(out, "dms_patterns"), rows="documents")
     plot_training(cfg, list(exports), os.path.join(out, "training.png"))
     summary = write_summary(cfg, results, recall, long_rows, budgets, os.path.join(out, "summary.md"),
                             dms_stats=dms_stats)
