@@ -238,7 +238,7 @@ def _answer_atoms(value: int, answer_format: str) -> list[str]:
 
 def generate_example(seed, *, difficulty: str | None = None, task: str | None = None,
                      config: DemoTaskConfig | None = None, resample: tuple[int, int] | None = None,
-                     **overrides) -> dict:
+                     replan: bool = False, **overrides) -> dict:
     """One trace. `seed`: int, tuple of ints (see `example_seed`) or np.random.Generator.
 
     `resample=(position, future_seed)`: the same trace up to `position`, then a fresh future. Every
@@ -246,7 +246,12 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
     kept (and up to a line more); every later random choice is drawn from `future_seed`. The plan
     made before `position` stays: which facts the question asks, where the remaining marked
     bindings go, when the facts already made are recalled. A draw of the future given the past (and
-    that plan), for `eval.diagnose ceiling`.
+    that plan), for `eval.diagnose ceiling`. With `replan`, the parts of the plan the first `position`
+    tokens say nothing about are drawn afresh too, from their distribution given those tokens: which
+    facts the question asks, the values of the marked bindings still to come, and the recalls still to
+    come (each fact's recall spots are independent uniform draws, so those not yet reached are uniform
+    between `position` and the end of the fact's range). Still kept: where the remaining marked
+    bindings go and which names are marked.
 
     Returns dict(prompt, answer, text, meta): text = prompt + completion; answer is the
     integer answer as a string. meta holds token positions in the tokenized prompt (<bos> = 0):
@@ -286,9 +291,12 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
     due: list[tuple[int, int]] = []  # (body position from which a recall may come, fact index)
     last_reuse = int((1.0 - cfg.final_gap) * cfg.seq_len) - 1  # recalls end before this position
 
+    reuse_range: dict[int, tuple[int, int]] = {}  # fact index -> [first, end) of its recall spots
+
     def schedule_reuse(i: int, value_pos: int) -> None:
         first = value_pos + int(cfg.reuse_gap * cfg.seq_len)
-        spots = np.sort(rng.integers(first, max(first + 1, last_reuse - 2 * cfg.max_line_tokens), cfg.n_reuse))
+        reuse_range[i] = (first, max(first + 1, last_reuse - 2 * cfg.max_line_tokens))
+        spots = np.sort(rng.integers(*reuse_range[i], cfg.n_reuse))
         due.extend((int(p), i) for p in spots)
         due.sort()
 
@@ -325,6 +333,16 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
     while True:
         if resample is not None and 1 + len(body) >= resample[0]:
             rng = np.random.default_rng(resample[1])  # the closures above read `rng` when called
+            if replan:  # redraw what the past does not show: the question, future values, future recalls
+                queried = [int(i) for i in rng.choice(cfg.n_marked, cfg.n_query, replace=False)]
+                for i in range(next_marked, cfg.n_marked):
+                    marked_values[i] = int(rng.integers(0, 10))
+                    facts[i]["value"] = marked_values[i]
+                for i, f in enumerate(facts):
+                    f["queried"] = i in queried
+                cut = resample[0]
+                due = sorted((p, i) if p < cut else (int(rng.integers(max(cut, reuse_range[i][0]), max(
+                    cut + 1, reuse_range[i][1]))), i) for p, i in due)
             resample = None
         remaining = body_len - len(body)
         if pending is not None and delay == 0:
@@ -358,6 +376,10 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
         body += binding_line(min((body_len - len(body) - 1) // 2, cfg.max_bindings_per_line))
     body += ["\n"] * (body_len - len(body))
 
+    question = [ASK, " "]  # again: `replan` may have drawn another question (of the same length)
+    for i, q in enumerate(queried):
+        question += ([] if i == 0 else ["+"]) + [marked[q]]
+    question.append("\n")
     values = [marked_values[q] for q in queried]
     answer = sum(values) % 10
     completion: list[str] = []

@@ -48,7 +48,7 @@ small table; each takes under a minute on CPU but `ceiling` (about 5 minutes for
           per layer / KV head, at the saturated queries `noise` uses: the export's recall next to that of
           a policy ranking each token by its log-target averaged over `--futures` continuations of the
           prompt drawn from the task generator after each cut (`--cut_step` tokens apart; a cut sees
-          up to cut_step - 1 tokens more than the scorer, and the generator keeps its plan): the
+          up to cut_step - 1 tokens more than the scorer, and the generator keeps its plan unless `--replan`): the
           conditional mean a squared-error fit approaches, an estimate of the best a delayed scorer can do
   learn   can a scorer learn the cue at all? Trains a fresh scorer of the demo recipe's shape
           (`--scorer` mlstm or mlp, `--scorer_keys`, s, w of the flags) on one layer / KV head of the dense teacher
@@ -435,7 +435,7 @@ def ceiling(args) -> None:
         def draw(row: int, c: int, j: int) -> list[int]:  # problem `row` up to token c, then a fresh future
             future_seed = int(np.random.SeedSequence([args.seed, row, c, j]).generate_state(1)[0])
             ex = generate_example(example_seed(args.seed, "test", row), task=args.task, seq_len=args.prompt_len,
-                                  resample=(c, future_seed))
+                                  resample=(c, future_seed), replan=args.replan)
             return tokenizer(ex["text"])["input_ids"][: args.prompt_len]
 
         export, conditional = ceiling_recall(config, params, ids, draw, futures=args.futures,
@@ -445,7 +445,8 @@ def ceiling(args) -> None:
               f"{args.problems} {args.task} prompts, {queries} saturated queries each")
         print(f"  the export                              : {export.round(3).tolist()}  mean {export.mean():.3f}")
         print(f"  mean log-target over {args.futures:3d} drawn futures: {conditional.round(3).tolist()}  "
-              f"mean {conditional.mean():.3f}  (cut every {args.cut_step} tokens)", flush=True)
+              f"mean {conditional.mean():.3f}  (cut every {args.cut_step} tokens; "
+              f"{'plan redrawn where the prefix does not show it' if args.replan else 'the plan kept'})", flush=True)
 
 
 def margin(args) -> None:
@@ -868,6 +869,10 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--cut_step", type=int, default=16,
                         help="ceiling: tokens between cuts (a cut's scores see up to this many - 1 tokens past "
                              "leave time)")
+    parser.add_argument("--replan", action="store_true",
+                        help="ceiling: the drawn futures also redraw the parts of the generator's plan the prefix "
+                             "does not show (the question, marked values to come, recalls to come), so the mean "
+                             "conditions on the prefix alone, as a scorer must")
     parser.add_argument("--sigmas", default="0.1,0.25,0.5,1,2",
                         help="noise: comma-separated noise levels (nats) added to the teacher's log-target")
     args = parser.parse_args(argv)

@@ -271,3 +271,33 @@ def test_resample_keeps_the_prefix_and_draws_a_fresh_future():
         for other in (a, b):
             assert len(ids(other)) == len(ids(base)) == 1024
             assert ids(other)[:c] == ids(base)[:c] and ids(other) != ids(base)
+
+
+def test_replan_redraws_only_what_the_prefix_does_not_show():
+    """resample=(c, seed'), replan=True: the first c tokens and the recalls before c are the trace's own;
+    the question, the marked values still to come and the later recalls are drawn afresh (the question
+    changes for some seed', every draw is a consistent problem: its answer is its queried facts' sum)."""
+    tok = build_tokenizer()
+    seed = dt.example_seed(0, "test", 3)
+    base = dt.generate_example(seed, task="reuse", seq_len=1024)
+    base_ids = tok(base["prompt"])["input_ids"]
+    for c in (60, 500):
+        draws = [dt.generate_example(seed, task="reuse", seq_len=1024, resample=(c, j), replan=True) for j in range(12)]
+        for ex in draws:
+            ids = tok(ex["prompt"])["input_ids"]
+            assert len(ids) == 1024 and ids[:c] == base_ids[:c]
+            facts = ex["meta"]["facts"]
+            assert sum(f["queried"] for f in facts) == 2
+            assert int(ex["answer"]) == sum(f["value"] for f in facts if f["queried"]) % 10
+            for f, f0 in zip(facts, base["meta"]["facts"]):
+                assert [p for p in f["reuse_pos"] if p < c] == [p for p in f0["reuse_pos"] if p < c]
+                assert len(f["reuse_pos"]) == len(f0["reuse_pos"])
+                assert all(ids[p] == tok.convert_tokens_to_ids(str(f["value"])) for p in f["reuse_pos"])
+        questions = {ex["prompt"].rsplit("\n", 2)[-2] for ex in draws}
+        assert len(questions) > 1  # without replan the question is the trace's own
+        assert {ex["prompt"].rsplit("\n", 2)[-2] for ex in (
+            dt.generate_example(seed, task="reuse", seq_len=1024, resample=(c, j)) for j in range(4))} == {
+            base["prompt"].rsplit("\n", 2)[-2]}
+    late = [dt.generate_example(seed, task="reuse", seq_len=1024, resample=(60, j), replan=True)["meta"]["facts"]
+            for j in range(12)]
+    assert len({tuple(p for f in facts for p in f["reuse_pos"]) for facts in late}) > 1  # recalls redrawn
