@@ -1,0 +1,228 @@
+"""Can the shipped scorer's architecture reach the recall target when optimized for long? (stop 37)
+
+Freezes the shipped KVpop-mLSTM export's base model and decay, caches what its scorers read (the
+KVpop forward's keys, unrotated, and values per layer) and its own future-attention target on
+train-split reuse prompts, then trains a fresh scorer of the export's shape on them alone, for many
+more steps than the job can afford, by the centred squared-error fit (`--regression_weight`'s loss:
+its minimum is the conditional mean the ceiling ranks by) or the paper-style pieces are left out. Prints
+the teacher-retention recall (the job's definition: `eval.recall.recall_counts` at 64 sampled saturated
+queries per row) on validation prompts as training goes, next to the export's own.
+
+    python benchmarks/stop37/scorer_offline.py --train 128 --steps 4000 --budget 256
+
+A diagnosis of what the scorer can represent, not a training method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from demo.task import generate_dataset
+from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
+from kvpop_jax import load_pretrained
+from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.kvpop import KVpopHead
+from kvpop_jax.modeling import Attention, Qwen3ForCausalLM
+from kvpop_jax.rope import unrotate
+from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
+
+
+def cache_rows(config, params, ids, q_idx, batch=8):
+    """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs."""
+    model = Qwen3ForCausalLM(config)
+    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": []}
+    @jax.jit
+    def run(ids_b, q_b):
+        arr = policy_arrays(model, params, ids_b, q_b)
+        _, inter = model.apply({"params": params}, ids_b, capture_intermediates=lambda m, name: (
+            isinstance(m, Attention) and name == "project_qkv"), mutable=["intermediates"])
+        return arr, inter
+
+    for lo in range(0, len(ids), batch):
+        arr, inter = run(jnp.asarray(ids[lo:lo + batch]), jnp.asarray(q_idx[lo:lo + batch]))
+        ks, vs = [], []
+        for layer in range(config.num_hidden_layers):
+            _, k, v = inter["intermediates"][f"layers_{layer}"]["self_attn"]["project_qkv"][0]
+            ks.append(unrotate(k, jnp.arange(k.shape[1])[None], config.rope_theta)), vs.append(v)
+        out["k"].append(np.asarray(jnp.stack(ks, 1))), out["v"].append(np.asarray(jnp.stack(vs, 1)))
+        for key in ("target", "scores", "teacher_ranks", "teacher_cutoffs"):
+            out[key].append(np.asarray(jnp.moveaxis(arr[key], 0, 1)))  # [B, L, H, S]
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--export", default="checkpoints/demo-kvpop-mlstm")
+    ap.add_argument("--train", type=int, default=128)
+    ap.add_argument("--valid", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--seq_len", type=int, default=1024)
+    ap.add_argument("--eval_every", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=("scorer", "attn"), default="scorer",
+                    help="scorer: a fresh scorer of the export's shape; attn: a delayed softmax-attention reader "
+                         "(history + window with per-offset biases) and an MLP, far more expressive")
+    ap.add_argument("--heads", type=int, default=4, help="attn: reader heads of width 32")
+    ap.add_argument("--hidden", type=int, default=128, help="attn: MLP width")
+    ap.add_argument("--pos_bins", type=int, default=0,
+                    help="add a learned bias per head and position bin (of S / pos_bins tokens) to the scores: "
+                         "what absolute position at a fixed row length is worth (0: off)")
+    ap.add_argument("--loss", choices=("regression", "listwise"), default="regression")
+    ap.add_argument("--tau", type=float, default=1.0, help="listwise: target temperature")
+    ap.add_argument("--set", nargs="*", default=[], help="KVpopConfig overrides of the fresh scorer, key=value")
+    args = ap.parse_args()
+
+    config, params = load_pretrained(args.export)
+    config = dataclasses.replace(config, kvpop=config.kvpop.retarget(args.budget, config.head_dim))
+    kv = config.kvpop
+    tok = checkpoint_tokenizer(args.export)
+
+    def rows(split, n):
+        exs = generate_dataset(n, args.seed, split, task="reuse", seq_len=args.seq_len)
+        return np.stack([tok(e["text"])["input_ids"][: args.seq_len] for e in exs]).astype(np.int32)
+
+    t0 = time.time()
+    data = {}
+    for split, n in (("train", args.train), ("validation", args.valid)):
+        ids = rows(split, n)
+        q = sample_saturated_queries(np.random.default_rng(args.seed), n, seq_len=args.seq_len, budget=kv.budget,
+                                     num=64)
+        data[split] = cache_rows(config, params, ids, q) | {"q": q}
+    print(f"cached {args.train} train / {args.valid} validation rows in {time.time() - t0:.0f} s", flush=True)
+
+    overrides = {}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        field = type(getattr(kv, key))
+        overrides[key] = value if field is str else (value == "true" if field is bool else field(value))
+    fresh_kv = dataclasses.replace(kv, **overrides)
+    head = KVpopHead(fresh_kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
+    L = config.num_hidden_layers
+    log_gamma = [params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"] for i in range(L)]
+    log_gamma = [KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta).apply(
+        {"params": {"decay_alpha": a}}, method=KVpopHead.log_gamma) for a in log_gamma]
+
+    tr = data["train"]
+    k_tr, v_tr, r_tr = jnp.asarray(tr["k"]), jnp.asarray(tr["v"]), jnp.asarray(tr["target"])
+    s = args.seq_len
+    competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
+    comp = jnp.asarray(competing, jnp.float32)
+
+    H, D, w = config.num_key_value_heads, config.head_dim, kv.window
+    offset = np.arange(s)[None, :] - np.arange(s)[:, None]  # j - t
+    # the reader of token t sees j <= t + w: history j <= t without bias, the window j - t in 1..w with a
+    # learned bias per offset (and per reader head)
+    visible = jnp.asarray(offset <= w)
+    window_slot = jnp.asarray(np.clip(offset, 0, w))  # 0: history (bias 0), 1..w: the window offsets
+
+    def attn_init(key):
+        ks = jax.random.split(key, 5)
+        n = lambda k_, shape, fan: jax.random.normal(k_, shape) / np.sqrt(fan)  # noqa: E731
+        return {"wq": n(ks[0], (H, 2 * D, args.heads, 32), 2 * D), "wk": n(ks[1], (H, 2 * D, args.heads, 32), 2 * D),
+                "wv": n(ks[2], (H, 2 * D, args.heads, 32), 2 * D), "bias": jnp.zeros((H, args.heads, w + 1)),
+                "w1": n(ks[3], (H, 2 * D + 32 * args.heads, args.hidden), 2 * D + 32 * args.heads),
+                "b1": jnp.zeros((H, args.hidden)), "w2": jnp.zeros((H, args.hidden)), "b2": jnp.zeros((H,))}
+
+    def attn_score(p, k, v):  # a delayed softmax-attention reader: [B, S, H, D] -> [B, H, S]
+        x = jnp.concatenate([k, v], -1)
+        q_, k_, v_ = (jnp.einsum("bshi,hirc->bhrsc", x, p[n]) for n in ("wq", "wk", "wv"))
+        logits = jnp.einsum("bhrtc,bhrjc->bhrtj", q_, k_) / np.sqrt(32)
+        logits = logits + jnp.where(window_slot > 0, p["bias"][..., window_slot], 0.0)[None]
+        att = jax.nn.softmax(jnp.where(visible, logits, -1e30), -1)
+        h = jnp.einsum("bhrtj,bhrjc->bhtrc", att, v_).reshape(*att.shape[:2], s, -1)
+        z = jax.nn.silu(jnp.einsum("bhti,hie->bhte", jnp.concatenate([jnp.moveaxis(x, 1, 2), h], -1), p["w1"]) + p["b1"][:, None])
+        return jnp.einsum("bhte,he->bht", z, p["w2"]) + p["b2"][:, None]
+
+    pos_bin = jnp.asarray(np.arange(s) * max(args.pos_bins, 1) // s)
+
+    def scorer_params(key):
+        if args.model == "attn":
+            ps = [attn_init(jax.random.fold_in(key, i)) for i in range(L)]
+        else:
+            ps = [head.init(jax.random.fold_in(key, i), k_tr[:1, i], v_tr[:1, i])["params"]["scorer"] for i in range(L)]
+        return [{"scorer": p_, "pos": jnp.zeros((H, max(args.pos_bins, 1)))} for p_ in ps]
+
+    def score(p_layer, k, v):  # k, v [B, S, H, D] -> [B, H, S]
+        if args.model == "attn":
+            out = attn_score(p_layer["scorer"], k, v)
+        else:
+            out = head.apply({"params": {"scorer": p_layer["scorer"], "decay_alpha": jnp.zeros(H)}}, k, v,
+                             method=KVpopHead.score)
+        return out + (p_layer["pos"][:, pos_bin][None] if args.pos_bins else 0.0)
+
+    def loss_fn(p, k, v, r):
+        total = 0.0
+        for i in range(L):
+            pred = score(p[i], k[:, i], v[:, i])
+            tgt = r[:, i]
+            n = comp.sum()
+            if args.loss == "listwise":  # cross-entropy of softmax(pred) against softmax(target / tau)
+                pt = jax.nn.softmax(jnp.where(comp > 0, tgt / args.tau, -jnp.inf), -1)
+                lp = jax.nn.log_softmax(jnp.where(comp > 0, pred, -jnp.inf), -1)
+                total = total - jnp.sum(jnp.where(comp > 0, pt * lp, 0.0), -1).mean()
+                continue
+            pc = pred - (pred * comp).sum(-1, keepdims=True) / n
+            tc = tgt - (tgt * comp).sum(-1, keepdims=True) / n
+            total = total + (((pc - tc) ** 2) * comp).sum(-1).mean() / n
+        return total / L
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adam(optax.cosine_decay_schedule(args.lr, args.steps, alpha=0.1)))
+    p = scorer_params(jax.random.key(args.seed))
+    opt = tx.init(p)
+
+    @jax.jit
+    def step(p, opt, idx):
+        loss, g = jax.value_and_grad(loss_fn)(p, k_tr[idx], v_tr[idx], r_tr[idx])
+        upd, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, upd), opt, loss
+
+    va = data["validation"]
+
+    @jax.jit
+    def val_scores(p):
+        return jnp.stack([score(p[i], jnp.asarray(va["k"][:, i]), jnp.asarray(va["v"][:, i])) for i in range(L)])
+
+    def recall_of(scores_LxBxHxS):
+        ranks = jnp.stack([jax.vmap(lambda sc: ranks_from_priority(static_priority(sc, log_gamma[i])))(
+            scores_LxBxHxS[i]) for i in range(L)])
+        cut = jnp.stack([jax.vmap(lambda r: running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk))(
+            ranks[i]) for i in range(L)])
+        tr_, tc_ = (jnp.asarray(np.moveaxis(va[key], 1, 0)) for key in ("teacher_ranks", "teacher_cutoffs"))
+        h, t = recall_counts(ranks, cut, tr_, tc_, jnp.asarray(va["q"]), sinks=kv.sinks, window=kv.window)
+        rec = np.asarray(h).sum(1) / np.maximum(np.asarray(t).sum(1), 1)
+        return rec
+
+    shipped = [params[f"layers_{i}"]["self_attn"]["kvpop"]["scorer"] for i in range(L)]  # a check of the cache
+    check = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
+    again = np.stack([np.asarray(check.apply({"params": {"scorer": shipped[i], "decay_alpha": jnp.zeros(2)}},
+                                             jnp.asarray(va["k"][:, i]), jnp.asarray(va["v"][:, i]),
+                                             method=KVpopHead.score)) for i in range(L)], 1)
+    print(f"the export's scorer on the cached inputs vs its forward: max |diff| {np.abs(again - va['scores']).max():.2e}")
+    exp_rec = recall_of(jnp.asarray(np.moveaxis(va["scores"], 1, 0)))
+    oracle = recall_of(jnp.asarray(np.moveaxis(va["target"], 1, 0)))
+    print(f"export recall {exp_rec.mean():.3f} {np.round(exp_rec, 3).tolist()}; own target {oracle.mean():.3f}")
+    rng = np.random.default_rng(args.seed)
+    t0 = time.time()
+    for i in range(args.steps + 1):
+        if i % args.eval_every == 0:
+            rec = recall_of(val_scores(p))
+            print(f"step {i:5d} ({time.time() - t0:5.0f} s): recall {rec.mean():.3f} {np.round(rec, 3).tolist()}",
+                  flush=True)
+        if i < args.steps:
+            idx = jnp.asarray(rng.choice(args.train, args.batch, replace=False))
+            p, opt, loss = step(p, opt, idx)
+
+
+if __name__ == "__main__":
+    main()
