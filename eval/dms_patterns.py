@@ -102,9 +102,9 @@ def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int |
     occupancy = np.moveaxis(stats["occupancy"], 1, 0)
     s = ids.shape[1]
     settings = dict(date=timestamp(), checkpoint=checkpoint if isinstance(checkpoint, (str, os.PathLike)) else
-                    "in-memory", rows=int(len(ids)), row_source=rows, seq_len=int(s), window=window, budget=config.dms.budget,
-                    target_eviction=config.dms.target_eviction, num_layers=config.num_hidden_layers,
-                    num_kv_heads=config.num_key_value_heads)
+                    "in-memory", rows=int(len(ids)), row_source=rows, seq_len=int(s), window=window,
+                    budget=config.dms.budget, target_eviction=config.dms.target_eviction,
+                    num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads)
     result = DMSPatternsResult(ratio=ratio, ratio_median=np.median(ratio, axis=0), occupancy=occupancy,
                                eviction_rate=float(evict[..., :-1].mean()), settings=settings, files={})
     with staged_outputs(out_dir) as out:  # the three files are replaced together or not at all
@@ -135,9 +135,9 @@ def dms_patterns_markdown(result: DMSPatternsResult) -> str:
     occ = result.occupancy
     lines = [
         "# DMS eviction patterns\n",
-        f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['rows']} rows of {st['seq_len']} tokens ({st.get('row_source', 'stream')}) · window "
-        f"w = {st['window']}, memory {st['budget']} entries per KV head, target eviction rate "
-        f"{st['target_eviction']:.3f}\n",
+        f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['rows']} rows of {st['seq_len']} tokens "
+        f"({st.get('row_source', 'stream')}) · window w = {st['window']}, memory {st['budget']} entries per KV "
+        f"head, target eviction rate {st['target_eviction']:.3f}\n",
         f"Hard decisions: {result.eviction_rate:.3f} of the decided tokens are marked for eviction. Entries per KV "
         f"head after {st['seq_len']} tokens: mean {result.mean_occupancy:.1f}, max {result.max_occupancy} "
         f"(per row, the mean ranges {occ.mean(axis=(1, 2)).min():.1f}-{occ.mean(axis=(1, 2)).max():.1f}); the "

@@ -140,7 +140,8 @@ def main():
         logits = logits + jnp.where(window_slot > 0, p["bias"][..., window_slot], 0.0)[None]
         att = jax.nn.softmax(jnp.where(visible, logits, -1e30), -1)
         h = jnp.einsum("bhrtj,bhrjc->bhtrc", att, v_).reshape(*att.shape[:2], s, -1)
-        z = jax.nn.silu(jnp.einsum("bhti,hie->bhte", jnp.concatenate([jnp.moveaxis(x, 1, 2), h], -1), p["w1"]) + p["b1"][:, None])
+        xh = jnp.concatenate([jnp.moveaxis(x, 1, 2), h], -1)  # [x_u; readout]
+        z = jax.nn.silu(jnp.einsum("bhti,hie->bhte", xh, p["w1"]) + p["b1"][:, None])
         return jnp.einsum("bhte,he->bht", z, p["w2"]) + p["b2"][:, None]
 
     pos_bin = jnp.asarray(np.arange(s) * max(args.pos_bins, 1) // s)
@@ -208,7 +209,8 @@ def main():
     again = np.stack([np.asarray(check.apply({"params": {"scorer": shipped[i], "decay_alpha": jnp.zeros(2)}},
                                              jnp.asarray(va["k"][:, i]), jnp.asarray(va["v"][:, i]),
                                              method=KVpopHead.score)) for i in range(L)], 1)
-    print(f"the export's scorer on the cached inputs vs its forward: max |diff| {np.abs(again - va['scores']).max():.2e}")
+    diff = np.abs(again - va["scores"]).max()
+    print(f"the export's scorer on the cached inputs vs its forward: max |diff| {diff:.2e}")
     exp_rec = recall_of(jnp.asarray(np.moveaxis(va["scores"], 1, 0)))
     oracle = recall_of(jnp.asarray(np.moveaxis(va["target"], 1, 0)))
     print(f"export recall {exp_rec.mean():.3f} {np.round(exp_rec, 3).tolist()}; own target {oracle.mean():.3f}")
