@@ -57,6 +57,30 @@ def cache_rows(config, params, ids, q_idx, batch=8):
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
+INPUTS = ("layer", "layers", "layers+tokens")
+
+
+def scorer_inputs(split, inputs: str, vocab: int):
+    """[N, L, S, H, D'] key and value halves of each layer's scorer input: `layer`, its own cached k, v (the
+    method); `layers`, layer i's k, v followed by layer i-1's (zeros for layer 0); `layers+tokens`, also
+    the one-hot token id after the keys and the previous token's after the values."""
+    k, v = split["k"], split["v"]
+    if inputs == "layer":
+        return k, v
+    prev_k = np.concatenate([np.zeros_like(k[:, :1]), k[:, :-1]], 1)
+    prev_v = np.concatenate([np.zeros_like(v[:, :1]), v[:, :-1]], 1)
+    k, v = np.concatenate([k, prev_k], -1), np.concatenate([v, prev_v], -1)
+    if inputs == "layers+tokens":
+        n, layers, s, h = k.shape[:4]
+        ids = split["ids"]
+        one_hot = np.eye(vocab, dtype=np.float32)
+        tok = np.broadcast_to(one_hot[ids][:, None, :, None], (n, layers, s, h, vocab))
+        prev = np.broadcast_to(one_hot[np.concatenate([ids[:, :1] * 0, ids[:, :-1]], 1)][:, None, :, None],
+                               (n, layers, s, h, vocab))
+        k, v = np.concatenate([k, tok], -1), np.concatenate([v, prev], -1)
+    return k, v
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--export", default="checkpoints/demo-kvpop-mlstm")
@@ -74,6 +98,8 @@ def main():
                          "(history + window with per-offset biases) and an MLP, far more expressive")
     ap.add_argument("--heads", type=int, default=4, help="attn: reader heads of width 32")
     ap.add_argument("--hidden", type=int, default=128, help="attn: MLP width")
+    ap.add_argument("--inputs", choices=INPUTS, default="layer",
+                    help="what the fresh scorer reads (scorer_inputs); pass --set mlstm_dim=64 to keep its width")
     ap.add_argument("--pos_bins", type=int, default=0,
                     help="add a learned bias per head and position bin (of S / pos_bins tokens) to the scores: "
                          "what absolute position at a fixed row length is worth (0: off)")
@@ -97,23 +123,32 @@ def main():
         ids = rows(split, n)
         q = sample_saturated_queries(np.random.default_rng(args.seed), n, seq_len=args.seq_len, budget=kv.budget,
                                      num=64)
-        data[split] = cache_rows(config, params, ids, q) | {"q": q}
+        data[split] = cache_rows(config, params, ids, q) | {"q": q, "ids": ids}
     print(f"cached {args.train} train / {args.valid} validation rows in {time.time() - t0:.0f} s", flush=True)
 
     overrides = {}
     for item in args.set:
         key, value = item.split("=", 1)
-        field = type(getattr(kv, key))
-        overrides[key] = value if field is str else (value == "true" if field is bool else field(value))
+        if not hasattr(kv, key):
+            raise SystemExit(f"--set {item}: KVpopConfig has no field {key!r}")
+        overrides[key] = {"true": True, "false": False}.get(value, value)
+        for kind in (int, float):
+            try:
+                overrides[key] = kind(value)
+                break
+            except ValueError:
+                pass
     fresh_kv = dataclasses.replace(kv, **overrides)
-    head = KVpopHead(fresh_kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
     L = config.num_hidden_layers
+    for split in data.values():  # what each layer's fresh scorer reads, as the "k" and "v" halves of its x
+        split["xk"], split["xv"] = scorer_inputs(split, args.inputs, config.vocab_size)
+    head = KVpopHead(fresh_kv, config.num_key_value_heads, data["train"]["xk"].shape[-1], rope_theta=config.rope_theta)
     log_gamma = [params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"] for i in range(L)]
     log_gamma = [KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta).apply(
         {"params": {"decay_alpha": a}}, method=KVpopHead.log_gamma) for a in log_gamma]
 
     tr = data["train"]
-    k_tr, v_tr, r_tr = jnp.asarray(tr["k"]), jnp.asarray(tr["v"]), jnp.asarray(tr["target"])
+    k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(tr["target"])
     s = args.seq_len
     competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
     comp = jnp.asarray(competing, jnp.float32)
@@ -192,7 +227,7 @@ def main():
 
     @jax.jit
     def val_scores(p):
-        return jnp.stack([score(p[i], jnp.asarray(va["k"][:, i]), jnp.asarray(va["v"][:, i])) for i in range(L)])
+        return jnp.stack([score(p[i], jnp.asarray(va["xk"][:, i]), jnp.asarray(va["xv"][:, i])) for i in range(L)])
 
     def recall_of(scores_LxBxHxS):
         ranks = jnp.stack([jax.vmap(lambda sc: ranks_from_priority(static_priority(sc, log_gamma[i])))(
