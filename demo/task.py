@@ -270,11 +270,7 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
     marked_values = [int(v) for v in rng.integers(0, 10, cfg.n_marked)]
     queried = [int(i) for i in rng.choice(cfg.n_marked, cfg.n_query, replace=False)]
 
-    question = [ASK, " "]
-    for i, q in enumerate(queried):
-        question += ([] if i == 0 else ["+"]) + [marked[q]]
-    question.append("\n")
-    body_len = cfg.seq_len - 1 - len(question)
+    body_len = cfg.seq_len - 1 - cfg.question_tokens
 
     # Marked value-token targets: sorted, spread over the zone, at least _marked_spacing apart.
     lo, hi = int(cfg.marked_zone[0] * body_len), int(cfg.marked_zone[1] * body_len)
@@ -376,7 +372,7 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
         body += binding_line(min((body_len - len(body) - 1) // 2, cfg.max_bindings_per_line))
     body += ["\n"] * (body_len - len(body))
 
-    question = [ASK, " "]  # again: `replan` may have drawn another question (of the same length)
+    question = [ASK, " "]  # built last: `replan` may have drawn another one
     for i, q in enumerate(queried):
         question += ([] if i == 0 else ["+"]) + [marked[q]]
     question.append("\n")

@@ -28,10 +28,11 @@ from demo.task import generate_dataset
 from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer
-from kvpop_jax.kvpop import KVpopHead
+from kvpop_jax.kvpop import KVpopHead, sparse_policy
+from kvpop_jax.losses import regression_loss
 from kvpop_jax.modeling import Attention, Qwen3ForCausalLM
 from kvpop_jax.rope import unrotate
-from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
+from kvpop_jax.policy import decay_log_gamma
 
 
 def cache_rows(config, params, ids, q_idx, batch=8):
@@ -143,9 +144,8 @@ def main():
     for split in data.values():  # what each layer's fresh scorer reads, as the "k" and "v" halves of its x
         split["xk"], split["xv"] = scorer_inputs(split, args.inputs, config.vocab_size)
     head = KVpopHead(fresh_kv, config.num_key_value_heads, data["train"]["xk"].shape[-1], rope_theta=config.rope_theta)
-    log_gamma = [params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"] for i in range(L)]
-    log_gamma = [KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta).apply(
-        {"params": {"decay_alpha": a}}, method=KVpopHead.log_gamma) for a in log_gamma]
+    log_gamma = [decay_log_gamma(params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"], gamma_min=kv.gamma_min,
+                                 gamma_max=kv.gamma_max) for i in range(L)]
 
     tr = data["train"]
     k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(tr["target"])
@@ -199,17 +199,13 @@ def main():
     def loss_fn(p, k, v, r):
         total = 0.0
         for i in range(L):
-            pred = score(p[i], k[:, i], v[:, i])
-            tgt = r[:, i]
-            n = comp.sum()
+            pred, tgt = score(p[i], k[:, i], v[:, i]), r[:, i]
             if args.loss == "listwise":  # cross-entropy of softmax(pred) against softmax(target / tau)
                 pt = jax.nn.softmax(jnp.where(comp > 0, tgt / args.tau, -jnp.inf), -1)
                 lp = jax.nn.log_softmax(jnp.where(comp > 0, pred, -jnp.inf), -1)
                 total = total - jnp.sum(jnp.where(comp > 0, pt * lp, 0.0), -1).mean()
-                continue
-            pc = pred - (pred * comp).sum(-1, keepdims=True) / n
-            tc = tgt - (tgt * comp).sum(-1, keepdims=True) / n
-            total = total + (((pc - tc) ** 2) * comp).sum(-1).mean() / n
+            else:  # --regression_weight's loss
+                total = total + regression_loss(pred, tgt, sinks=kv.sinks, window=kv.window)[0]
         return total / L
 
     tx = optax.chain(optax.clip_by_global_norm(1.0),
@@ -230,10 +226,8 @@ def main():
         return jnp.stack([score(p[i], jnp.asarray(va["xk"][:, i]), jnp.asarray(va["xv"][:, i])) for i in range(L)])
 
     def recall_of(scores_LxBxHxS):
-        ranks = jnp.stack([jax.vmap(lambda sc: ranks_from_priority(static_priority(sc, log_gamma[i])))(
-            scores_LxBxHxS[i]) for i in range(L)])
-        cut = jnp.stack([jax.vmap(lambda r: running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk))(
-            ranks[i]) for i in range(L)])
+        ranks, cut = (jnp.stack(a) for a in zip(*(sparse_policy(scores_LxBxHxS[i], log_gamma[i], kv)
+                                                   for i in range(L))))
         tr_, tc_ = (jnp.asarray(np.moveaxis(va[key], 1, 0)) for key in ("teacher_ranks", "teacher_cutoffs"))
         h, t = recall_counts(ranks, cut, tr_, tc_, jnp.asarray(va["q"]), sinks=kv.sinks, window=kv.window)
         rec = np.asarray(h).sum(1) / np.maximum(np.asarray(t).sum(1), 1)
