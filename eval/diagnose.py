@@ -293,6 +293,40 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
+def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: int, cut_step: int,
+                           q_idx_Q: np.ndarray | None = None, on_cut=None) -> np.ndarray:
+    """[L, 1, H, S]: each token's log-target averaged over `futures` drawn continuations of what came
+    before it leaves the window (the conditional mean a squared-error scorer fits; see `ceiling_recall`).
+
+    The row is cut every `cut_step` tokens; at cut c, `draw(c, j)` (j < futures) returns a row of the
+    same length whose first c tokens are this row's (checked) and the rest a draw of the future; the
+    export's target on each draw, averaged, scores the tokens that leave the window by query c - 1
+    (t <= c - 1 - w). Tokens that never leave it keep 0. `q_idx_Q`: the saturated queries the forward
+    samples (the target does not depend on them; default the last position). `on_cut()` is called
+    after each cut."""
+    kv, model = config.kvpop, Qwen3ForCausalLM(config)
+    s = ids_S.shape[0]
+    if futures < 1 or cut_step < 1:
+        raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
+    cuts = sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
+    q = jnp.asarray(np.repeat(np.asarray([s - 1] if q_idx_Q is None else q_idx_Q, np.int32)[None], futures, 0))
+    predicted = None
+    lo = 0
+    for c in cuts:
+        drawn = [np.asarray(draw(c, j), np.int32) for j in range(futures)]
+        if any(d.shape != (s,) or not np.array_equal(d[:c], ids_S[:c]) for d in drawn):
+            raise ValueError(f"draw(c={c}, j) must return {s} tokens starting with the row's first {c}")
+        target = np.asarray(policy_arrays(model, params, jnp.asarray(np.stack(drawn)), q)["target"])
+        if predicted is None:
+            predicted = np.zeros((target.shape[0], 1, *target.shape[2:]), np.float32)
+        hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
+        predicted[..., lo:hi] = target[..., lo:hi].mean(1, keepdims=True)
+        lo = max(lo, hi)
+        if on_cut is not None:
+            on_cut()
+    return predicted
+
+
 def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, cut_step: int, seed: int,
                    num_queries: int = 64, progress: bool = False):
     """(export, conditional): recall [L, Hkv] of the export's keep sets against its teacher's, and of a
@@ -301,37 +335,29 @@ def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, c
     the window can reach (squared error fits that mean; it beats E[log r]'s rivals in practice).
 
     Each row is cut every `cut_step` tokens; at cut c, `draw(row, c, j)` (j < futures) returns a row
-    of the same length whose first c tokens are this row's (checked) and the rest a draw of the future;
-    the export's target on each draw, averaged, scores the tokens that leave the window by query c - 1
-    (t <= c - 1 - w). Such a token's score sees up to cut_step - 1 tokens past its leave time, and the
-    draws whatever the sampler keeps of the past (the demo generator keeps its plan), both more than a
-    scorer gets; the Monte-Carlo noise of a finite mean, less. At the same saturated queries as
-    `noise_recall` and `eval.recall.run_recall` (seed)."""
+    of the same length whose first c tokens are this row's (checked) and the rest a draw of the future
+    (`conditional_log_target`). Such a token's score sees up to cut_step - 1 tokens past its leave time,
+    and the draws whatever the sampler keeps of the past (the demo generator keeps its plan unless
+    asked to replan), both more than a scorer gets; the Monte-Carlo noise of a finite mean, less. At
+    the same saturated queries as `noise_recall` and `eval.recall.run_recall` (seed)."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
     if futures < 1 or cut_step < 1:
         raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
     layers = range(config.num_hidden_layers)
-    cuts = sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
+    n_cuts = len({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
     hits, total = {}, 0
-    bar = tqdm(total=n * len(cuts), desc="ceiling", unit="cut", disable=not progress)
+    bar = tqdm(total=n * n_cuts, desc="ceiling", unit="cut", disable=not progress)
     for row in range(n):
         q = jnp.asarray(q_idx[row: row + 1])
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
-        predicted = np.zeros(np.asarray(arr["target"]).shape, np.float32)  # [L, 1, H, S]
-        lo = 0
-        for c in cuts:
-            drawn = [np.asarray(draw(row, c, j), np.int32) for j in range(futures)]
-            if any(d.shape != (s,) or not np.array_equal(d[:c], ids_NxS[row, :c]) for d in drawn):
-                raise ValueError(f"draw(row={row}, c={c}, j) must return {s} tokens starting with the row's first {c}")
-            drawn = np.stack(drawn)
-            hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
-            target = np.asarray(policy_arrays(model, params, jnp.asarray(drawn),
-                                              jnp.asarray(np.repeat(q_idx[row: row + 1], futures, 0)))["target"])
-            predicted[..., lo:hi] = target[..., lo:hi].mean(1, keepdims=True)
-            lo = max(lo, hi)
-            bar.update()
+        try:
+            predicted = conditional_log_target(config, params, ids_NxS[row], lambda c, j: draw(row, c, j),
+                                               futures=futures, cut_step=cut_step, q_idx_Q=q_idx[row],
+                                               on_cut=bar.update)
+        except ValueError as e:
+            raise ValueError(f"row {row}: {e}") from None
         ranks = [ranks_from_priority(static_priority(jnp.asarray(predicted[layer]), arr["log_gamma"][layer]))
                  for layer in layers]
         cutoffs = [running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk) for r in ranks]

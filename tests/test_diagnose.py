@@ -389,7 +389,8 @@ def test_ceiling_recall_is_one_when_the_future_is_known_and_falls_when_it_is_dra
     itself the mean log-target is the target, so the policy recalls every teacher token; with a
     random future after each cut it recalls fewer, and more with the future known from a later cut;
     the export's column is `run_recall`'s; a draw that changes the past is refused. Brute force: the
-    score of token t at cut_step 7 is the mean over the draws at the first cut c >= t + w + 1."""
+    score of token t at cut_step 7 is the mean over the draws at the first cut c >= t + w + 1, which
+    is also `conditional_log_target`'s."""
     import dataclasses
 
     from eval.diagnose import ceiling_recall
@@ -433,6 +434,9 @@ def test_ceiling_recall_is_one_when_the_future_is_known_and_falls_when_it_is_dra
         draws = np.stack([random_future(0, c, j) for j in range(4)])
         tg = np.asarray(policy_arrays(model, params, jnp.asarray(draws), jnp.repeat(q, 4, 0))["target"])
         score[:, :, t] = tg[:, :, :, t].mean(1)
+    from eval.diagnose import conditional_log_target
+    direct = conditional_log_target(config, params, ids[0], lambda c, j: random_future(0, c, j), futures=4, cut_step=7)
+    np.testing.assert_allclose(direct[:, 0], score, rtol=1e-5, atol=1e-5)  # what the training probe fits
     ranks = jnp.stack([ranks_from_priority(static_priority(jnp.asarray(score[layer][None]), arr["log_gamma"][layer]))
                        for layer in range(config.num_hidden_layers)])
     cutoffs = jnp.stack([running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk) for r in ranks])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -107,6 +108,9 @@ def main():
     ap.add_argument("--loss", choices=("regression", "listwise"), default="regression")
     ap.add_argument("--tau", type=float, default=1.0, help="listwise: target temperature")
     ap.add_argument("--set", nargs="*", default=[], help="KVpopConfig overrides of the fresh scorer, key=value")
+    ap.add_argument("--targets", default=None,
+                    help="an npz of benchmarks/stop38/mc_targets.py (same rows, budget): fit its Monte-Carlo "
+                         "conditional-mean targets instead of the realized ones")
     args = ap.parse_args()
 
     config, params = load_pretrained(args.export)
@@ -148,7 +152,15 @@ def main():
                                  gamma_max=kv.gamma_max) for i in range(L)]
 
     tr = data["train"]
-    k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(tr["target"])
+    if args.targets:
+        mc = np.load(args.targets)
+        if mc["ids"].shape != tr["ids"].shape or not np.array_equal(mc["ids"], tr["ids"]):
+            raise SystemExit(f"--targets {args.targets}: its rows are not these {args.train} train rows")
+        if int(mc["budget"]) != args.budget:
+            raise SystemExit(f"--targets {args.targets}: made at --budget {int(mc['budget'])}, not {args.budget}")
+        tr["mc_target"] = mc["target"].astype(np.float32)  # [N, L, H, S]
+    fit_target = tr["mc_target"] if args.targets else tr["target"]
+    k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(fit_target)
     s = args.seq_len
     competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
     comp = jnp.asarray(competing, jnp.float32)
@@ -220,18 +232,35 @@ def main():
         return optax.apply_updates(p, upd), opt, loss
 
     va = data["validation"]
+    n_seen = min(8, args.train)  # train rows the recall is also reported on (what the fit has seen)
+    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target")}
+    if args.targets:
+        seen["mc_target"] = tr["mc_target"][:n_seen]
 
-    @jax.jit
-    def val_scores(p):
-        return jnp.stack([score(p[i], jnp.asarray(va["xk"][:, i]), jnp.asarray(va["xv"][:, i])) for i in range(L)])
+    @functools.partial(jax.jit, static_argnums=1)
+    def scores_of(p, name):
+        split = {"validation": va, "train": seen}[name]
+        return jnp.stack([score(p[i], jnp.asarray(split["xk"][:, i]), jnp.asarray(split["xv"][:, i]))
+                          for i in range(L)])
 
-    def recall_of(scores_LxBxHxS):
-        ranks, cut = (jnp.stack(a) for a in zip(*(sparse_policy(scores_LxBxHxS[i], log_gamma[i], kv)
-                                                   for i in range(L))))
-        tr_, tc_ = (jnp.asarray(np.moveaxis(va[key], 1, 0)) for key in ("teacher_ranks", "teacher_cutoffs"))
-        h, t = recall_counts(ranks, cut, tr_, tc_, jnp.asarray(va["q"]), sinks=kv.sinks, window=kv.window)
+    def policy_of(scores_LxBxHxS):
+        return tuple(jnp.stack(a) for a in zip(*(sparse_policy(scores_LxBxHxS[i], log_gamma[i], kv)
+                                                  for i in range(L))))
+
+    def recall_of(scores_LxBxHxS, split=None, teacher=None):
+        """Per layer and KV head, against the split's realized teacher or the policy of `teacher` scores."""
+        split = va if split is None else split
+        ranks, cut = policy_of(scores_LxBxHxS)
+        if teacher is None:
+            tr_, tc_ = (jnp.asarray(np.moveaxis(split[key], 1, 0)) for key in ("teacher_ranks", "teacher_cutoffs"))
+        else:
+            tr_, tc_ = policy_of(teacher)
+        h, t = recall_counts(ranks, cut, tr_, tc_, jnp.asarray(split["q"]), sinks=kv.sinks, window=kv.window)
         rec = np.asarray(h).sum(1) / np.maximum(np.asarray(t).sum(1), 1)
         return rec
+
+    def val_scores(p):
+        return scores_of(p, "validation")
 
     shipped = [params[f"layers_{i}"]["self_attn"]["kvpop"]["scorer"] for i in range(L)]  # a check of the cache
     check = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
@@ -243,13 +272,22 @@ def main():
     exp_rec = recall_of(jnp.asarray(np.moveaxis(va["scores"], 1, 0)))
     oracle = recall_of(jnp.asarray(np.moveaxis(va["target"], 1, 0)))
     print(f"export recall {exp_rec.mean():.3f} {np.round(exp_rec, 3).tolist()}; own target {oracle.mean():.3f}")
+    if args.targets:
+        mc_rec = recall_of(jnp.asarray(np.moveaxis(seen["mc_target"], 1, 0)), seen)
+        print(f"the Monte-Carlo means on {n_seen} train rows (their ceiling): {mc_rec.mean():.3f} "
+              f"{np.round(mc_rec, 3).tolist()}")
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
     for i in range(args.steps + 1):
         if i % args.eval_every == 0:
             rec = recall_of(val_scores(p))
-            print(f"step {i:5d} ({time.time() - t0:5.0f} s): recall {rec.mean():.3f} {np.round(rec, 3).tolist()}",
-                  flush=True)
+            on_train = scores_of(p, "train")
+            extra = f"; on {n_seen} train rows {recall_of(on_train, seen).mean():.3f}"
+            if args.targets:
+                mc_t = jnp.asarray(np.moveaxis(seen["mc_target"], 1, 0))
+                extra += f", against the fitted means' own policy {recall_of(on_train, seen, mc_t).mean():.3f}"
+            print(f"step {i:5d} ({time.time() - t0:5.0f} s): recall {rec.mean():.3f} {np.round(rec, 3).tolist()}"
+                  + extra, flush=True)
         if i < args.steps:
             idx = jnp.asarray(rng.choice(args.train, args.batch, replace=False))
             p, opt, loss = step(p, opt, idx)
