@@ -81,7 +81,7 @@ from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.kvpop import KVpopHead, kept_long_range
+from kvpop_jax.kvpop import KVpopHead, kept_long_range, sparse_policy
 from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
 from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, layer_qkv
 from kvpop_jax.rope import unrotate
@@ -293,6 +293,12 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
+def _cuts(kv: KVpopConfig, s: int, cut_step: int) -> list[int]:
+    """Where `conditional_log_target` cuts a row of s tokens: every cut_step tokens after the first
+    query that has a long-range token, and at the end."""
+    return sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
+
+
 def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: int, cut_step: int,
                            q_idx_Q: np.ndarray | None = None, on_cut=None) -> np.ndarray:
     """[L, 1, H, S]: each token's log-target averaged over `futures` drawn continuations of what came
@@ -308,7 +314,7 @@ def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: 
     s = ids_S.shape[0]
     if futures < 1 or cut_step < 1:
         raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
-    cuts = sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
+    cuts = _cuts(kv, s, cut_step)
     q = jnp.asarray(np.repeat(np.asarray([s - 1] if q_idx_Q is None else q_idx_Q, np.int32)[None], futures, 0))
     predicted = None
     lo = 0
@@ -346,9 +352,8 @@ def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, c
         raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
     layers = range(config.num_hidden_layers)
-    n_cuts = len({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
     hits, total = {}, 0
-    bar = tqdm(total=n * n_cuts, desc="ceiling", unit="cut", disable=not progress)
+    bar = tqdm(total=n * len(_cuts(kv, s, cut_step)), desc="ceiling", unit="cut", disable=not progress)
     for row in range(n):
         q = jnp.asarray(q_idx[row: row + 1])
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
@@ -358,11 +363,9 @@ def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, c
                                                on_cut=bar.update)
         except ValueError as e:
             raise ValueError(f"row {row}: {e}") from None
-        ranks = [ranks_from_priority(static_priority(jnp.asarray(predicted[layer]), arr["log_gamma"][layer]))
-                 for layer in layers]
-        cutoffs = [running_topk_cutoff(r, sinks=kv.sinks, window=kv.window, topk=kv.topk) for r in ranks]
+        conditional = [sparse_policy(jnp.asarray(predicted[layer]), arr["log_gamma"][layer], kv) for layer in layers]
         for name, (r, c) in (("export", (arr["ranks"], arr["cutoffs"])),
-                             ("conditional", (jnp.stack(ranks), jnp.stack(cutoffs)))):
+                             ("conditional", tuple(jnp.stack(a) for a in zip(*conditional)))):
             h, tot = recall_counts(r, c, arr["teacher_ranks"], arr["teacher_cutoffs"], q,
                                    sinks=kv.sinks, window=kv.window)
             hits[name] = hits.get(name, 0) + np.asarray(h)[:, 0]

@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--loss", choices=("regression", "listwise"), default="regression")
     ap.add_argument("--tau", type=float, default=1.0, help="listwise: target temperature")
     ap.add_argument("--set", nargs="*", default=[], help="KVpopConfig overrides of the fresh scorer, key=value")
+    ap.add_argument("--save", default=None,
+                    help="write the fitted scorer's scores on the reported train rows and on validation, with what "
+                         "they are scored against, to this npz (for benchmarks/stop38/gap_kinds.py)")
     ap.add_argument("--targets", default=None,
                     help="an npz of benchmarks/stop38/mc_targets.py (same rows, budget): fit its Monte-Carlo "
                          "conditional-mean targets instead of the realized ones")
@@ -291,6 +294,16 @@ def main():
         if i < args.steps:
             idx = jnp.asarray(rng.choice(args.train, args.batch, replace=False))
             p, opt, loss = step(p, opt, idx)
+    if args.save:
+        out = {"budget": args.budget, "log_gamma": np.stack([np.asarray(g) for g in log_gamma])}
+        for name, split in (("train", seen), ("validation", va)):
+            out[f"{name}_scores"] = np.moveaxis(np.asarray(scores_of(p, name)), 0, 1)  # [B, L, H, S]
+            for key in ("teacher_ranks", "teacher_cutoffs", "q", "target", "mc_target"):
+                if key in split:
+                    out[f"{name}_{key}"] = split[key]
+        out["train_ids"], out["validation_ids"] = tr["ids"][:n_seen], va["ids"]
+        np.savez(args.save, **out)
+        print(f"wrote {args.save}")
 
 
 if __name__ == "__main__":
