@@ -314,6 +314,9 @@ def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: 
     s = ids_S.shape[0]
     if futures < 1 or cut_step < 1:
         raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
+    if s <= kv.sinks + kv.window:
+        raise ValueError(f"a row of {s} tokens has none that leaves the window: need more than sinks + window = "
+                         f"{kv.sinks + kv.window}")
     cuts = _cuts(kv, s, cut_step)
     q = jnp.asarray(np.repeat(np.asarray([s - 1] if q_idx_Q is None else q_idx_Q, np.int32)[None], futures, 0))
     predicted = None
