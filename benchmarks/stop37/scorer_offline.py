@@ -36,10 +36,25 @@ from kvpop_jax.rope import unrotate
 from kvpop_jax.policy import decay_log_gamma
 
 
+def window_attention(q, k, window: int):
+    """[B, Hkv, S]: log of the mean causal attention weight token t gets from the w queries t+1..t+w
+    (query heads of a KV head averaged): what attention-history methods know of t when it leaves the
+    window. q [B, S, Hq, D], k [B, S, Hkv, D], both as the layer attends with them."""
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    logits = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, g, 2)) / np.sqrt(d)
+    probs = jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e30), -1)
+    probs = probs.reshape(b, hq // g, g, s, s).mean(2)  # [B, Hkv, S(query), S(key)]
+    offset = np.arange(s)[:, None] - np.arange(s)[None, :]  # query - key
+    inside = jnp.asarray((offset >= 1) & (offset <= window), jnp.float32)
+    return jnp.log((probs * inside).sum(2) / window + 1e-6)
+
+
 def cache_rows(config, params, ids, q_idx, batch=8):
-    """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs."""
+    """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs; the
+    window attention each token gets (`window_attention`) [L, H, S]."""
     model = Qwen3ForCausalLM(config)
-    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": []}
+    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": [], "wattn": []}
     @jax.jit
     def run(ids_b, q_b):
         arr = policy_arrays(model, params, ids_b, q_b)
@@ -49,10 +64,12 @@ def cache_rows(config, params, ids, q_idx, batch=8):
 
     for lo in range(0, len(ids), batch):
         arr, inter = run(jnp.asarray(ids[lo:lo + batch]), jnp.asarray(q_idx[lo:lo + batch]))
-        ks, vs = [], []
+        ks, vs, was = [], [], []
         for layer in range(config.num_hidden_layers):
-            _, k, v = inter["intermediates"][f"layers_{layer}"]["self_attn"]["project_qkv"][0]
+            q, k, v = inter["intermediates"][f"layers_{layer}"]["self_attn"]["project_qkv"][0]
             ks.append(unrotate(k, jnp.arange(k.shape[1])[None], config.rope_theta)), vs.append(v)
+            was.append(window_attention(q, k, config.kvpop.window))
+        out["wattn"].append(np.asarray(jnp.stack(was, 1)))
         out["k"].append(np.asarray(jnp.stack(ks, 1))), out["v"].append(np.asarray(jnp.stack(vs, 1)))
         for key in ("target", "scores", "teacher_ranks", "teacher_cutoffs"):
             out[key].append(np.asarray(jnp.moveaxis(arr[key], 0, 1)))  # [B, L, H, S]
@@ -102,6 +119,10 @@ def main():
     ap.add_argument("--hidden", type=int, default=128, help="attn: MLP width")
     ap.add_argument("--inputs", choices=INPUTS, default="layer",
                     help="what the fresh scorer reads (scorer_inputs); pass --set mlstm_dim=64 to keep its width")
+    ap.add_argument("--window_attn", type=int, default=0,
+                    help="add a learned bias per head and bin (of 14 / N nats) of the log window attention the "
+                         "token got, as H2O or TOVA know it when it leaves the window: do the layer's queries tell "
+                         "what its [k; v] do not? (0: off)")
     ap.add_argument("--pos_bins", type=int, default=0,
                     help="add a learned bias per head and position bin (of S / pos_bins tokens) to the scores: "
                          "what absolute position at a fixed row length is worth (0: off)")
@@ -164,6 +185,7 @@ def main():
         tr["mc_target"] = mc["target"].astype(np.float32)  # [N, L, H, S]
     fit_target = tr["mc_target"] if args.targets else tr["target"]
     k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(fit_target)
+    wa_tr = jnp.asarray(tr["wattn"])
     s = args.seq_len
     competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
     comp = jnp.asarray(competing, jnp.float32)
@@ -201,20 +223,25 @@ def main():
             ps = [attn_init(jax.random.fold_in(key, i)) for i in range(L)]
         else:
             ps = [head.init(jax.random.fold_in(key, i), k_tr[:1, i], v_tr[:1, i])["params"]["scorer"] for i in range(L)]
-        return [{"scorer": p_, "pos": jnp.zeros((H, max(args.pos_bins, 1)))} for p_ in ps]
+        return [{"scorer": p_, "pos": jnp.zeros((H, max(args.pos_bins, 1))),
+                 "wattn": jnp.zeros((H, max(args.window_attn, 1)))} for p_ in ps]
 
-    def score(p_layer, k, v):  # k, v [B, S, H, D] -> [B, H, S]
+    def score(p_layer, k, v, wa):  # k, v [B, S, H, D], window attention [B, H, S] -> [B, H, S]
         if args.model == "attn":
             out = attn_score(p_layer["scorer"], k, v)
         else:
             out = head.apply({"params": {"scorer": p_layer["scorer"], "decay_alpha": jnp.zeros(H)}}, k, v,
                              method=KVpopHead.score)
+        if args.window_attn:
+            wa_bin = jnp.clip(((wa + 14.0) * args.window_attn / 14.0).astype(jnp.int32), 0, args.window_attn - 1)
+            out = out + jnp.take_along_axis(jnp.broadcast_to(p_layer["wattn"][None], wa.shape[:2] + (args.window_attn,)),
+                                            wa_bin, -1)
         return out + (p_layer["pos"][:, pos_bin][None] if args.pos_bins else 0.0)
 
-    def loss_fn(p, k, v, r):
+    def loss_fn(p, k, v, r, wa):
         total = 0.0
         for i in range(L):
-            pred, tgt = score(p[i], k[:, i], v[:, i]), r[:, i]
+            pred, tgt = score(p[i], k[:, i], v[:, i], wa[:, i]), r[:, i]
             if args.loss == "listwise":  # cross-entropy of softmax(pred) against softmax(target / tau)
                 pt = jax.nn.softmax(jnp.where(comp > 0, tgt / args.tau, -jnp.inf), -1)
                 lp = jax.nn.log_softmax(jnp.where(comp > 0, pred, -jnp.inf), -1)
@@ -230,20 +257,21 @@ def main():
 
     @jax.jit
     def step(p, opt, idx):
-        loss, g = jax.value_and_grad(loss_fn)(p, k_tr[idx], v_tr[idx], r_tr[idx])
+        loss, g = jax.value_and_grad(loss_fn)(p, k_tr[idx], v_tr[idx], r_tr[idx], wa_tr[idx])
         upd, opt = tx.update(g, opt, p)
         return optax.apply_updates(p, upd), opt, loss
 
     va = data["validation"]
     n_seen = min(8, args.train)  # train rows the recall is also reported on (what the fit has seen)
-    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target")}
+    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "wattn")}
     if args.targets:
         seen["mc_target"] = tr["mc_target"][:n_seen]
 
     @functools.partial(jax.jit, static_argnums=1)
     def scores_of(p, name):
         split = {"validation": va, "train": seen}[name]
-        return jnp.stack([score(p[i], jnp.asarray(split["xk"][:, i]), jnp.asarray(split["xv"][:, i]))
+        return jnp.stack([score(p[i], jnp.asarray(split["xk"][:, i]), jnp.asarray(split["xv"][:, i]),
+                                jnp.asarray(split["wattn"][:, i]))
                           for i in range(L)])
 
     def policy_of(scores_LxBxHxS):
