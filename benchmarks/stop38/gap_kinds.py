@@ -12,7 +12,6 @@ each that the conditional mean's policy keeps and the share the fitted scorer ke
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +76,7 @@ def main():
 
     def keep(scores_BxLxHxS, layer):
         ranks, cut = sparse_policy(jnp.asarray(scores_BxLxHxS[:, layer]), jnp.asarray(z["log_gamma"][layer]),
-                                   dataclasses.replace(kv))
+                                   kv)
         return np.asarray(kept_long_range(ranks, cut, q, sinks=kv.sinks, window=kv.window))  # [B, H, Nq, S]
 
     L, H = z["train_scores"].shape[1:3]
