@@ -50,11 +50,26 @@ def window_attention(q, k, window: int):
     return jnp.log((probs * inside).sum(2) / window + 1e-6)
 
 
+def prefix_attention(q, k, window: int):
+    """[B, Hkv, S]: log of the mean weight token t would get from every query d <= t + w of the row, the
+    ones before it included, each normalized by its own causal softmax (query heads of a KV head
+    averaged). Everything in it is known when t leaves the window: how the row's queries so far match
+    t's key, a stand-in for the queries to come. q [B, S, Hq, D], k [B, S, Hkv, D] as the layer attends."""
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    logits = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, g, 2)) / np.sqrt(d)
+    lse = jax.nn.logsumexp(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e30), -1, keepdims=True)
+    weights = jnp.exp(logits - lse).reshape(b, hq // g, g, s, s).mean(2)  # [B, Hkv, S(query), S(key)]
+    seen = jnp.asarray(np.arange(s)[:, None] <= np.arange(s)[None, :] + window, jnp.float32)  # d <= t + w
+    return jnp.log((weights * seen).sum(2) / seen.sum(0) + 1e-6)
+
+
 def cache_rows(config, params, ids, q_idx, batch=8):
     """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs; the
     window attention each token gets (`window_attention`) [L, H, S]."""
     model = Qwen3ForCausalLM(config)
-    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": [], "wattn": []}
+    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": [], "wattn": [],
+           "pattn": []}
     @jax.jit
     def run(ids_b, q_b):
         arr = policy_arrays(model, params, ids_b, q_b)
@@ -64,12 +79,14 @@ def cache_rows(config, params, ids, q_idx, batch=8):
 
     for lo in range(0, len(ids), batch):
         arr, inter = run(jnp.asarray(ids[lo:lo + batch]), jnp.asarray(q_idx[lo:lo + batch]))
-        ks, vs, was = [], [], []
+        ks, vs, was, pas = [], [], [], []
         for layer in range(config.num_hidden_layers):
             q, k, v = inter["intermediates"][f"layers_{layer}"]["self_attn"]["project_qkv"][0]
             ks.append(unrotate(k, jnp.arange(k.shape[1])[None], config.rope_theta)), vs.append(v)
             was.append(window_attention(q, k, config.kvpop.window))
+            pas.append(prefix_attention(q, k, config.kvpop.window))
         out["wattn"].append(np.asarray(jnp.stack(was, 1)))
+        out["pattn"].append(np.asarray(jnp.stack(pas, 1)))
         out["k"].append(np.asarray(jnp.stack(ks, 1))), out["v"].append(np.asarray(jnp.stack(vs, 1)))
         for key in ("target", "scores", "teacher_ranks", "teacher_cutoffs"):
             out[key].append(np.asarray(jnp.moveaxis(arr[key], 0, 1)))  # [B, L, H, S]
@@ -123,6 +140,9 @@ def main():
                     help="add a learned bias per head and bin (of 14 / N nats) of the log window attention the "
                          "token got, as H2O or TOVA know it when it leaves the window: do the layer's queries tell "
                          "what its [k; v] do not? (0: off)")
+    ap.add_argument("--prefix_attn", action="store_true",
+                    help="--window_attn's bins read prefix_attention instead: how every query of the row so far "
+                         "(d <= t + w) matches the token's key")
     ap.add_argument("--pos_bins", type=int, default=0,
                     help="add a learned bias per head and position bin (of S / pos_bins tokens) to the scores: "
                          "what absolute position at a fixed row length is worth (0: off)")
@@ -185,7 +205,10 @@ def main():
         tr["mc_target"] = mc["target"].astype(np.float32)  # [N, L, H, S]
     fit_target = tr["mc_target"] if args.targets else tr["target"]
     k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(fit_target)
-    wa_tr = jnp.asarray(tr["wattn"])
+    feature = "pattn" if args.prefix_attn else "wattn"
+    if args.prefix_attn and not args.window_attn:
+        raise SystemExit("--prefix_attn needs --window_attn N (the bins)")
+    wa_tr = jnp.asarray(tr[feature])
     s = args.seq_len
     competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
     comp = jnp.asarray(competing, jnp.float32)
@@ -263,7 +286,7 @@ def main():
 
     va = data["validation"]
     n_seen = min(8, args.train)  # train rows the recall is also reported on (what the fit has seen)
-    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "wattn")}
+    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "wattn", "pattn")}
     if args.targets:
         seen["mc_target"] = tr["mc_target"][:n_seen]
 
@@ -271,7 +294,7 @@ def main():
     def scores_of(p, name):
         split = {"validation": va, "train": seen}[name]
         return jnp.stack([score(p[i], jnp.asarray(split["xk"][:, i]), jnp.asarray(split["xv"][:, i]),
-                                jnp.asarray(split["wattn"][:, i]))
+                                jnp.asarray(split[feature][:, i]))
                           for i in range(L)])
 
     def policy_of(scores_LxBxHxS):
