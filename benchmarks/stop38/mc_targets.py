@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--futures", type=int, default=8)
     ap.add_argument("--cut_step", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--future_seed", type=int, default=38,
+                    help="salt of the drawn futures: another value gives an independent estimate of the same means")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -53,7 +55,7 @@ def main():
         row_ids = text_ids(generate_example(seed, task="reuse", seq_len=s))
 
         def draw(c, j):
-            future_seed = int(np.random.SeedSequence([args.seed, row, c, j, 38]).generate_state(1)[0])
+            future_seed = int(np.random.SeedSequence([args.seed, row, c, j, args.future_seed]).generate_state(1)[0])
             return text_ids(generate_example(seed, task="reuse", seq_len=s, resample=(c, future_seed), replan=True))
 
         ids.append(row_ids)
@@ -62,7 +64,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp.npz"
     np.savez(tmp, target=np.stack(targets), ids=np.stack(ids), budget=args.budget, futures=args.futures,
-             cut_step=args.cut_step)
+             cut_step=args.cut_step, future_seed=args.future_seed)
     os.replace(tmp, args.out)
     print(f"wrote {args.out}: {len(ids)} prompts")
 
