@@ -293,9 +293,14 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
     return hits[None] / total, {sg: hits[sg] / total for sg in sigmas}, {k: hits[k] / total for k in probes}
 
 
-def _cuts(kv: KVpopConfig, s: int, cut_step: int) -> list[int]:
+def _cuts(kv: KVpopConfig, s: int, *, futures: int, cut_step: int) -> list[int]:
     """Where `conditional_log_target` cuts a row of s tokens: every cut_step tokens after the first
-    query that has a long-range token, and at the end."""
+    query that has a long-range token, and at the end. Checks the Monte-Carlo settings."""
+    if futures < 1 or cut_step < 1:
+        raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
+    if s <= kv.sinks + kv.window:
+        raise ValueError(f"a row of {s} tokens has none that leaves the window: need more than sinks + window = "
+                         f"{kv.sinks + kv.window}")
     return sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
 
 
@@ -312,22 +317,15 @@ def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: 
     after each cut."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     s = ids_S.shape[0]
-    if futures < 1 or cut_step < 1:
-        raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
-    if s <= kv.sinks + kv.window:
-        raise ValueError(f"a row of {s} tokens has none that leaves the window: need more than sinks + window = "
-                         f"{kv.sinks + kv.window}")
-    cuts = _cuts(kv, s, cut_step)
+    cuts = _cuts(kv, s, futures=futures, cut_step=cut_step)
     q = jnp.asarray(np.repeat(np.asarray([s - 1] if q_idx_Q is None else q_idx_Q, np.int32)[None], futures, 0))
-    predicted = None
+    predicted = np.zeros((config.num_hidden_layers, 1, config.num_key_value_heads, s), np.float32)
     lo = 0
     for c in cuts:
         drawn = [np.asarray(draw(c, j), np.int32) for j in range(futures)]
         if any(d.shape != (s,) or not np.array_equal(d[:c], ids_S[:c]) for d in drawn):
             raise ValueError(f"draw(c={c}, j) must return {s} tokens starting with the row's first {c}")
         target = np.asarray(policy_arrays(model, params, jnp.asarray(np.stack(drawn)), q)["target"])
-        if predicted is None:
-            predicted = np.zeros((target.shape[0], 1, *target.shape[2:]), np.float32)
         hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
         predicted[..., lo:hi] = target[..., lo:hi].mean(1, keepdims=True)
         lo = max(lo, hi)
@@ -351,12 +349,11 @@ def ceiling_recall(config, params, ids_NxS: np.ndarray, draw, *, futures: int, c
     the same saturated queries as `noise_recall` and `eval.recall.run_recall` (seed)."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
-    if futures < 1 or cut_step < 1:
-        raise ValueError(f"futures and cut_step must be >= 1, got {futures} and {cut_step}")
+    n_cuts = len(_cuts(kv, s, futures=futures, cut_step=cut_step))  # checks the settings before any work
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
     layers = range(config.num_hidden_layers)
     hits, total = {}, 0
-    bar = tqdm(total=n * len(_cuts(kv, s, cut_step)), desc="ceiling", unit="cut", disable=not progress)
+    bar = tqdm(total=n * n_cuts, desc="ceiling", unit="cut", disable=not progress)
     for row in range(n):
         q = jnp.asarray(q_idx[row: row + 1])
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)

@@ -36,40 +36,44 @@ from kvpop_jax.rope import unrotate
 from kvpop_jax.policy import decay_log_gamma
 
 
-def window_attention(q, k, window: int):
-    """[B, Hkv, S]: log of the mean causal attention weight token t gets from the w queries t+1..t+w
-    (query heads of a KV head averaged): what attention-history methods know of t when it leaves the
-    window. q [B, S, Hq, D], k [B, S, Hkv, D], both as the layer attends with them."""
-    b, s, hq, d = q.shape
-    g = hq // k.shape[2]
-    logits = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, g, 2)) / np.sqrt(d)
-    probs = jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e30), -1)
-    probs = probs.reshape(b, hq // g, g, s, s).mean(2)  # [B, Hkv, S(query), S(key)]
-    offset = np.arange(s)[:, None] - np.arange(s)[None, :]  # query - key
-    inside = jnp.asarray((offset >= 1) & (offset <= window), jnp.float32)
-    return jnp.log((probs * inside).sum(2) / window + 1e-6)
-
-
-def prefix_attention(q, k, window: int):
-    """[B, Hkv, S]: log of the mean weight token t would get from every query d <= t + w of the row, the
-    ones before it included, each normalized by its own causal softmax (query heads of a KV head
-    averaged). Everything in it is known when t leaves the window: how the row's queries so far match
-    t's key, a stand-in for the queries to come. q [B, S, Hq, D], k [B, S, Hkv, D] as the layer attends."""
+def query_weights(q, k):
+    """[B, Hkv, S(query d), S(key t)]: exp(q_d . k_t / sqrt(D) - lse_d), lse_d the causal softmax's
+    normalizer of query d, query heads of a KV head averaged: the causal attention weights for t <= d,
+    and what query d would give a later key. q [B, S, Hq, D], k [B, S, Hkv, D] as the layer attends."""
     b, s, hq, d = q.shape
     g = hq // k.shape[2]
     logits = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, g, 2)) / np.sqrt(d)
     lse = jax.nn.logsumexp(jnp.where(np.tril(np.ones((s, s), bool)), logits, -1e30), -1, keepdims=True)
-    weights = jnp.exp(logits - lse).reshape(b, hq // g, g, s, s).mean(2)  # [B, Hkv, S(query), S(key)]
+    return jnp.exp(logits - lse).reshape(b, hq // g, g, s, s).mean(2)
+
+
+def window_attention(q, k, window: int):
+    """[B, Hkv, S]: log of the mean causal attention weight token t gets from the w queries t+1..t+w:
+    what attention-history methods know of t when it leaves the window."""
+    offset = np.arange(q.shape[1])[:, None] - np.arange(q.shape[1])[None, :]  # query - key
+    inside = jnp.asarray((offset >= 1) & (offset <= window), jnp.float32)
+    return jnp.log((query_weights(q, k) * inside).sum(2) / window + 1e-6)
+
+
+def prefix_attention(q, k, window: int):
+    """[B, Hkv, S]: log of the mean weight token t would get from every query d <= t + w of the row, the
+    ones before it included. Everything in it is known when t leaves the window: how the row's queries
+    so far match t's key, a stand-in for the queries to come."""
+    s = q.shape[1]
     seen = jnp.asarray(np.arange(s)[:, None] <= np.arange(s)[None, :] + window, jnp.float32)  # d <= t + w
-    return jnp.log((weights * seen).sum(2) / seen.sum(0) + 1e-6)
+    return jnp.log((query_weights(q, k) * seen).sum(2) / seen.sum(0) + 1e-6)
 
 
-def cache_rows(config, params, ids, q_idx, batch=8):
-    """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs; the
-    window attention each token gets (`window_attention`) [L, H, S]."""
+FEATURES = {"window": window_attention, "prefix": prefix_attention}
+
+
+def cache_rows(config, params, ids, q_idx, batch=8, feature=None):
+    """Per row: k (unrotated), v [L, S, H, D]; the export's target, scores, teacher ranks/cutoffs; with
+    `feature` ("window" or "prefix", `FEATURES`), that attention statistic of each token [L, H, S]."""
     model = Qwen3ForCausalLM(config)
-    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": [], "wattn": [],
-           "pattn": []}
+    out = {"k": [], "v": [], "target": [], "scores": [], "teacher_ranks": [], "teacher_cutoffs": []}
+    if feature:
+        out["feature"] = []
     @jax.jit
     def run(ids_b, q_b):
         arr = policy_arrays(model, params, ids_b, q_b)
@@ -79,14 +83,14 @@ def cache_rows(config, params, ids, q_idx, batch=8):
 
     for lo in range(0, len(ids), batch):
         arr, inter = run(jnp.asarray(ids[lo:lo + batch]), jnp.asarray(q_idx[lo:lo + batch]))
-        ks, vs, was, pas = [], [], [], []
+        ks, vs, fs = [], [], []
         for layer in range(config.num_hidden_layers):
             q, k, v = inter["intermediates"][f"layers_{layer}"]["self_attn"]["project_qkv"][0]
             ks.append(unrotate(k, jnp.arange(k.shape[1])[None], config.rope_theta)), vs.append(v)
-            was.append(window_attention(q, k, config.kvpop.window))
-            pas.append(prefix_attention(q, k, config.kvpop.window))
-        out["wattn"].append(np.asarray(jnp.stack(was, 1)))
-        out["pattn"].append(np.asarray(jnp.stack(pas, 1)))
+            if feature:
+                fs.append(FEATURES[feature](q, k, config.kvpop.window))
+        if feature:
+            out["feature"].append(np.asarray(jnp.stack(fs, 1)))
         out["k"].append(np.asarray(jnp.stack(ks, 1))), out["v"].append(np.asarray(jnp.stack(vs, 1)))
         for key in ("target", "scores", "teacher_ranks", "teacher_cutoffs"):
             out[key].append(np.asarray(jnp.moveaxis(arr[key], 0, 1)))  # [B, L, H, S]
@@ -166,13 +170,18 @@ def main():
         exs = generate_dataset(n, args.seed, split, task="reuse", seq_len=args.seq_len)
         return np.stack([tok(e["text"])["input_ids"][: args.seq_len] for e in exs]).astype(np.int32)
 
+    if args.prefix_attn and not args.window_attn:
+        raise SystemExit("--prefix_attn needs --window_attn N (the bins)")
+    feature = ("prefix" if args.prefix_attn else "window") if args.window_attn else None
     t0 = time.time()
     data = {}
     for split, n in (("train", args.train), ("validation", args.valid)):
         ids = rows(split, n)
         q = sample_saturated_queries(np.random.default_rng(args.seed), n, seq_len=args.seq_len, budget=kv.budget,
                                      num=64)
-        data[split] = cache_rows(config, params, ids, q) | {"q": q, "ids": ids}
+        data[split] = cache_rows(config, params, ids, q, feature=feature) | {"q": q, "ids": ids}
+        if feature is None:  # the score's binned bias is off; it still takes the (unread) array
+            data[split]["feature"] = np.zeros_like(data[split]["target"])
     print(f"cached {args.train} train / {args.valid} validation rows in {time.time() - t0:.0f} s", flush=True)
 
     overrides = {}
@@ -205,10 +214,7 @@ def main():
         tr["mc_target"] = mc["target"].astype(np.float32)  # [N, L, H, S]
     fit_target = tr["mc_target"] if args.targets else tr["target"]
     k_tr, v_tr, r_tr = jnp.asarray(tr["xk"]), jnp.asarray(tr["xv"]), jnp.asarray(fit_target)
-    feature = "pattn" if args.prefix_attn else "wattn"
-    if args.prefix_attn and not args.window_attn:
-        raise SystemExit("--prefix_attn needs --window_attn N (the bins)")
-    wa_tr = jnp.asarray(tr[feature])
+    wa_tr = jnp.asarray(tr["feature"])
     s = args.seq_len
     competing = (np.arange(s) >= kv.sinks) & (np.arange(s) <= s - 1 - kv.window)
     comp = jnp.asarray(competing, jnp.float32)
@@ -247,7 +253,7 @@ def main():
         else:
             ps = [head.init(jax.random.fold_in(key, i), k_tr[:1, i], v_tr[:1, i])["params"]["scorer"] for i in range(L)]
         return [{"scorer": p_, "pos": jnp.zeros((H, max(args.pos_bins, 1))),
-                 "wattn": jnp.zeros((H, max(args.window_attn, 1)))} for p_ in ps]
+                 "feature": jnp.zeros((H, max(args.window_attn, 1)))} for p_ in ps]
 
     def score(p_layer, k, v, wa):  # k, v [B, S, H, D], window attention [B, H, S] -> [B, H, S]
         if args.model == "attn":
@@ -257,8 +263,7 @@ def main():
                              method=KVpopHead.score)
         if args.window_attn:
             wa_bin = jnp.clip(((wa + 14.0) * args.window_attn / 14.0).astype(jnp.int32), 0, args.window_attn - 1)
-            out = out + jnp.take_along_axis(jnp.broadcast_to(p_layer["wattn"][None], wa.shape[:2] + (args.window_attn,)),
-                                            wa_bin, -1)
+            out = out + p_layer["feature"][jnp.arange(H)[:, None], wa_bin]  # [H, N] at [B, H, S]
         return out + (p_layer["pos"][:, pos_bin][None] if args.pos_bins else 0.0)
 
     def loss_fn(p, k, v, r, wa):
@@ -286,7 +291,8 @@ def main():
 
     va = data["validation"]
     n_seen = min(8, args.train)  # train rows the recall is also reported on (what the fit has seen)
-    seen = {key: tr[key][:n_seen] for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "wattn", "pattn")}
+    seen = {key: tr[key][:n_seen]
+            for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "feature")}
     if args.targets:
         seen["mc_target"] = tr["mc_target"][:n_seen]
 
@@ -294,7 +300,7 @@ def main():
     def scores_of(p, name):
         split = {"validation": va, "train": seen}[name]
         return jnp.stack([score(p[i], jnp.asarray(split["xk"][:, i]), jnp.asarray(split["xv"][:, i]),
-                                jnp.asarray(split[feature][:, i]))
+                                jnp.asarray(split["feature"][:, i]))
                           for i in range(L)])
 
     def policy_of(scores_LxBxHxS):
@@ -312,9 +318,6 @@ def main():
         h, t = recall_counts(ranks, cut, tr_, tc_, jnp.asarray(split["q"]), sinks=kv.sinks, window=kv.window)
         rec = np.asarray(h).sum(1) / np.maximum(np.asarray(t).sum(1), 1)
         return rec
-
-    def val_scores(p):
-        return scores_of(p, "validation")
 
     shipped = [params[f"layers_{i}"]["self_attn"]["kvpop"]["scorer"] for i in range(L)]  # a check of the cache
     check = KVpopHead(kv, config.num_key_value_heads, config.head_dim, rope_theta=config.rope_theta)
@@ -334,7 +337,7 @@ def main():
     t0 = time.time()
     for i in range(args.steps + 1):
         if i % args.eval_every == 0:
-            rec = recall_of(val_scores(p))
+            rec = recall_of(scores_of(p, "validation"))
             on_train = scores_of(p, "train")
             extra = f"; on {n_seen} train rows {recall_of(on_train, seen).mean():.3f}"
             if args.targets:

@@ -91,19 +91,14 @@ def main():
                   f"recall: conditional mean {(t & m).sum() / t.sum():.3f}, fit {(t & f).sum() / t.sum():.3f}")
             print(f"  {'kind':26s} {'share':>6s} {'mean':>6s} {'fit':>6s} {'mean-only':>9s} {'fit-only':>8s}")
             kind_bq = np.broadcast_to(kinds[:, None], t.shape)
-            for i, name in enumerate(KINDS):
-                sel = t & (kind_bq == i)
+            groups = [(name, kind_bq == i) for i, name in enumerate(KINDS)]
+            groups += [(f"age {lo}-{hi}", (age >= lo) & (age < hi)) for lo, hi in AGES]
+            for label, group in groups:
+                sel = t & group
                 if sel.sum():
-                    print(f"  {name:26s} {sel.sum() / t.sum():6.3f} {(sel & m).sum() / sel.sum():6.3f} "
+                    print(f"  {label:26s} {sel.sum() / t.sum():6.3f} {(sel & m).sum() / sel.sum():6.3f} "
                           f"{(sel & f).sum() / sel.sum():6.3f} {(sel & m & ~f).sum() / t.sum():9.3f} "
                           f"{(sel & f & ~m).sum() / t.sum():8.3f}")
-            for lo, hi in AGES:
-                sel = t & (age >= lo) & (age < hi)
-                if sel.sum():
-                    print(f"  {f'age {lo}-{hi}':26s} {sel.sum() / t.sum():6.3f} {(sel & m).sum() / sel.sum():6.3f} "
-                          f"{(sel & f).sum() / sel.sum():6.3f} {(sel & m & ~f).sum() / t.sum():9.3f} "
-                          f"{(sel & f & ~m).sum() / t.sum():8.3f}")
-
 
 if __name__ == "__main__":
     main()
