@@ -32,7 +32,7 @@ from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.kvpop import KVpopHead, sparse_policy
 from kvpop_jax.losses import regression_loss
 from kvpop_jax.modeling import Attention, Qwen3ForCausalLM
-from kvpop_jax.rope import unrotate
+from kvpop_jax.rope import apply_rope, rope_cos_sin, unrotate
 from kvpop_jax.policy import decay_log_gamma
 
 
@@ -97,16 +97,22 @@ def cache_rows(config, params, ids, q_idx, batch=8, feature=None):
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
-INPUTS = ("layer", "layers", "layers+tokens")
+INPUTS = ("layer", "rotated", "layers", "layers+tokens")
 
 
-def scorer_inputs(split, inputs: str, vocab: int):
+def scorer_inputs(split, inputs: str, vocab: int, rope_theta: float = 1e6):
     """[N, L, S, H, D'] key and value halves of each layer's scorer input: `layer`, its own cached k, v (the
-    method); `layers`, layer i's k, v followed by layer i-1's (zeros for layer 0); `layers+tokens`, also
-    the one-hot token id after the keys and the previous token's after the values."""
+    method); `rotated`, the same with the keys rotated at their absolute positions, as the layer attends
+    (what a scorer that reads absolute position sees); `layers`, layer i's k, v followed by layer i-1's
+    (zeros for layer 0); `layers+tokens`, also the one-hot token id after the keys and the previous
+    token's after the values."""
     k, v = split["k"], split["v"]
     if inputs == "layer":
         return k, v
+    if inputs == "rotated":
+        n, layers, s = k.shape[:3]
+        cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(s), (n * layers, s)), k.shape[-1], rope_theta)
+        return np.asarray(apply_rope(jnp.asarray(k).reshape(n * layers, *k.shape[2:]), cos, sin)).reshape(k.shape), v
     prev_k = np.concatenate([np.zeros_like(k[:, :1]), k[:, :-1]], 1)
     prev_v = np.concatenate([np.zeros_like(v[:, :1]), v[:, :-1]], 1)
     k, v = np.concatenate([k, prev_k], -1), np.concatenate([v, prev_v], -1)
@@ -153,6 +159,8 @@ def main():
     ap.add_argument("--loss", choices=("regression", "listwise"), default="regression")
     ap.add_argument("--tau", type=float, default=1.0, help="listwise: target temperature")
     ap.add_argument("--set", nargs="*", default=[], help="KVpopConfig overrides of the fresh scorer, key=value")
+    ap.add_argument("--seen", type=int, default=8,
+                    help="train rows the recall is also reported on, and --save writes (the first N)")
     ap.add_argument("--save", default=None,
                     help="write the fitted scorer's scores on the reported train rows and on validation, with what "
                          "they are scored against, to this npz (for benchmarks/stop38/gap_kinds.py)")
@@ -199,7 +207,7 @@ def main():
     fresh_kv = dataclasses.replace(kv, **overrides)
     L = config.num_hidden_layers
     for split in data.values():  # what each layer's fresh scorer reads, as the "k" and "v" halves of its x
-        split["xk"], split["xv"] = scorer_inputs(split, args.inputs, config.vocab_size)
+        split["xk"], split["xv"] = scorer_inputs(split, args.inputs, config.vocab_size, config.rope_theta)
     head = KVpopHead(fresh_kv, config.num_key_value_heads, data["train"]["xk"].shape[-1], rope_theta=config.rope_theta)
     log_gamma = [decay_log_gamma(params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"], gamma_min=kv.gamma_min,
                                  gamma_max=kv.gamma_max) for i in range(L)]
@@ -290,7 +298,7 @@ def main():
         return optax.apply_updates(p, upd), opt, loss
 
     va = data["validation"]
-    n_seen = min(8, args.train)  # train rows the recall is also reported on (what the fit has seen)
+    n_seen = min(args.seen, args.train)  # train rows the recall is also reported on (what the fit has seen)
     seen = {key: tr[key][:n_seen]
             for key in ("xk", "xv", "teacher_ranks", "teacher_cutoffs", "q", "target", "feature")}
     if args.targets:
