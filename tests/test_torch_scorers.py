@@ -73,7 +73,10 @@ def test_scores_states_and_steps_match_kvpop_jax(rng, options):
     k, v = (rng.normal(size=(2, 23, HKV, D)).astype(np.float32) for _ in range(2))
     k_t, v_t = (rng.normal(size=(2, HKV, D)).astype(np.float32) for _ in range(2))
     want = jax.jit(lambda p, *x: module.apply({"params": p}, *x, method=jax_reference))(params, k, v, k_t, v_t)
-    close = lambda a, b: np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-5, atol=1e-5)  # noqa: E731
+    def close(a, b):  # float32 sums of terms up to the output's largest size: atol scales with it
+        b = np.asarray(b)
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+
     close(head.scorer(torch.from_numpy(k), torch.from_numpy(v)), want[0])
     close(head.log_gamma(), want[1])
     if kv.scorer != "mlstm":
