@@ -137,6 +137,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--seq_len", type=int, default=1024)
+    ap.add_argument("--valid_len", type=int, default=None,
+                    help="validation prompts of this length instead (the fit's recall at another length, same B)")
     ap.add_argument("--eval_every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", choices=("scorer", "attn"), default="scorer",
@@ -174,9 +176,13 @@ def main():
     kv = config.kvpop
     tok = checkpoint_tokenizer(args.export)
 
+    lengths = {"train": args.seq_len, "validation": args.valid_len or args.seq_len}
+    if lengths["validation"] != args.seq_len and (args.model == "attn" or args.pos_bins):
+        raise SystemExit("--valid_len needs --model scorer without --pos_bins (both are built for one length)")
+
     def rows(split, n):
-        exs = generate_dataset(n, args.seed, split, task="reuse", seq_len=args.seq_len)
-        return np.stack([tok(e["text"])["input_ids"][: args.seq_len] for e in exs]).astype(np.int32)
+        exs = generate_dataset(n, args.seed, split, task="reuse", seq_len=lengths[split])
+        return np.stack([tok(e["text"])["input_ids"][: lengths[split]] for e in exs]).astype(np.int32)
 
     if args.prefix_attn and not args.window_attn:
         raise SystemExit("--prefix_attn needs --window_attn N (the bins)")
@@ -185,7 +191,7 @@ def main():
     data = {}
     for split, n in (("train", args.train), ("validation", args.valid)):
         ids = rows(split, n)
-        q = sample_saturated_queries(np.random.default_rng(args.seed), n, seq_len=args.seq_len, budget=kv.budget,
+        q = sample_saturated_queries(np.random.default_rng(args.seed), n, seq_len=lengths[split], budget=kv.budget,
                                      num=64)
         data[split] = cache_rows(config, params, ids, q, feature=feature) | {"q": q, "ids": ids}
         if feature is None:  # the score's binned bias is off; it still takes the (unread) array
