@@ -100,7 +100,7 @@ def cache_rows(config, params, ids, q_idx, batch=8, feature=None):
 INPUTS = ("layer", "rotated", "layers", "layers+tokens")
 
 
-def scorer_inputs(split, inputs: str, vocab: int, rope_theta: float = 1e6):
+def scorer_inputs(split, inputs: str, vocab: int, rope_theta: float):
     """[N, L, S, H, D'] key and value halves of each layer's scorer input: `layer`, its own cached k, v (the
     method); `rotated`, the same with the keys rotated at their absolute positions, as the layer attends
     (what a scorer that reads absolute position sees); `layers`, layer i's k, v followed by layer i-1's
