@@ -39,25 +39,25 @@ from kvpop_jax.kvpop import kept_long_range, sparse_policy  # noqa: E402
 def line_roles(tokens):
     """Per token: '<line type>:<role>' with line types binding / scratch / recall / keep / ask."""
     roles, start = [], 0
-    for t, tok in enumerate(tokens):
-        if t == 0 or tokens[t - 1] == "\n":
-            start = t + (1 if tok == "<bos>" else 0)
-        line = tokens[start:]
-        first = line[0] if line else ""
-        if tok == "<bos>":
+    while start < len(tokens):
+        if tokens[start] == "<bos>":
             roles.append("bos")
+            start += 1
             continue
-        i = t - start
-        if first == ">":
-            kind = "scratch" if "=" in line[: line.index("\n") if "\n" in line else len(line)] else "recall"
-            role = {0: ">", 1: "name", 2: "digit"}.get(i, "newline" if tok == "\n" else "arith")
-        elif first == "keep":
-            kind, role = "keep", ("name" if tok in NAMES else "newline" if tok == "\n" else "word")
-        elif first == "ask":
-            kind, role = "ask", ("name" if tok in NAMES else "other")
+        end = tokens.index("\n", start) + 1 if "\n" in tokens[start:] else len(tokens)
+        line = tokens[start:end]
+        if line[0] == ">":
+            kind = "scratch" if "=" in line else "recall"
+            roles += [f"{kind}:" + {0: ">", 1: "name", 2: "digit"}.get(i, "newline" if tok == "\n" else "arith")
+                      for i, tok in enumerate(line)]
+        elif line[0] == "keep":
+            roles += ["keep:" + ("name" if tok in NAMES else "newline" if tok == "\n" else "word") for tok in line]
+        elif line[0] == "ask":
+            roles += ["ask:" + ("name" if tok in NAMES else "other") for tok in line]
         else:
-            kind, role = "binding", ("newline" if tok == "\n" else "name" if i % 2 == 0 else "value")
-        roles.append(f"{kind}:{role}")
+            roles += ["binding:" + ("newline" if tok == "\n" else "name" if i % 2 == 0 else "value")
+                      for i, tok in enumerate(line)]
+        start = end
     return roles
 
 
@@ -92,20 +92,6 @@ def binding_history(tokens, roles, window):
     return feats
 
 
-def cv_r2(y, groups, rows):
-    """Share of y's variance that group means explain on held-out rows (two folds by row parity)."""
-    total, err = 0.0, 0.0
-    for fold in (0, 1):
-        fit_rows, test_rows = rows % 2 != fold, rows % 2 == fold
-        means = {}
-        for g in np.unique(groups[fit_rows]):
-            means[g] = y[fit_rows & (groups == g)].mean()
-        pred = np.asarray([means.get(g, 0.0) for g in groups[test_rows]])
-        total += (y[test_rows] ** 2).sum()
-        err += ((y[test_rows] - pred) ** 2).sum()
-    return 1.0 - err / total
-
-
 def cv_group_means(y, groups, rows):
     """Each element's group mean over the other fold's rows (two folds by row parity), 0 for unseen groups."""
     out = np.zeros_like(y)
@@ -114,6 +100,11 @@ def cv_group_means(y, groups, rows):
         means = {g: y[fit_rows & (groups == g)].mean() for g in np.unique(groups[fit_rows])}
         out[test_rows] = [means.get(g, 0.0) for g in groups[test_rows]]
     return out
+
+
+def cv_r2(y, groups, rows):
+    """Share of y's variance that group means explain on held-out rows (`cv_group_means`)."""
+    return 1.0 - ((y - cv_group_means(y, groups, rows)) ** 2).sum() / (y ** 2).sum()
 
 
 def main():
@@ -157,6 +148,7 @@ def main():
     rows = np.broadcast_to(np.arange(n)[:, None], (n, s))[:, competing].ravel()
     q = jnp.asarray(z["train_q"][:n])
     age = np.asarray(q)[:, :, None] - np.arange(s)[None, None]
+    old = (age >= 256) & (age < 512)  # the (query, token) pairs the keep-set tables count
     for layer in (int(x) for x in args.layers.split(",")):
         mc_l, fit_l = mc["target"][:n, layer].astype(np.float64), z["train_scores"][:n, layer].astype(np.float64)
         for h in range(mc_l.shape[1]):
@@ -203,7 +195,6 @@ def main():
                   f"{(t & mk).sum() / t.sum():.3f}, fit {(t & fk).sum() / t.sum():.3f}; pairs 256-512 old")
             print(f"  {'role | feature':40s} {'share':>6s} {'means':>6s} {'fit':>6s} {'mean-only':>9s} "
                   f"{'fit-only':>8s}")
-            old = (age >= 256) & (age < 512)
             for key in ("role", "role+prior", "role+rebound_w", "role+looked_w", "role+next_bind",
                         "role+looks_later"):
                 vals = np.broadcast_to(feats[key][:, None], t.shape)
