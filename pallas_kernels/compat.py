@@ -89,7 +89,9 @@ def compile_for_gpu(fn, *avals, target_config: str, topology: str = "1x1x1",
     emits PTX for the target's compute capability and assembles it with `ptxas` (found on
     PATH, in /usr/local/cuda or in the nvidia-cuda-nvcc wheel). A kernel whose tiles need
     more shared memory than the GPU has fails with RESOURCE_EXHAUSTED; with
-    `fail_on_register_spill`, one whose registers spill fails with CANCELLED.
+    `fail_on_register_spill`, one whose registers spill fails with CANCELLED. It compiles at
+    XLA's default backend optimization level (3) whatever `XLA_FLAGS` says: at -O0 (which the
+    test suite sets for fast CPU compiles) the same kernels spill.
 
     avals: `jax.ShapeDtypeStruct`s. target_config: a `stream_executor.GpuTargetConfigProto`
     in text form. Set `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` (or JAX_PLATFORMS=cpu) before jax
@@ -102,7 +104,9 @@ def compile_for_gpu(fn, *avals, target_config: str, topology: str = "1x1x1",
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
     with abstract_gpu_device(device_kind):
         lowered = jax.jit(fn).trace(*args).lower()
-    options = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True} if fail_on_register_spill else None
+    options = {"xla_backend_optimization_level": 3}
+    if fail_on_register_spill:
+        options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
     return lowered.compile(compiler_options=options)
 
 
