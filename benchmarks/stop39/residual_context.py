@@ -107,6 +107,32 @@ def cv_r2(y, groups, rows):
     return 1.0 - ((y - cv_group_means(y, groups, rows)) ** 2).sum() / (y ** 2).sum()
 
 
+def load_fit_and_means(fit_path, mc_path, export):
+    """(fit npz, means npz, n, kv, tokenizer): `scorer_offline.py --save` and `mc_targets.py` files on
+    the same first n train rows and budget (checked), with the export's KVpop settings at that budget."""
+    z, mc = np.load(fit_path), np.load(mc_path)
+    n = min(z["train_ids"].shape[0], mc["ids"].shape[0])
+    if not np.array_equal(z["train_ids"][:n], mc["ids"][:n]):
+        raise SystemExit("the two files' train rows differ")
+    if int(z["budget"]) != int(mc["budget"]):
+        raise SystemExit(f"budgets differ: {int(z['budget'])} and {int(mc['budget'])}")
+    config, _ = load_pretrained(export)
+    return z, mc, n, config.kvpop.retarget(int(z["budget"]), config.head_dim), checkpoint_tokenizer(export)
+
+
+def kept_sets(scores, log_gamma, kv, q):
+    """[N, H, Nq, S] the long-range tokens a policy ranking by `scores` [N, H, S] keeps at queries q."""
+    ranks, cut = sparse_policy(jnp.asarray(scores), jnp.asarray(log_gamma), kv)
+    return np.asarray(kept_long_range(ranks, cut, q, sinks=kv.sinks, window=kv.window))
+
+
+def teacher_kept(z, layer, n, kv, q):
+    """[N, H, Nq, S] the teacher's long-range keep sets of layer `layer` on the fit file's first n rows."""
+    return np.asarray(kept_long_range(jnp.asarray(z["train_teacher_ranks"][:n, layer]),
+                                      jnp.asarray(z["train_teacher_cutoffs"][:n, layer]), q,
+                                      sinks=kv.sinks, window=kv.window))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("fit", help="npz of scorer_offline.py --save (its train rows are scored)")
@@ -116,15 +142,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", default="1", help="comma-separated layers to report")
     args = ap.parse_args()
-    z, mc = np.load(args.fit), np.load(args.mc)
-    n = min(z["train_ids"].shape[0], mc["ids"].shape[0])
-    if not np.array_equal(z["train_ids"][:n], mc["ids"][:n]):
-        raise SystemExit("the two files' train rows differ")
-    if int(z["budget"]) != int(mc["budget"]):
-        raise SystemExit(f"budgets differ: {int(z['budget'])} and {int(mc['budget'])}")
-    config, _ = load_pretrained(args.export)
-    kv = config.kvpop.retarget(int(z["budget"]), config.head_dim)
-    tok = checkpoint_tokenizer(args.export)
+    z, mc, n, kv, tok = load_fit_and_means(args.fit, args.mc, args.export)
     exs = generate_dataset(n, args.seed, "train", task="reuse", seq_len=args.seq_len)
     s = args.seq_len
     feats = {"role": [], "kind": [], "pos16": []}
@@ -167,12 +185,9 @@ def main():
                       f"{cv_r2(r, g, rows):12.3f}")
 
         def keep(scores):
-            ranks, cut = sparse_policy(jnp.asarray(scores), jnp.asarray(z["log_gamma"][layer]), kv)
-            return np.asarray(kept_long_range(ranks, cut, q, sinks=kv.sinks, window=kv.window))  # [N, H, Nq, S]
+            return kept_sets(scores, z["log_gamma"][layer], kv, q)
 
-        teacher = np.asarray(kept_long_range(jnp.asarray(z["train_teacher_ranks"][:n, layer]),
-                                             jnp.asarray(z["train_teacher_cutoffs"][:n, layer]), q,
-                                             sinks=kv.sinks, window=kv.window))
+        teacher = teacher_kept(z, layer, n, kv, q)
         mean_keep, fit_keep = keep(mc["target"][:n, layer]), keep(z["train_scores"][:n, layer])
         # the fit plus each feature's residual group means (cross-validated): what the feature is worth in recall
         print(f"\nlayer {layer}: recall of the fit plus a feature's held-out residual group means (means - fit)")
