@@ -39,16 +39,18 @@ def without_profile(scores_NxHxS, groups_NxS, rows_NxS, competing_S, add_back=No
     fold's rows lack: nothing is known to take out of it."""
     out = scores_NxHxS.astype(np.float64).copy()
     rows = rows_NxS[:, competing_S].ravel()
+    groups = groups_NxS[:, competing_S].ravel()
+    # which tokens the other fold has seen a group of does not depend on the head
+    seen = cv_group_means(np.ones(rows.size), groups, rows) > 0.5
+    if add_back is not None:
+        back = add_back[:, competing_S].ravel()
+        seen &= cv_group_means(np.ones(rows.size), back, rows) > 0.5
     for h in range(out.shape[1]):
         y = out[:, h][:, competing_S]
         y = y - y.mean(1, keepdims=True)
-        groups = groups_NxS[:, competing_S].ravel()
         delta = -cv_group_means(y.ravel(), groups, rows)
-        seen = cv_group_means(np.ones(y.size), groups, rows) > 0.5
         if add_back is not None:
-            back = add_back[:, competing_S].ravel()
             delta += cv_group_means(y.ravel(), back, rows)
-            seen &= cv_group_means(np.ones(y.size), back, rows) > 0.5
         delta[~seen] = 0.0
         out[:, h][:, competing_S] += delta.reshape(y.shape)
     return out.astype(np.float32)
