@@ -1,0 +1,139 @@
+"""Where a README-command-1 job's seconds go, part by part, on the box it runs on (stop 42).
+
+Times, at the job's shapes, each piece of the scorer variants' training step and of one evaluation
+call, from a finished job's run directory (its exports and shared teacher files are only read):
+
+- step parts, per layer, 4 rows x 1024 tokens (medians of `--calls` calls after one warm-up call;
+  the first call's seconds are mostly the compile): the masked attention forward and forward +
+  backward as the dispatcher picks it, the retention objective with its gradient in the shipped
+  configuration and with each loss option beyond the paper switched off, the mLSTM and MLP scorers
+  forward + backward, the dense normalizer, the target, ranks and the running cutoff;
+- one evaluation call of each `--methods` at B (50 problems of 1024 random tokens, greedy,
+  18 new tokens, the baselines' prompt streamed as the job does): first call, steady call, and for
+  the KVpop exports the prefill alone, and its compile.
+
+    python benchmarks/stop42/job_parts.py runs/tiny_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.accuracy import method_setup
+from eval.bench_train import part_functions
+from kvpop_jax import load_pretrained, losses, targets
+from kvpop_jax.baselines import BOUNDED_METHODS
+from kvpop_jax.generate import generate, init_generation_cache
+from kvpop_jax.kvpop import retention_objective, sparse_policy
+from kvpop_jax.sampling import SamplingConfig
+
+TRAINING_KNOBS = ("num_query_samples", "rank_pairs", "listwise_queries", "normalizer", "retention_labels")
+
+
+def timed(fn, *args, calls: int) -> tuple[float, float]:
+    """(first call s, median ms of `calls` later calls)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, float(np.median(times)) * 1e3
+
+
+def trained_kvpop(export: str):
+    """(config, params) of an export with the training-only knobs of its run restored (exports reset them)."""
+    config, params = load_pretrained(export)
+    saved = json.load(open(os.path.join(export, "config.json")))["kvpop"]
+    kv = dataclasses.replace(config.kvpop, **{k: saved[k] for k in TRAINING_KNOBS if k in saved})
+    return dataclasses.replace(config, kvpop=kv), params
+
+
+def step_parts(export: str, calls: int) -> list[tuple[str, float, float]]:
+    config, _ = trained_kvpop(export)
+    kv = config.kvpop
+    rows = []
+    for name, (fn, args) in part_functions(config, 1024, 4, 0).items():
+        if "(xla)" in name:
+            continue
+        rows.append((name, *timed(fn, *args, calls=calls)))
+    b, s, hq, hkv, d = 4, 1024, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k = jax.random.normal(keys[0], (b, s, hq, d)), jax.random.normal(keys[1], (b, s, hkv, d))
+    lse = jax.random.normal(keys[2], (b, hq, s)) + 5.0
+    scores, log_gamma = jax.random.normal(keys[3], (b, hkv, s)), jnp.full((hkv,), -1e-3)
+    rows.append(("dense normalizer (dense_lse)", *timed(jax.jit(targets.dense_lse), q, k, calls=calls)))
+    options = {
+        "retention objective + grad, as trained": kv,
+        "  listwise off": dataclasses.replace(kv, listwise_queries=0),
+        "  rank pairs off": dataclasses.replace(kv, rank_pairs=0),
+        "  64 query samples": dataclasses.replace(kv, num_query_samples=64),
+        "  sparse normalizer": dataclasses.replace(kv, normalizer="sparse"),
+        "  all four": dataclasses.replace(kv, normalizer="sparse", rank_pairs=0, listwise_queries=0,
+                                          num_query_samples=64),
+    }
+    for name, c in options.items():
+        def objective(scores, log_gamma, rng, c=c):
+            q_idx = losses.sample_query_positions(rng, batch=b, seq_len=s, num=c.num_query_samples, min_q=c.budget,
+                                                  late_bias_fraction=c.late_bias_fraction)
+            ranks, cutoffs = sparse_policy(scores, log_gamma, c)
+            loss = lambda sc, lg: retention_objective(q, k, lse, sc, lg, ranks, cutoffs, q_idx, c)[0]  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1))(scores, log_gamma)
+
+        rows.append((name, *timed(jax.jit(objective), scores, log_gamma, jax.random.key(1), calls=calls)))
+    return rows
+
+
+def eval_call(method: str, checkpoint: str, budget: int, calls: int) -> list[tuple[str, float, float]]:
+    config, params = load_pretrained(checkpoint)
+    model, mparams, cache = method_setup(method, config, params, budget, sinks=4, dtype=jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (50, 1024)), jnp.int32)
+    run = functools.partial(generate, model, mparams, ids, cache=cache, max_new_tokens=18,
+                            sampling=SamplingConfig.greedy(), eos_ids=(2,), stream_prompt=method in BOUNDED_METHODS)
+    rows = [(f"{method} B {budget}: generate", *timed(run, calls=calls))]
+    if cache != "kvpop":
+        return rows
+
+    def prefill(mparams, ids):
+        state = init_generation_cache(model.config, cache, ids.shape[0], ids.shape[1] + 18)
+        return model.apply({"params": mparams}, ids, cache=state)
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(prefill).lower(mparams, ids).compile()
+    rows.append((f"{method} B {budget}: prefill compile (s)", time.perf_counter() - t0, float("nan")))
+    rows.append((f"{method} B {budget}: prefill", *timed(compiled, mparams, ids, calls=calls)))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="a finished job's run directory (runs/tiny_cpu)")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--methods", default="kvpop-mlstm,kvpop-mlp,tova,h2o,dense")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--dense", default="checkpoints/demo-teacher", help="the dense checkpoint (the job's teacher)")
+    args = ap.parse_args()
+    mlstm = os.path.join(args.run_dir, "kvpop-mlstm", "export")
+    rows = step_parts(mlstm, args.calls)
+    for method in filter(None, args.methods.split(",")):
+        checkpoint = (args.dense if method in ("dense", *BOUNDED_METHODS)
+                      else os.path.join(args.run_dir, method, "export"))
+        rows += eval_call(method, checkpoint, args.budget, max(2, args.calls // 5))
+    print("| part | first call s | median ms |\n|---|---|---|")
+    for name, first, ms in rows:
+        print(f"| {name} | {first:.2f} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
