@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import time
 
@@ -36,9 +35,6 @@ from kvpop_jax.generate import generate, init_generation_cache
 from kvpop_jax.kvpop import retention_objective, sparse_policy
 from kvpop_jax.sampling import SamplingConfig
 
-TRAINING_KNOBS = ("num_query_samples", "rank_pairs", "listwise_queries", "normalizer", "retention_labels")
-
-
 def timed(fn, *args, calls: int) -> tuple[float, float]:
     """(first call s, median ms of `calls` later calls)."""
     t0 = time.perf_counter()
@@ -52,16 +48,8 @@ def timed(fn, *args, calls: int) -> tuple[float, float]:
     return first, float(np.median(times)) * 1e3
 
 
-def trained_kvpop(export: str):
-    """(config, params) of an export with the training-only knobs of its run restored (exports reset them)."""
-    config, params = load_pretrained(export)
-    saved = json.load(open(os.path.join(export, "config.json")))["kvpop"]
-    kv = dataclasses.replace(config.kvpop, **{k: saved[k] for k in TRAINING_KNOBS if k in saved})
-    return dataclasses.replace(config, kvpop=kv), params
-
-
 def step_parts(export: str, calls: int) -> list[tuple[str, float, float]]:
-    config, _ = trained_kvpop(export)
+    config, _ = load_pretrained(export)  # the export keeps its training knobs (num_query_samples, ...)
     kv = config.kvpop
     rows = []
     for name, (fn, args) in part_functions(config, 1024, 4, 0).items():
