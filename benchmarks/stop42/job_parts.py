@@ -3,11 +3,11 @@
 Times, at the job's shapes, each piece of the scorer variants' training step and of one evaluation
 call, from a finished job's run directory (its exports and shared teacher files are only read):
 
-- step parts, per layer, 4 rows x 1024 tokens (medians of `--calls` calls after one warm-up call;
-  the first call's seconds are mostly the compile): the masked attention forward and forward +
-  backward as the dispatcher picks it, the retention objective with its gradient in the shipped
-  configuration and with each loss option beyond the paper switched off, the mLSTM and MLP scorers
-  forward + backward, the dense normalizer, the target, ranks and the running cutoff;
+- step parts, per layer, 4 rows x 1024 tokens (medians of `--calls` calls after the first, whose
+  seconds are mostly the compile; `eval.bench_train`'s parts): dense attention and the masked
+  attention as the dispatcher picks it, forward + backward, the retention objective with its
+  gradient in the shipped configuration and with each loss option beyond the paper switched off,
+  the mLSTM and MLP scorers forward + backward, the dense normalizer, the target, ranks, the running cutoff and the boundary;
 - one evaluation call of each `--methods` at B (50 problems of 1024 random tokens, greedy,
   18 new tokens, the baselines' prompt streamed as the job does): first call, steady call, and for
   the KVpop exports the prefill alone, and its compile.
@@ -28,34 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.accuracy import method_setup
-from eval.bench_train import part_functions
+from eval.bench_train import PARTS, median_ms, time_parts
 from kvpop_jax import load_pretrained, losses, targets
 from kvpop_jax.baselines import BOUNDED_METHODS
 from kvpop_jax.generate import generate, init_generation_cache
 from kvpop_jax.kvpop import retention_objective, sparse_policy
 from kvpop_jax.sampling import SamplingConfig
 
+
 def timed(fn, *args, calls: int) -> tuple[float, float]:
-    """(first call s, median ms of `calls` later calls)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return first, float(np.median(times)) * 1e3
+    """(first call s, median ms of `calls` later calls), by `eval.bench_train.median_ms`."""
+    ms, first = median_ms(lambda *a: (None, fn(*a)), args, steps=calls, warmup=0)
+    return first, ms
 
 
 def step_parts(export: str, calls: int) -> list[tuple[str, float, float]]:
     config, _ = load_pretrained(export)  # the export keeps its training knobs (num_query_samples, ...)
     kv = config.kvpop
-    rows = []
-    for name, (fn, args) in part_functions(config, 1024, 4, 0).items():
-        if "(xla)" in name:
-            continue
-        rows.append((name, *timed(fn, *args, calls=calls)))
+    parts = time_parts(config, 1024, 4, parts=[p for p in PARTS if "(xla)" not in p], steps=calls, warmup=0, seed=0)
+    rows = [(name, first, ms) for name, (ms, first) in parts.items()]
     b, s, hq, hkv, d = 4, 1024, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     keys = jax.random.split(jax.random.key(0), 4)
     q, k = jax.random.normal(keys[0], (b, s, hq, d)), jax.random.normal(keys[1], (b, s, hkv, d))
