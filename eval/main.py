@@ -62,7 +62,7 @@ def cmd_generate(argv: Sequence[str]) -> None:
         try:
             tokenizer = load_tokenizer(args.checkpoint)
         except ValueError as e:
-            parser.error(f"no tokenizer in {args.checkpoint!r} ({e}); pass --prompt_ids instead of --prompt")
+            parser.error(f"{e}; pass --prompt_ids instead of --prompt")
         ids = tokenizer(args.prompt)["input_ids"]
     if not ids:
         parser.error("the prompt is empty")

@@ -382,21 +382,27 @@ def load_tokenizer(directory: str | os.PathLike):
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"no tokenizer at {directory!r}: not a directory")
+    if not has_tokenizer(directory):
+        # transformers 5 would otherwise build an empty tokenizer of the model type's class from
+        # config.json alone, and every prompt would encode to nothing
+        raise ValueError(f"no tokenizer in {directory}: none of {list(_LOADABLE)} is there")
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as e:
         raise ValueError(f"no tokenizer could be loaded from {directory}: {e}") from e
 
 
-def checkpoint_tokenizer(checkpoint):
-    """The checkpoint directory's tokenizer, or None when it ships none.
+# Any one of these makes a directory's tokenizer loadable.
+_LOADABLE = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-    Checked by file first: transformers 5 otherwise builds an empty tokenizer of the model
-    type's class from config.json alone.
-    """
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        return None
-    loadable = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any(os.path.isfile(os.path.join(checkpoint, f)) for f in loadable):
+
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether the directory holds tokenizer files (checked by file: see `load_tokenizer`)."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in _LOADABLE)
+
+
+def checkpoint_tokenizer(checkpoint):
+    """The checkpoint directory's tokenizer, or None when it ships none."""
+    if not isinstance(checkpoint, (str, os.PathLike)) or not has_tokenizer(checkpoint):
         return None
     return load_tokenizer(checkpoint)

@@ -267,6 +267,14 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(message) and len(err.splitlines()) == 1, err
+    bare = tmp_path / "bare"  # weights and config, no tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((tmp_path / "dense" / name).read_bytes())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--checkpoint", str(bare), "--prompt", "x3y5", "--max_new_tokens", "2"])
+    assert exit_info.value.code == 2
+    assert f"error: no tokenizer in {bare}: none of ['tokenizer.json'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["accuracy", "--checkpoints", f"dense={tmp_path / 'nope'}", "--benchmark", str(tmp_path / "b.jsonl"),
               "--out_dir", str(tmp_path / "out")])
@@ -310,6 +318,9 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         run(["dense", "x"], {"dense": dense, "x": dense})
     with pytest.raises(ValueError, match=r"corrupt safetensors file '.*corrupt/model.safetensors'"):
         run(["dense", "x"], {"dense": dense, "x": str(corrupt)})
+    # an export without tokenizer files: said so, not an empty tokenizer that encodes every prompt to nothing
+    with pytest.raises(ValueError, match=r"no tokenizer in .*/kv: none of \['tokenizer.json'.*; pass tokenizer="):
+        run(["dense"], {"dense": str(tmp_path / "kv")})
     for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):
         with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
             run(["dense", "tova"], **{name: value})

@@ -77,6 +77,18 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
     parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=str(teacher) + "-kvpop"))
 
 
+def test_an_init_checkpoint_without_tokenizer_files_is_named(tmp_path, arch):
+    """Not an empty tokenizer built from config.json that leaves no document to train on."""
+    from train.setup import run_tokenizer
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(open(arch).read())
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), tokenizer=""))
+    with pytest.raises(FlagError, match=r"--tokenizer: no tokenizer in .*teacher: none of .* \(pass --tokenizer=DIR"):
+        run_tokenizer(cfg, str(teacher))
+
+
 def test_removed_reset_attention_flag_is_rejected_by_name(tmp_path, arch):
     """KVpop attention cannot reset at packing boundaries, so the flag is gone (it always raised)."""
     with pytest.raises(flags.UnrecognizedFlagError, match="reset_attention"):
