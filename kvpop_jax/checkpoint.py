@@ -169,16 +169,44 @@ def _open(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
+def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtype: Any = jnp.float32):
+    """(name map, expected abstract params, open handles) after checking the files' headers
+    against the config: the same tensor names (a tied lm_head may be stored), each of the shape
+    config.json implies. Reads no tensor data."""
+    expected = traverse_util.flatten_dict(abstract_params(config, dtype), sep="/")
+    names = name_map(config, expected)
+    file_names = set(files)
+    tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(names) - file_names)
+    unexpected = sorted(file_names - set(names) - tied_extra)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} does not match the config: missing tensors {missing}, unexpected tensors {unexpected}"
+        )
+    handles = {fn: _open(fn) for fn in sorted(set(files.values()))}
+    for hf_name, (param_path, kind) in names.items():
+        want = expected[param_path]
+        hf_shape = tuple(TRANSFORMS[kind][1](np.empty(want.shape, np.int8), config).shape)
+        try:
+            shape = tuple(handles[files[hf_name]].get_slice(hf_name).get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"corrupt safetensors file {files[hf_name]!r} reading {hf_name!r}: {e}") from e
+        if shape != hf_shape:
+            raise ValueError(f"checkpoint {path!r}: shape mismatch for tensor {hf_name!r}: expected {hf_shape} "
+                             f"from config.json, got {shape}")
+    return names, expected, handles
+
+
 def check_checkpoint(path: str | os.PathLike) -> Qwen3Config:
-    """The config of the checkpoint directory `path`, after checking what can be checked without
-    reading the weights: config.json parses, and every safetensors file's header opens (a
-    truncated or non-safetensors file is a ValueError naming it). Cheap at any model size."""
+    """The config of the checkpoint directory `path`, after checking all that can be checked
+    without reading the weights: config.json parses, every safetensors file's header opens (a
+    truncated or non-safetensors file is a ValueError naming it), and the headers hold exactly
+    the tensors the config implies, at its shapes. Cheap at any model size."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     config = Qwen3Config.from_hf(path)
-    for fn in sorted(set(_weight_files(path).values())):
-        _open(fn)
+    _matched_tensors(path, config, _weight_files(path))
     return config
 
 
@@ -204,35 +232,17 @@ def load_pretrained(
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     config = config or Qwen3Config.from_hf(path)
     files = _weight_files(path)
-
-    expected = traverse_util.flatten_dict(abstract_params(config, dtype), sep="/")
-    names = name_map(config, expected)
-    file_names = set(files)
-    tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    missing = sorted(set(names) - file_names)
-    unexpected = sorted(file_names - set(names) - tied_extra)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path!r} does not match the config: missing tensors {missing}, unexpected tensors {unexpected}"
-        )
+    names, expected, handles = _matched_tensors(path, config, files, dtype)  # every name and shape, before any data
     flat_shardings = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else {}
 
-    handles: dict[str, Any] = {}
     flat: dict[str, jax.Array] = {}
     for hf_name, (param_path, kind) in names.items():
         fn = files[hf_name]
-        if fn not in handles:
-            handles[fn] = _open(fn)
         try:
             tensor = handles[fn].get_tensor(hf_name)
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"corrupt safetensors file {fn!r} reading {hf_name!r}: {e}") from e
         want = expected[param_path]
-        hf_shape = tuple(TRANSFORMS[kind][1](np.empty(want.shape, np.int8), config).shape)
-        if tuple(tensor.shape) != hf_shape:
-            raise ValueError(
-                f"shape mismatch for tensor {hf_name!r}: expected {hf_shape} from config.json, got {tuple(tensor.shape)}"
-            )
         value = np.asarray(TRANSFORMS[kind][0](tensor, config)).astype(want.dtype)
         sharding = flat_shardings.get(param_path)
         flat[param_path] = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)

@@ -318,6 +318,12 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         run(["dense", "x"], {"dense": dense, "x": dense})
     with pytest.raises(ValueError, match=r"corrupt safetensors file '.*corrupt/model.safetensors'"):
         run(["dense", "x"], {"dense": dense, "x": str(corrupt)})
+    mismatch = tmp_path / "mismatch"  # a KVpop config over dense weights: caught from the headers
+    mismatch.mkdir()
+    (mismatch / "config.json").write_bytes((tmp_path / "kv" / "config.json").read_bytes())
+    (mismatch / "model.safetensors").write_bytes(open(os.path.join(dense, "model.safetensors"), "rb").read())
+    with pytest.raises(ValueError, match=r"mismatch' does not match the config: missing tensors \[.*kvpop"):
+        run(["dense", "tova", "x"], {"dense": dense, "x": str(mismatch)})
     # an export without tokenizer files: said so, not an empty tokenizer that encodes every prompt to nothing
     with pytest.raises(ValueError, match=r"no tokenizer in .*/kv: none of \['tokenizer.json'.*; pass tokenizer="):
         run(["dense"], {"dense": str(tmp_path / "kv")})
