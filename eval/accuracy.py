@@ -225,6 +225,7 @@ def run_accuracy(
 
     loaded: dict[str, tuple] = {}
     records: list[dict] = []
+    reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="accuracy", disable=not progress)
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
@@ -252,6 +253,9 @@ def run_accuracy(
                                                    eos_ids=tuple(sorted(eos)), rng=key,
                                                    stream_prompt=stream_prompt and method in BASELINES)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+                        if cr is not None:
+                            reached[cr] = max(reached[cr], *(len(encoded[bench][i]) + int(lengths[r])
+                                                             for r, (i, _) in enumerate(rows)))
                         for r, (i, rollout) in enumerate(rows):
                             problem = problems[i]
                             text = tok.decode(tokens[r, : lengths[r]].tolist(), skip_special_tokens=True)
@@ -266,9 +270,16 @@ def run_accuracy(
                     bar.update(len(group))
         bar.close()
 
+        # The up-front check bounds completions by max_new_tokens; answers usually end far sooner.
+        # A CR whose budget held every decoded sequence whole evicted nothing: it decoded as dense.
+        unevicted = [f"CR {cr:g} (B {budgets[cr]}): the longest prompt + completion was {n} tokens, so nothing "
+                     "was evicted and its rows equal dense; set context_len to the length the CR should be "
+                     "taken of (e.g. the prompt length)" for cr, n in reached.items() if 0 < n <= budgets[cr]]
+        for line in unevicted:
+            print(f"warning: {line}", file=sys.stderr)
         names = list(benchmarks)
         rows = summarize(records, names)
-        table = format_table(rows, names)
+        table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n" for line in unevicted)
         checker = "math_verify" if math_verify_available() else "normalized string compare"
         write_text(out.path("accuracy.md"),
                    f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n"
@@ -277,7 +288,8 @@ def run_accuracy(
                    f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}.\n\n"
                    + table)
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
-                                                              n_rollouts=n_rollouts, checker=checker), indent=1))
+                                                              n_rollouts=n_rollouts, checker=checker,
+                                                              unevicted=unevicted), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows
 

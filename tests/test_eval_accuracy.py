@@ -220,6 +220,33 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
+def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeypatch, capsys):
+    """B < prompt + max_new_tokens passes the up-front check, but answers that stop early may
+    never fill it: then the CR evicted nothing, and the report says so."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")  # 10 tokens
+    prompt_len = 10
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
+        assert prompt_ids.shape[1] == prompt_len
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], stop)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=24, max_new_tokens=4,  # B 12 < 10 + 4
+              sampling=SamplingConfig.greedy(), progress=False)
+    for stop, warned in ((2, True), (3, False)):  # 10 + 2 <= B: nothing evicted; 10 + 3 > B
+        out = tmp_path / f"out{stop}"
+        run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), out_dir=str(out), **kw)
+        err = capsys.readouterr().err
+        report = json.loads((out / "accuracy.json").read_text())["unevicted"]
+        line = "CR 0.5 (B 12): the longest prompt + completion was 12 tokens, so nothing was evicted"
+        assert (f"warning: {line}" in err) == warned and bool(report) == warned
+        assert (line in (out / "accuracy.md").read_text()) == warned
+
+
 def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
     import datasets
     import transformers
