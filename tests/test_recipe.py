@@ -40,6 +40,30 @@ def test_variant_flags(tmp_path, arch):
     assert parse(tiny_flags(str(tmp_path), arch, eval_methods="dense,kvpop")).evaluation.methods == ("dense", "kvpop")
 
 
+def test_a_finished_variant_trained_with_other_flags_is_not_reused(tmp_path, arch):
+    """A rerun skips a finished variant only when its train_config.json shows the same training:
+    a changed --topk or --base_lr would otherwise be reported with the old export's numbers."""
+    from train.run_dir import TRAIN_CONFIG_FILE
+
+    def variant(**overrides):
+        cfg = parse(tiny_flags(str(tmp_path / "run"), arch, variants="kvpop-mlp", **overrides))
+        return recipe.variant_config(cfg, "kvpop-mlp", str(tmp_path / "init"), str(tmp_path / "tok"))
+
+    old = variant()
+    os.makedirs(os.path.join(old.checkpoint_dir, str(old.steps)))
+    os.makedirs(old.export_dir)
+    open(os.path.join(old.export_dir, "config.json"), "w").write("{}")
+    assert recipe.finished(old)  # no train_config.json (a run older than it): the step and export decide
+    with open(os.path.join(old.run_dir, TRAIN_CONFIG_FILE), "w") as f:
+        json.dump(json.loads(json.dumps(old.to_json(), default=str)), f)
+    assert recipe.finished(old)
+    assert recipe.finished(variant(progress=True, checkpoint_every=5, micro_batch=4))  # how, not what, it trains
+    with pytest.raises(FlagError, match=r"run/kvpop-mlp holds a finished run trained with other settings: "
+                                        r"kvpop.topk 16 -> 12; optim.base_lr 8e-05 -> 0.0001\. .*--overwrite"):
+        recipe.finished(variant(topk=12, base_lr=1e-4))
+    assert not recipe.finished(variant(steps=41))  # more steps: it resumes (the resume checks its shapes)
+
+
 def test_targets_are_checked_against_the_rows():
     rows = [dict(method="dense", cr=None, abs=0.9), dict(method="kvpop-mlstm", cr=0.88, abs=0.85),
             dict(method="kvpop-mlp", cr=0.88, abs=0.7), dict(method="streaming", cr=0.88, abs=0.1),
@@ -116,6 +140,8 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     shutil.rmtree(os.path.join(run, "streamingllm+", "export"))
     with pytest.raises(FlagError, match="--noresume would start over in .*streamingllm\\+.*pass --overwrite"):
         recipe.run(parse(rerun + ["--noresume"]))
+    with pytest.raises(FlagError, match="kvpop-mlp holds a finished run trained with other settings: kvpop.topk 16 -> 12"):
+        recipe.run(parse(rerun + ["--topk=12"]))  # refused before the teacher pass or any training
 
 
 def test_target_reduce_flag_reaches_the_config(tmp_path, arch):

@@ -33,7 +33,9 @@ DMS keeps its trained gates and gets a pool of B entries per KV head, `DMSConfig
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -49,10 +51,10 @@ from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.sampling import SamplingConfig
-from train.config import TrainConfig, variant_kvpop, variant_retrofit
+from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
-from train.run_dir import checkpoint_steps, lock_run_dir
+from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, lock_run_dir, training_changes
 from train.setup import info, prepare_init_checkpoint, run_tokenizer
 from train.teacher_cache import write_teacher_logits
 
@@ -107,7 +109,10 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times, teacher_seconds = {}, {}, None
     teacher_dir = shared_teacher_dir(cfg)
-    if teacher_dir and not all(finished(variant_config(cfg, n, init_dir, tokenizer_dir)) for n in cfg.variants):
+    if teacher_dir and cfg.overwrite and os.path.isdir(teacher_dir):
+        shutil.rmtree(teacher_dir)  # written for the old flags (another teacher, data or kl_topk): recomputed
+    done = {n: not cfg.overwrite and finished(variant_config(cfg, n, init_dir, tokenizer_dir)) for n in cfg.variants}
+    if teacher_dir and not all(done.values()):
         info(f"teacher top-k of the {cfg.steps} training batches, shared by the variants: {teacher_dir} "
              f"({teacher_topk_bytes(cfg) / 2**20:.0f} MiB)")
         t0 = time.perf_counter()
@@ -117,7 +122,7 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     for name in cfg.variants:
         vcfg = variant_config(cfg, name, init_dir, tokenizer_dir, teacher_dir)
         exports[name] = vcfg.export_dir
-        if finished(vcfg) and not cfg.overwrite:  # a rerun after a crash skips what is done
+        if done[name]:  # a rerun after a crash skips what is done
             info(f"[{name}] already trained: {vcfg.export_dir}")
             continue
         info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
@@ -139,8 +144,18 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def finished(cfg: TrainConfig) -> bool:
-    """Whether a run's last checkpoint is its final step and its export is written."""
-    return max(checkpoint_steps(cfg), default=-1) >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
+    """Whether a run's last checkpoint is its final step and its export is written; a FlagError
+    when that run was trained under other settings than `cfg` (its export is not this one's)."""
+    done = max(checkpoint_steps(cfg), default=-1) >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
+    saved = os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE)
+    if done and os.path.isfile(saved):
+        with open(saved) as f:
+            changes = training_changes(json.load(f), cfg)
+        if changes:
+            raise FlagError(f"{cfg.run_dir} holds a finished run trained with other settings: {'; '.join(changes)}. "
+                            "Rerun with the old values to reuse its export, pass --overwrite to retrain every "
+                            "variant, or choose another --run_dir")
+    return done
 
 
 def oracle_rates(spec: DemoSpec, budgets: dict[float, int], sinks: int, window: int) -> dict[float, dict[str, float]]:

@@ -150,6 +150,31 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
                         "--overwrite (or another --run_dir)")
 
 
+# TrainConfig fields (to_json) that change how a run is carried out, not what it trains: a finished
+# run's export is still that of the new flags when only these differ.
+OPERATIONAL_FIELDS = ("run_dir", "export_dir", "checkpoint_every", "keep_checkpoints", "async_checkpointing",
+                      "resume", "export", "log_every", "tensorboard", "progress", "dry_run", "variants", "evaluation",
+                      "overwrite", "divergence_factor", "divergence_warmup", "mesh", "remat", "loss_chunk",
+                      "micro_batch", "teacher_logits_dir", "write_teacher_logits")
+
+
+def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """'FIELD OLD -> NEW' for each setting that shapes what a run trains (all but OPERATIONAL_FIELDS;
+    nested ones as `kvpop.topk`, `optim.base_lr`) whose value differs from `saved`, a finished run's
+    train_config.json. A field newer than the saved run is compared with nothing and skipped."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    new = dict(flat({k: v for k, v in json.loads(json.dumps(cfg.to_json(), default=str)).items()
+                     if k not in OPERATIONAL_FIELDS}))
+    old = dict(flat({k: v for k, v in saved.items() if k not in OPERATIONAL_FIELDS}))
+    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+
+
 def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     """The records of metrics.jsonl up to `upto_step` (the resumed step). A torn last line is
     dropped (with a note); any other line that is not a JSON record is an error naming it."""
@@ -177,4 +202,4 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics"]
+__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics", "training_changes"]
