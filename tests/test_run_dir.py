@@ -161,3 +161,53 @@ def test_every_kvpop_flag_named_by_the_resume_check_exists():
     define_flags(fv)
     assert [f for f in KVPOP_FLAGS if f not in fv] == []
     assert set(KVPOP_FLAGS) <= set(RESUME_KVPOP_FIELDS)
+
+
+def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_to(tmp_path):
+    """Disk trouble or a hand edit in a saved step: not orbax's wall of tracebacks, but which step,
+    what failed, and how to resume from the one before it (train and train.export alike)."""
+    import shutil
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train.checkpointing import Checkpointer
+    from train.step import TrainState
+
+    directory = str(tmp_path / "checkpoints")
+    rng = np.random.default_rng(0)
+    state = lambda step: TrainState(step=jnp.asarray(step, jnp.int32),  # noqa: E731
+                                    params={"w": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)},
+                                    opt_state={"m": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)},
+                                    rng=jnp.asarray([1, 2], jnp.uint32))
+    like = state(0)
+
+    def damage(root, how):
+        if how == "empty meta":
+            open(os.path.join(root, "meta", "metadata"), "w").close()
+        elif how == "truncated params":
+            for d, _, files in os.walk(os.path.join(root, "params")):
+                for f in files:
+                    if os.path.basename(d) == "d":
+                        with open(os.path.join(d, f), "r+b") as fh:
+                            fh.truncate(os.path.getsize(os.path.join(d, f)) // 3)
+        else:
+            shutil.rmtree(os.path.join(root, "params"))
+
+    for how in ("empty meta", "truncated params", "no params"):
+        shutil.rmtree(directory, ignore_errors=True)
+        ckpt = Checkpointer(directory, async_save=False)
+        for step in (2, 4):
+            ckpt.save(state(step), {"pos": step}, {"note": "x"}, force=True)
+        assert ckpt.restore(4, like)[2]["step"] == 4
+        ckpt.close()
+        damage(os.path.join(directory, "4"), how)
+        ckpt = Checkpointer(directory, read_only=True)
+        message = (rf"checkpoint {directory}/4 cannot be read \(\w+: .*\): it is damaged or does not match this "
+                   rf"run; move it aside \(`mv {directory}/4 {directory}/4.damaged`\) to resume from step 2")
+        with pytest.raises(FlagError, match=message):
+            ckpt.restore_meta(4) if how == "empty meta" else ckpt.restore(4, like)
+        assert ckpt.restore(2, like)[2]["step"] == 2  # the step before it is whole
+        ckpt.close()
+        os.rename(os.path.join(directory, "4"), os.path.join(directory, "4.damaged"))
+        assert Checkpointer(directory, read_only=True).latest_step() == 2  # the advice works

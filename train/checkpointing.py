@@ -14,14 +14,16 @@ holds four items:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from kvpop_jax.config import Qwen3Config
+from train.config import FlagError
 from train.step import TrainState
 
 ITEMS = ("params", "opt_state", "data", "meta")
@@ -63,17 +65,26 @@ class Checkpointer:
             force=True,  # the interval is decided above (orbax would also save the first step)
         )
 
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """Turns orbax's errors on a damaged step directory (a truncated array file, a missing item,
+        an empty JSON: disk trouble or hand edits; a killed save never lands) into one FlagError
+        naming the step, what failed, and the step a resume could fall back to."""
+        try:
+            yield
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            path = os.path.join(self.directory, str(step))
+            earlier = [s for s in self.all_steps() if s < step]
+            fallback = (f"move it aside (`mv {path} {path}.damaged`) to resume from step {max(earlier)}, "
+                        if earlier else "")
+            detail = (str(e).strip().splitlines() or [""])[0][:300]
+            raise FlagError(f"checkpoint {path} cannot be read ({type(e).__name__}: {detail}): it is damaged or does not match this run; "
+                            f"{fallback}or start over with --overwrite") from e
+
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict, dict]:
         """Restores (state, data state, meta) at `step` onto `abstract_state`'s shapes and shardings."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state.params),
-                opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
-                data=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        with self._reading(step):
+            restored = self._restore(step, abstract_state)
         meta = restored["meta"]
         rng_sharding = getattr(abstract_state.rng, "sharding", None)
         rng = np.asarray(meta["rng"], np.uint32)
@@ -83,14 +94,30 @@ class Checkpointer:
         )
         return state, restored["data"], meta
 
+    def _restore(self, step: int, abstract_state: TrainState) -> dict:
+        return self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state.params),
+                opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters (for export)."""
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+        with self._reading(step):
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
         return restored["params"]
 
     def restore_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        with self._reading(step):
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or "step" not in meta:
+                raise ValueError(f"its meta item is not a training checkpoint's ({str(meta)[:80]})")
+        return meta
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
