@@ -89,6 +89,27 @@ def test_an_init_checkpoint_without_tokenizer_files_is_named(tmp_path, arch):
         run_tokenizer(cfg, str(teacher))
 
 
+def test_output_folders_that_cannot_be_written_are_refused_before_any_work(tmp_path, arch, monkeypatch):
+    """Not a traceback from os.makedirs in the lock, or from the export after the whole run trained."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    locked = tmp_path / "locked"  # read-only; faked, since root (as here and in CI) writes anywhere
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: p != str(locked) and real_access(p, mode))
+    for overrides, message in [
+            (dict(run_dir=str(a_file)), f"--run_dir={a_file} is a file, not a folder"),
+            (dict(run_dir=str(a_file / "run")), f"--run_dir={a_file}/run lies under the file {a_file}"),
+            (dict(run_dir=str(locked / "run")), f"--run_dir={locked}/run: the folder {locked} is not writable"),
+            (dict(export_dir=str(a_file)), f"--export_dir={a_file} is a file, not a folder"),
+            (dict(export_dir=str(a_file / "x" / "y")), f"lies under the file {a_file}"),
+            (dict(export_dir=str(locked / "e")), f"the folder {locked} is not writable"),
+            (dict(variants="kvpop-mlp", export_dir=str(tmp_path / "e")), "--export_dir=.* with --variants")]:
+        with pytest.raises(FlagError, match=message):
+            parse(tiny_flags(overrides.pop("run_dir", str(tmp_path / "run")), arch, **overrides))
+    parse(tiny_flags(str(tmp_path / "new" / "deeper" / "run"), arch))  # a folder still to be made is fine
+
+
 def test_removed_reset_attention_flag_is_rejected_by_name(tmp_path, arch):
     """KVpop attention cannot reset at packing boundaries, so the flag is gone (it always raised)."""
     with pytest.raises(flags.UnrecognizedFlagError, match="reset_attention"):

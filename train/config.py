@@ -250,6 +250,22 @@ def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
                         "would overwrite the model the run starts from; choose another --export_dir")
 
 
+def check_output_dir(path: str, flag: str) -> None:
+    """A folder the run will create or write into: refused by flag if it is a file, lies under a
+    file, or its nearest existing folder cannot be written (checked before any work is done)."""
+    if not path:
+        raise FlagError(f"{flag} is empty")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FlagError(f"{flag}={path} is a file, not a folder; choose another {flag}")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise FlagError(f"{flag}={path} lies under the file {existing}; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag}={path}: the folder {existing} is not writable; choose another {flag}")
+
+
 def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:
     """The batch must split evenly over the data-parallel devices (data x fsdp)."""
     dp = mesh_shape["data"] * mesh_shape["fsdp"]

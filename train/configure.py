@@ -13,7 +13,7 @@ from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
-                          check_export_dir, resolve_model_config, variant_dms, variant_kvpop)
+                          check_export_dir, check_output_dir, resolve_model_config, variant_dms, variant_kvpop)
 
 
 def _resolve_dtype(name: str, on_accelerator: bool) -> str:
@@ -155,6 +155,12 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     except ValueError as e:
         raise FlagError(f"bad data flags: {e}") from e
     export_dir = f.export_dir or os.path.join(run_dir, "export")
+    check_output_dir(run_dir, "--run_dir")
+    if variants and f.export_dir:
+        raise FlagError(f"--export_dir={f.export_dir} with --variants: each variant exports into RUN_DIR/NAME/export "
+                        "(see README command 1); drop --export_dir")
+    if f.export and not variants:
+        check_output_dir(export_dir, "--export_dir")
     check_export_dir(export_dir, f.init_checkpoint)
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
