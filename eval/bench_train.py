@@ -354,6 +354,14 @@ def bench_markdown(rows: Sequence[Row], info: dict, png: str, relative_to: str, 
     return "\n".join(lines)
 
 
+def benchmarks_target(flag: str | None, dry: bool) -> str | None:
+    """The file the tables are appended to: --benchmarks_md ('' = none), else BENCHMARKS.md, but
+    none for a --dry run (toy sizes: its numbers belong in no record)."""
+    if flag is not None:
+        return flag or None
+    return None if dry else "BENCHMARKS.md"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m eval.bench_train [flags]` (also `python -m eval.main bench train`)."""
     d = dict(inspect.signature(tiny_config).parameters)
@@ -367,9 +375,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--kl_topk", type=int, default=256)
     ap.add_argument("--num_query_samples", type=int, default=256)
     ap.add_argument("--out_dir", default="outputs/bench_train")
-    ap.add_argument("--benchmarks_md", default="BENCHMARKS.md", help="'' to skip the append")
+    ap.add_argument("--benchmarks_md", default=None,
+                    help="where the tables are appended (default BENCHMARKS.md; with --dry, nowhere); '' to skip")
     ap.add_argument("--dry", action="store_true",
-                    help="a seconds-long smoke run: a 1-layer toy model, S = 64,128, one step (overrides the sizes)")
+                    help="a smoke run of the plumbing (about a minute on 2 cores, nearly all compiles): a 1-layer "
+                         "toy model, S = 64,128, one step (overrides the sizes); its numbers measure nothing, so "
+                         "it appends to no BENCHMARKS.md unless --benchmarks_md names one")
     for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "sinks", "window", "topk"):
         ap.add_argument(f"--{name}", type=int, default=d[name].default, help="random model size / budget")
     args = ap.parse_args(argv)
@@ -384,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seq_lens=seq_lens, batch=args.batch, model_config=tiny_config(**sizes),
         variants=tuple(v for v in args.variants.split(",") if v), parts=() if args.no_parts else PARTS, steps=steps,
         warmup=warmup, kl_topk=kl_topk, num_query_samples=samples, out_dir=args.out_dir,
-        benchmarks_md=args.benchmarks_md or None,
+        benchmarks_md=benchmarks_target(args.benchmarks_md, args.dry),
         # The flags this function was given, not the host process's argv (pytest's, when called in-process).
         command="python -m eval.main bench train " + shlex.join(sys.argv[1:] if argv is None else argv),
     )

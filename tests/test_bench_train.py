@@ -41,6 +41,13 @@ def test_bench_train_small_run_writes_rows_tables_and_plot(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dry_run_appends_to_no_benchmarks_file_unless_named():
+    from eval.bench_train import benchmarks_target
+
+    assert benchmarks_target(None, dry=True) is None and benchmarks_target(None, dry=False) == "BENCHMARKS.md"
+    assert benchmarks_target("x.md", dry=True) == "x.md" and benchmarks_target("", dry=False) is None
+
+
 def test_bench_train_dry_cli_runs_every_variant_and_part(tmp_path):
     md = tmp_path / "BENCH.md"
     eval_main.main(["bench", "train", "--dry", "--out_dir", str(tmp_path / "out"), "--benchmarks_md", str(md)])
