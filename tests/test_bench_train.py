@@ -40,7 +40,6 @@ def test_bench_train_small_run_writes_rows_tables_and_plot(tmp_path):
         run_bench_train(seq_lens=(16,), model_config=tiny_config(**TOY), out_dir=tmp_path, benchmarks_md=None)
 
 
-@pytest.mark.slow
 def test_a_dry_run_appends_to_no_benchmarks_file_unless_named():
     from eval.bench_train import benchmarks_target
 
@@ -48,6 +47,7 @@ def test_a_dry_run_appends_to_no_benchmarks_file_unless_named():
     assert benchmarks_target("x.md", dry=True) == "x.md" and benchmarks_target("", dry=False) is None
 
 
+@pytest.mark.slow
 def test_bench_train_dry_cli_runs_every_variant_and_part(tmp_path):
     md = tmp_path / "BENCH.md"
     eval_main.main(["bench", "train", "--dry", "--out_dir", str(tmp_path / "out"), "--benchmarks_md", str(md)])
