@@ -45,7 +45,9 @@ class DemoSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.task}-{self.split}-s{self.seed}-{self.n}x{self.len}"
+        # medium, the default, is left out (the names reports already carry stay as they were)
+        return f"{self.task}-{self.split}-s{self.seed}-{self.n}x{self.len}" + (
+            f"-{self.difficulty}" if self.difficulty != "medium" else "")
 
     def __str__(self) -> str:
         return f"{DEMO_PREFIX}{self.task}:{self.split}:seed={self.seed}:n={self.n}:len={self.len}" + (

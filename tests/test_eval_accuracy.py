@@ -122,6 +122,8 @@ def test_demo_benchmark_spec_generates_fresh_problems():
     assert problems[0]["prompt"] != load_benchmark("demo:reuse:validation:seed=123:n=3:len=1024")[0]["prompt"]
     assert parse_demo_spec("demo:read_once").len == 1024 and benchmark_name(spec) == "reuse-test-s123-3x1024"
     assert make_config(task="reuse").n_reuse == 3
+    hard = benchmark_name("demo:reuse:test:seed=123:n=3:len=1024:difficulty=easy")
+    assert hard == "reuse-test-s123-3x1024-easy" and hard != benchmark_name(spec)  # they do not share a report
     for bad, message in (("demo:", "name a task"), ("demo:chess", "task must be one of"),
                          ("demo:reuse:dev", "split must be one of"), ("demo:reuse:n=x", "n='x' is not an integer"),
                          ("demo:reuse:k=3", "unknown key 'k'"), ("demo:reuse:n=2:n=3", "n given twice"),
