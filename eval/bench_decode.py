@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from eval import bench_torch
 from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
+from eval.outputs import out_dir_arg
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
 from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
@@ -434,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a random tiny model)")
     ap.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k")
     ap.add_argument("--methods", default="dense,kvpop", help=f"comma-separated subset of {METHODS}")
-    ap.add_argument("--out_dir", default="outputs/bench_decode")
+    ap.add_argument("--out_dir", default="outputs/bench_decode", type=out_dir_arg)
     ap.add_argument("--benchmarks_md", default="BENCHMARKS.md", help="'' to skip the append")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from eval.bench_common import append_benchmarks, default_command, device_description
 from eval.bench_decode import bench_markdown, run_bench_decode, tiny_config
 from eval.bench_kernels import run_bench_kernels
+from eval.outputs import out_dir_arg
 from kvpop_jax.runtime import backend_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--dry", action="store_true", default=None,
                     help="tiny shapes (default on a CPU-only machine): checks the plumbing in about a minute")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
-    ap.add_argument("--out_dir", default="outputs/bench_gpu")
+    ap.add_argument("--out_dir", default="outputs/bench_gpu", type=out_dir_arg)
     ap.add_argument("--benchmarks_md", default=None,
                     help="markdown file to append the report to (default BENCHMARKS.md, none in a dry run; '' = none)")
     ap.add_argument("--timeout_s", type=int, default=600, help="limit per subprocess (tests, dry run, training)")

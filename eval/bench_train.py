@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from eval.bench_common import append_benchmarks, default_command, device_description
 from eval.bench_decode import parse_lengths, tiny_config
+from eval.outputs import out_dir_arg
 from eval.plots import markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import losses, policy, targets
@@ -374,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--kl_topk", type=int, default=256)
     ap.add_argument("--num_query_samples", type=int, default=256)
-    ap.add_argument("--out_dir", default="outputs/bench_train")
+    ap.add_argument("--out_dir", default="outputs/bench_train", type=out_dir_arg)
     ap.add_argument("--benchmarks_md", default=None,
                     help="where the tables are appended (default BENCHMARKS.md; with --dry, nowhere); '' to skip")
     ap.add_argument("--dry", action="store_true",

@@ -29,6 +29,7 @@ import numpy as np
 from eval import bench_decode, bench_gpu, bench_kernels, bench_train, diagnose
 from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.dms_patterns import run_dms_patterns
+from eval.outputs import out_dir_arg
 from eval.patterns import run_patterns
 from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
@@ -133,7 +134,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--stream_prompt", action="store_true",
                         help="training-free baselines read the prompt token by token (evict as over a generated "
                              "trace) instead of compressing it in one shot after a dense prefill")
-    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     run_accuracy(
         [m for m in args.methods.split(",") if m], parse_checkpoints(args.checkpoints),
@@ -164,7 +165,7 @@ def cmd_recall(argv: Sequence[str]) -> None:
                         help="stream: documents concatenated and cut into rows (long text, as training packs it); "
                              "documents: one row per document of >= seq_len tokens, its first seq_len (problems, "
                              "as they are run)")
-    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed,
@@ -188,7 +189,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
                         help="--data: stream (documents concatenated and cut into rows) or documents (one row per "
                              "document of >= seq_len tokens, its first seq_len: problems as they are run)")
     parser.add_argument("--last_n", type=int, default=112)
-    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     config = Qwen3Config.from_hf(args.checkpoint)
     if config.dms is not None:

@@ -12,11 +12,12 @@ no truncated samples.jsonl next to an accuracy.md of another run. Temporaries ar
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 from typing import Iterator
 
-from kvpop_jax.fileio import fsync_dir
+from kvpop_jax.fileio import check_writable_dir, fsync_dir
 
 
 class StagedOutputs:
@@ -24,6 +25,7 @@ class StagedOutputs:
 
     def __init__(self, out_dir: str | os.PathLike):
         self.out_dir = os.fspath(out_dir)
+        check_writable_dir(self.out_dir, "out_dir")
         os.makedirs(self.out_dir, exist_ok=True)
         self.staged: dict[str, str] = {}  # final path -> temporary path
 
@@ -47,6 +49,16 @@ class StagedOutputs:
         for tmp in self.staged.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def out_dir_arg(text: str) -> str:
+    """argparse type of --out_dir: refused at parse time (usage error, exit 2) if it cannot be a
+    report folder, before any model loads."""
+    try:
+        check_writable_dir(text, "--out_dir")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 @contextlib.contextmanager

@@ -65,6 +65,23 @@ def atomic_write_bytes(filename: str, data: bytes) -> None:
         raise
 
 
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """A folder about to be created or written into: a ValueError naming `what` if it is empty, a
+    file, lies under a file, or its nearest existing folder cannot be written. Touches nothing."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError(f"{what} is empty")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{what}={path} is a file, not a folder")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what}={path} lies under the file {existing}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}={path}: the folder {existing} is not writable")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this PID exists on this machine."""
     try:

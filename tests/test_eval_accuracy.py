@@ -296,6 +296,17 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(message) and len(err.splitlines()) == 1, err
+    a_file = tmp_path / "a_file"  # --out_dir that cannot be a report folder: a usage error before any work
+    a_file.write_text("x")
+    for out_dir, message in ((str(a_file), f"--out_dir={a_file} is a file, not a folder"),
+                             (str(a_file / "sub"), f"--out_dir={a_file}/sub lies under the file {a_file}"),
+                             ("", "--out_dir is empty")):
+        for argv in (["accuracy", "--checkpoints", f"dense={dense}", "--benchmark", "b.jsonl"],
+                     ["recall", "--checkpoint", dense, "--data", "d.jsonl"], ["bench", "train", "--dry"]):
+            with pytest.raises(SystemExit) as exit_info:
+                main([*argv, "--out_dir", out_dir])
+            assert exit_info.value.code == 2
+            assert f"argument --out_dir: {message}" in capsys.readouterr().err
     bare = tmp_path / "bare"  # weights and config, no tokenizer files
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):

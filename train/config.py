@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from kvpop_jax import dms as dms_lib
 from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
+from kvpop_jax.fileio import check_writable_dir
 from train.packing import DataConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,17 +254,10 @@ def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
 def check_output_dir(path: str, flag: str) -> None:
     """A folder the run will create or write into: refused by flag if it is a file, lies under a
     file, or its nearest existing folder cannot be written (checked before any work is done)."""
-    if not path:
-        raise FlagError(f"{flag} is empty")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FlagError(f"{flag}={path} is a file, not a folder; choose another {flag}")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise FlagError(f"{flag}={path} lies under the file {existing}; choose another {flag}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise FlagError(f"{flag}={path}: the folder {existing} is not writable; choose another {flag}")
+    try:
+        check_writable_dir(path, flag)
+    except ValueError as e:
+        raise FlagError(f"{e}; choose another {flag}") from None
 
 
 def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]) -> None:
