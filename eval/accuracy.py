@@ -277,6 +277,22 @@ def run_accuracy(
                      "taken of (e.g. the prompt length)" for cr, n in reached.items() if 0 < n <= budgets[cr]]
         for line in unevicted:
             print(f"warning: {line}", file=sys.stderr)
+        prompt_mode = "stream the prompt past B (--stream_prompt)" if stream_prompt else \
+            "compress the prompt in one shot after a dense prefill"
+        by_method: dict[str, dict] = {}
+        for m, cr in settings:
+            by_method.setdefault(m, {})[cr] = _checkpoint_for(checkpoints, m, cr)
+        used = []  # (method, CR or None for all, checkpoint)
+        for m, paths in by_method.items():
+            if len(set(paths.values())) == 1:
+                used.append((m, None, next(iter(paths.values()))))
+            else:
+                used += [(m, cr, p) for cr, p in paths.items()]
+        settings_json = dict(max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
+                             sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch,
+                             chat_template=chat_template, limit=limit, split=split,
+                             benchmarks={b: named[b] for b in benchmarks},
+                             checkpoints=[dict(method=m, cr=cr, path=os.path.abspath(p)) for m, cr, p in used])
         names = list(benchmarks)
         rows = summarize(records, names)
         table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n" for line in unevicted)
@@ -285,13 +301,19 @@ def run_accuracy(
                    f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n"
                    f"Context length {context_len} (CR = 1 - B / {context_len}); benchmarks: "
                    f"{', '.join(f'{b} ({len(p)} problems)' for b, p in benchmarks.items())}; answers checked by "
-                   f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}.\n\n"
+                   f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}; "
+                   f"seed {seed}; sinks {sinks}; baselines {prompt_mode}.\n\n"
+                   f"Checkpoints: {', '.join(f'{m}{_cr_label(cr)} {p}' for m, cr, p in used)}.\n\n"
                    + table)
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
                                                               n_rollouts=n_rollouts, checker=checker,
-                                                              unevicted=unevicted), indent=1))
+                                                              unevicted=unevicted, settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows
+
+
+def _cr_label(cr) -> str:
+    return "" if cr is None else f"@{cr:g}"
 
 
 def parse_checkpoints(spec: str) -> dict[str, Any]:

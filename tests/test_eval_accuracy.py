@@ -247,6 +247,12 @@ def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeyp
         line = "CR 0.5 (B 12): the longest prompt + completion was 12 tokens, so nothing was evicted"
         assert (f"warning: {line}" in err) == warned and bool(report) == warned
         assert (line in (out / "accuracy.md").read_text()) == warned
+    md = (out / "accuracy.md").read_text()  # what the numbers were made with is in the report
+    assert "seed 0; sinks 4; baselines compress the prompt in one shot" in md
+    assert f"Checkpoints: dense {dense}, tova {dense}." in md
+    settings = json.loads((out / "accuracy.json").read_text())["settings"]
+    assert settings["stream_prompt"] is False and settings["benchmarks"] == {"bench": str(bench)}
+    assert settings["checkpoints"] == [dict(method="dense", cr=None, path=dense), dict(method="tova", cr=None, path=dense)]
 
 
 def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
