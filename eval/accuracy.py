@@ -68,7 +68,9 @@ def method_config(method: str, checkpoint_config, budget: int | None, *, sinks: 
             return config, "dense"
         if sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {sinks}")
-        return config, BaselineConfig(method, budget, sinks=min(sinks, budget - 1) if method == "streaming" else 0)
+        if method == "streaming" and sinks >= budget:
+            raise ValueError(f"sinks {sinks} leave StreamingLLM no recent window at B {budget}: pass sinks < B")
+        return config, BaselineConfig(method, budget, sinks=sinks if method == "streaming" else 0)
     if config.dms is not None:
         return dataclasses.replace(config, dms=config.dms.retarget(budget, config.head_dim)), "dms"
     if config.kvpop is None:
@@ -182,6 +184,10 @@ def run_accuracy(
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")
+    named_baselines = sorted(set(checkpoints) & set(BASELINES))
+    if named_baselines:
+        raise ValueError(f"checkpoints given for {named_baselines}: the training-free baselines run on the dense "
+                         "checkpoint (dense=DIR); name a trained export after its own method (e.g. kvpop-mlstm=DIR)")
     crs = list(dict.fromkeys(float(cr) for cr in compression_ratios))
     if not crs and any(m != "dense" for m in methods):
         raise ValueError("no compression ratios given")

@@ -94,6 +94,8 @@ def run_patterns(
       last_n: evictable tokens shown in the heat map (the paper shows 112).
       dtype: parameter and compute dtype (policy quantities are float32 regardless).
     """
+    if not isinstance(last_n, (int, np.integer)) or last_n < 1:
+        raise ValueError(f"last_n must be an integer >= 1 (evictable tokens in the heat map), got {last_n!r}")
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)
     kv = config.kvpop
     ids, tokenizer = _tokenize(checkpoint, text_or_ids)

@@ -290,6 +290,12 @@ def run_recall(
         scorer's state); default the checkpoint's own. The paper's Fig. 7 reports CR 75%.
       rows: how dataset documents become rows, "stream" or "documents" (see `load_rows`).
     """
+    for name, value in (("num_sequences", num_sequences), ("num_queries", num_queries), ("batch_size", batch_size),
+                        ("seq_len", 1 if seq_len is None else seq_len), ("budget", 1 if budget is None else budget)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)
     if budget is not None:
         config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))

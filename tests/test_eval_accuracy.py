@@ -373,6 +373,11 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     # an export without tokenizer files: said so, not an empty tokenizer that encodes every prompt to nothing
     with pytest.raises(ValueError, match=r"no tokenizer in .*/kv: none of \['tokenizer.json'.*; pass tokenizer="):
         run(["dense"], {"dense": str(tmp_path / "kv")})
+    with pytest.raises(ValueError, match=r"method 'streaming' at CR 0.5 \(B 8 .*sinks 8 leave StreamingLLM no recent "
+                                         r"window at B 8"):
+        run(["dense", "streaming"], sinks=8)  # was silently cut to B - 1
+    with pytest.raises(ValueError, match=r"checkpoints given for \['h2o'\]: the training-free baselines run on the dense"):
+        run(["dense", "h2o"], {"dense": dense, "h2o": dense})  # was silently ignored
     for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):
         with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
             run(["dense", "tova"], **{name: value})

@@ -132,6 +132,12 @@ def test_recall_at_another_budget_equals_brute_force(checkpoint, tmp_path):
     np.testing.assert_allclose(result.recall, hits / (2 * 6 * k), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="budget 5"):
         run_recall(checkpoint, ids, num_sequences=2, out_dir=tmp_path, budget=5, progress=False)
+    for name, value in (("num_queries", 0), ("num_sequences", 0), ("num_queries", -3), ("budget", 0),
+                        ("seq_len", -1)):  # 0 queries wrote a recall of 0.000; the others raised from deep inside
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
+            run_recall(checkpoint, ids, out_dir=tmp_path, progress=False, **{name: value})
+    with pytest.raises(ValueError, match="last_n must be an integer >= 1"):  # it drew an empty heat map and nan
+        run_patterns(checkpoint, ids[0], out_dir=tmp_path, last_n=0)
 
 
 def test_recall_reads_text_and_token_id_jsonl(checkpoint, tmp_path):
