@@ -271,10 +271,9 @@ class KVpopConfig:
         for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
                      "listwise_queries"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"KVpopConfig.{name} must be an int >= 0, got {value!r}")
-        if self.window < 1:
-            raise ValueError(f"KVpopConfig.window must be >= 1 (the newest token is always kept), got {self.window}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "window"):
+                raise ValueError(f"KVpopConfig.{name} must be an int >= {int(name == 'window')}"
+                                 + (" (the newest token is always kept)" if name == "window" else "") + f", got {value!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"KVpopConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
         if self.aggregate not in AGGREGATIONS:
@@ -299,6 +298,9 @@ class KVpopConfig:
             num_query_samples=self.num_query_samples,
             kl_topk=self.kl_topk,
         )
+        if self.listwise_queries > self.num_query_samples:
+            raise ValueError(f"KVpopConfig.listwise_queries {self.listwise_queries} exceeds num_query_samples "
+                             f"{self.num_query_samples}: it is taken at that many of the sampled queries")
         if self.mlstm_dim is not None:
             _require_positive("KVpopConfig", mlstm_dim=self.mlstm_dim)
             if self.mlstm_feature_map == "hedgehog" and self.mlstm_dim % 2:

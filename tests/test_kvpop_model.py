@@ -175,10 +175,13 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
     ("rank_partners", "similr", "rank_partners must be one of ('random', 'similar'), got 'similr'"),
     ("listwise_queries", -1, "listwise_queries must be an int >= 0, got -1"),
     ("keepset_queries", 2.5, "keepset_queries must be an int >= 0, got 2.5"),
+    ("window", 0, "window must be an int >= 1 (the newest token is always kept), got 0"),
+    ("window", -3, "window must be an int >= 1 (the newest token is always kept), got -3"),
+    ("listwise_queries", 300, "listwise_queries 300 exceeds num_query_samples 256"),
     ("listwise_temperature", 0.0, "listwise_temperature must be > 0, got 0.0"),
     ("regression_weight", -0.5, "regression_weight must be >= 0, got -0.5"),
 ])
 def test_retention_options_refuse_bad_values_by_name(field, value, message):
     """A typo in a retention option is refused with its name and value, not run as the default."""
     with pytest.raises(ValueError, match=re.escape(f"KVpopConfig.{message}")):
-        KVpopConfig(sinks=2, window=4, topk=6, **{field: value})
+        KVpopConfig(**{**dict(sinks=2, window=4, topk=6), field: value})

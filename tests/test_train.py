@@ -49,6 +49,7 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(loss_chunk=100), "--loss_chunk"),
     (dict(gamma_min=0.9999999), "gamma_min"),
     (dict(steps=0), "--steps"),
+    (dict(warmup_steps=41), "--warmup_steps=41 exceeds --steps=40: the learning rates would never reach their peak"),
     # issue 13: every float flag is finite (NaN slips through `< 0`, inf through `> 0`), named
     (dict(base_lr="nan"), "--base_lr=nan is not a finite number"),
     (dict(new_lr="inf"), "--new_lr=inf is not a finite number"),
@@ -326,6 +327,8 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
         assert open(os.path.join(run, "train_config.json")).read() == saved_config  # not overwritten
     with pytest.raises(FlagError, match="--kl_topk=100000 exceeds the model's vocab_size 128"):  # before compiling
         train(parse(tiny_flags(run, arch, steps=3, kl_topk=100000)))
+    with pytest.raises(FlagError, match=rf"--steps=1, but {run}/checkpoints already holds step 2: a resume cannot go back"):
+        train(parse(tiny_flags(run, arch, steps=1, warmup_steps=0, checkpoint_every=2)))  # it exported step 2
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "loss": 2.6')  # a kill mid-write
     # the same flags resume (nothing left to train: no second compile; the subprocess test resumes mid-run)

@@ -113,6 +113,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
         run_dir = run_dir.rstrip("/") + "-quick"
+    if warmup > steps:
+        raise FlagError(f"--warmup_steps={f.warmup_steps} exceeds --steps={f.steps}"
+                        + (" (a quarter of each with --quick)" if f.quick else "")
+                        + ": the learning rates would never reach their peak")
 
     demo_examples = 0
     demo_tasks = tuple(t.strip() for t in f.demo_tasks if t.strip())

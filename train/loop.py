@@ -157,6 +157,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         latest = ckpt.latest_step() if cfg.resume else None
         if latest is not None:  # before compiling or restoring: a changed shape must not reach orbax
             check_resume(ckpt.restore_meta(latest), cfg, model_config, f"{cfg.checkpoint_dir}/{latest}")
+            if latest > cfg.steps:
+                raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
+                                "cannot go back (its export would be of the later step). Pass --steps >= "
+                                f"{latest}, or start over with --overwrite")
         return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest)
     finally:
         ckpt.close()

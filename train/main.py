@@ -56,6 +56,10 @@ def main(argv):
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # checkpoints already saved stay whole (orbax's writes land atomically)
+        print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {FLAGS.run_dir}",
+              file=sys.stderr)
+        sys.exit(130)
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
