@@ -23,6 +23,16 @@ SCORER_KEYS = ("rotated", "unrotated")
 SCORER_POSITIONS = ("none", "log")
 
 
+# kvpop_jax's KVpopConfig.TRAINING_ONLY: knobs only training reads (copied, see the module docstring;
+# a test keeps the two lists equal).
+TRAINING_ONLY = ("mlstm_init", "loss_temperature", "retention_labels", "margin_weighting", "omega_min",
+                 "tau_omega", "balance_weighting", "balance_min", "balance_max", "eps", "aggregate",
+                 "count_normalize", "normalizer", "target_reduce", "target_lookahead", "num_query_samples",
+                 "late_bias_fraction", "rank_pairs", "rank_partners", "keepset_queries", "target_head_samples",
+                 "listwise_queries", "listwise_temperature", "regression_weight", "kl_topk", "kl_temperature",
+                 "retention_loss_weight")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVpopSettings:
     """What the bounded cache and the scorers need of a KVpop export (kvpop_jax's KVpopConfig subset)."""
@@ -87,8 +97,14 @@ class KVpopSettings:
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any]) -> "KVpopSettings":
-        """The "kvpop" block of config.json; fields this side does not use are ignored."""
+        """The "kvpop" block of config.json; kvpop_jax's training knobs (TRAINING_ONLY) are ignored,
+        any other field is refused: it may change how the export decodes (a newer kvpop_jax, a typo)."""
         known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(block) - known - set(TRAINING_ONLY))
+        if unknown:
+            raise ValueError(f"kvpop block has fields this kvpop_torch does not know: {unknown} (an export of a newer "
+                             f"kvpop_jax, or a hand edit); known: {sorted(known)} and the training-only "
+                             f"{sorted(TRAINING_ONLY)}")
         return cls(**{k: v for k, v in block.items() if k in known})
 
 

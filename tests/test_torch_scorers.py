@@ -12,6 +12,7 @@ from flax import traverse_util
 from kvpop_jax import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead as JaxHead
 from kvpop_jax.scorers import mlstm_step
+from kvpop_torch import config as torch_config
 from kvpop_torch.config import KVpopSettings
 from kvpop_torch.scorers import KVpopHead
 
@@ -38,6 +39,9 @@ def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
     assert settings.budget == kv.budget and settings.mlstm_value_dim(D) == kv.mlstm_value_dim(D)
     with pytest.raises(ValueError, match="scorer must be one of"):
         KVpopSettings(scorer="lstm")
+    assert torch_config.TRAINING_ONLY == KVpopConfig.TRAINING_ONLY
+    with pytest.raises(ValueError, match=r"fields this kvpop_torch does not know: \['mlstm_dims', 'new_knob'\]"):
+        KVpopSettings.from_dict({**kv.to_dict(), "mlstm_dims": 8, "new_knob": 1})  # was silently ignored
 
 
 def heads(options, rng):
