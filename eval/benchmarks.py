@@ -115,6 +115,9 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
     elif source.rstrip("/") in ("demo", "demo.task"):
         raise ValueError(f"benchmark {source!r}: a demo benchmark is a spec such as demo:reuse or "
                          "demo:reuse:test:seed=123:n=100:len=2048 (note the colon)")
+    elif split is not None and os.path.exists(source):
+        raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
+                         "datasets (drop --split, or give the split's own file)")
     elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
         with open(source) as f:
             text = f.read()
@@ -146,6 +149,10 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         field = next((f for f in PROMPT_FIELDS if f in row), None)
         if field is None or "answer" not in row:
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
+        if row["answer"] is None or not str(row["answer"]).strip():  # str(None) would score a boxed "None" right
+            raise ValueError(f"{source!r} row {i} has no answer ({row['answer']!r})")
+        if not isinstance(row[field], str) or not row[field]:
+            raise ValueError(f"{source!r} row {i}: {field!r} must be a non-empty string, got {str(row[field])[:80]!r}")
         problems.append(dict(id=str(row.get("id", i)), prompt=row[field], answer=str(row["answer"])))
     if not problems:
         raise ValueError(f"benchmark {source!r} has no problems")

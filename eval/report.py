@@ -9,6 +9,13 @@ import numpy as np
 from eval.plots import plt, save_figure
 
 
+def cr_percent(cr: float) -> str:
+    """A compression ratio as a percentage, whole when it is one (75%), else with the digits that
+    tell it apart (99.9%, not 100%; 87.5%)."""
+    pct = 100 * cr
+    return f"{pct:.0f}%" if abs(pct - round(pct)) < 1e-6 else f"{pct:.4g}%"
+
+
 def summarize(records: Sequence[dict], benchmarks: Sequence[str]) -> list[dict]:
     """Rows (method, cr, budget, per-benchmark pass@1, abs, rel) from per-problem records.
 
@@ -37,7 +44,7 @@ def format_table(rows: Sequence[dict], benchmarks: Sequence[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     order = sorted(rows, key=lambda r: (r["cr"] is not None, r["cr"] or 0.0))
     for r in order:
-        cr = "—" if r["cr"] is None else f"{r['cr']:.0%}"
+        cr = "—" if r["cr"] is None else cr_percent(r["cr"])
         budget = "full" if r["budget"] is None else str(r["budget"])
         cells = [f"{r['scores'][b]:.2f}" if b in r["scores"] else "—" for b in benchmarks]
         rel = "—" if r["rel"] is None else f"{r['rel']:.2f}"
@@ -57,7 +64,7 @@ def plot_bars(rows: Sequence[dict], path: str) -> None:
     dense = next((r["abs"] for r in rows if r["method"] == "dense"), None)
     if dense is not None:
         ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense (teacher)")
-    ax.set_xticks(np.arange(len(crs)), [f"CR {cr:.0%}" for cr in crs])
+    ax.set_xticks(np.arange(len(crs)), [f"CR {cr_percent(cr)}" for cr in crs])
     ax.set_ylabel("pass@1 (mean over benchmarks)")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7, ncol=2)

@@ -53,6 +53,8 @@ def test_budget_table_and_specs():
     assert rows[0]["abs"] == 0.75 and rows[1]["abs"] == 0.25
     assert rows[1]["rel"] == pytest.approx(1 / 3)
     table = format_table(rows, ["x"])
+    from eval.report import cr_percent
+    assert [cr_percent(c) for c in (0.75, 0.88, 0.999, 0.875, 0.0)] == ["75%", "88%", "99.9%", "87.5%", "0%"]
     assert "| 50% | 8 | tova | 0.25 | 0.25 | 0.33 |" in table and "dense (teacher)" in table
 
 
@@ -286,6 +288,15 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     bench.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"row 0 is not a JSON object"):
         load_benchmark(str(bench))
+    bench.write_text('{"problem": "a", "answer": null}\n')  # str(None) would score a boxed "None" as right
+    with pytest.raises(ValueError, match=r"row 0 has no answer \(None\)"):
+        load_benchmark(str(bench))
+    bench.write_text('{"problem": "", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"row 0: 'problem' must be a non-empty string"):
+        load_benchmark(str(bench))
+    bench.write_text('{"problem": "a", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"is a local file, which has no splits; split='train' is for hub datasets"):
+        load_benchmark(str(bench), split="train")  # was ignored
 
 
 def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, capsys):
