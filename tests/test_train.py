@@ -466,6 +466,9 @@ def test_missing_flag_exits_with_message(tmp_path):
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--data is required" in proc.stderr
+    proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "--scorer=transformer"]), cwd=REPO,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: flag --scorer=transformer: value should be one of")
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -249,6 +250,19 @@ def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
     if export == init or export.startswith(init.rstrip(os.sep) + os.sep):
         raise FlagError(f"--export_dir={export_dir} is --init_checkpoint={init_checkpoint} or inside it: the export "
                         "would overwrite the model the run starts from; choose another --export_dir")
+
+
+def parse_flags(argv):
+    """absl's flag parse for `app.run(main, flags_parser=parse_flags)`: a bad flag value (an unknown
+    --scorer, a non-integer --steps) is one `error:` line and exit 2, like every refused flag
+    (absl's own prints FATAL and exits 1)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}\nPass --helpfull to see every flag.", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_output_dir(path: str, flag: str) -> None:

@@ -23,7 +23,7 @@ from kvpop_jax.checkpoint import TOKENIZER_FILES
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
-from train.config import DTYPES
+from train.config import DTYPES, parse_flags
 
 
 def tokenizer_files(source_dir: str | None) -> dict[str, str]:
@@ -90,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

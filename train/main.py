@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 from kvpop_jax import sharding as shd
 from kvpop_jax.runtime import gpu_workload_reasons, report_backend
 from train import recipe
-from train.config import FlagError
+from train.config import FlagError, parse_flags
 from train.configure import config_from_flags
 from train.dry_run import dry_run
 from train.flags import define_flags
@@ -66,4 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -5,8 +5,9 @@ The job lives in `train/demo_teacher/` (its package docstring describes it).
 
 from absl import app
 
+from train.config import parse_flags
 from train.demo_teacher.main import define_flags, main
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

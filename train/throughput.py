@@ -35,7 +35,7 @@ from kvpop_jax.config import Qwen3Config
 from kvpop_jax.runtime import report_backend
 from train import optim
 from train import step as st
-from train.config import FlagError, TrainConfig, load_model_config
+from train.config import FlagError, TrainConfig, load_model_config, parse_flags
 from train.configure import config_from_flags
 from train.flags import define_flags
 from train.setup import abstract_batch, abstract_train_state, build_mesh, step_config, to_global
@@ -160,4 +160,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_throughput_flags(FLAGS)
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
