@@ -259,7 +259,7 @@ def run_accuracy(
                                                    eos_ids=tuple(sorted(eos)), rng=key,
                                                    stream_prompt=stream_prompt and method in BASELINES)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-                        if cr is not None:
+                        if cr is not None and cache != "dms":  # DMS's gates evict whatever B is
                             reached[cr] = max(reached[cr], *(len(encoded[bench][i]) + int(lengths[r])
                                                              for r, (i, _) in enumerate(rows)))
                         for r, (i, rollout) in enumerate(rows):

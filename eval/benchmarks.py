@@ -115,7 +115,7 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
     elif source.rstrip("/") in ("demo", "demo.task"):
         raise ValueError(f"benchmark {source!r}: a demo benchmark is a spec such as demo:reuse or "
                          "demo:reuse:test:seed=123:n=100:len=2048 (note the colon)")
-    elif split is not None and os.path.exists(source):
+    elif split is not None and os.path.isfile(source):  # a folder of split files may be given a split
         raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
                          "datasets (drop --split, or give the split's own file)")
     elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):

@@ -13,7 +13,12 @@ def cr_percent(cr: float) -> str:
     """A compression ratio as a percentage, whole when it is one (75%), else with the digits that
     tell it apart (99.9%, not 100%; 87.5%)."""
     pct = 100 * cr
-    return f"{pct:.0f}%" if abs(pct - round(pct)) < 1e-6 else f"{pct:.4g}%"
+    if abs(pct - round(pct)) < 1e-6:
+        return f"{pct:.0f}%"
+    digits = 1
+    while digits < 6 and float(f"{pct:.{digits}f}") in (0.0, 100.0):
+        digits += 1
+    return f"{pct:.{digits}f}".rstrip("0").rstrip(".") + "%"
 
 
 def summarize(records: Sequence[dict], benchmarks: Sequence[str]) -> list[dict]:

@@ -253,6 +253,8 @@ def tiny_flags(run_dir, arch_path, **overrides) -> list[str]:
     values.update(overrides)
     out = []
     for k, v in values.items():
+        if v is None:  # the flag's own default
+            continue
         if isinstance(v, bool):
             out.append(f"--{k}" if v else f"--no{k}")
         else:

@@ -54,7 +54,8 @@ def test_budget_table_and_specs():
     assert rows[1]["rel"] == pytest.approx(1 / 3)
     table = format_table(rows, ["x"])
     from eval.report import cr_percent
-    assert [cr_percent(c) for c in (0.75, 0.88, 0.999, 0.875, 0.0)] == ["75%", "88%", "99.9%", "87.5%", "0%"]
+    assert [cr_percent(c) for c in (0.75, 0.88, 0.999, 0.875, 0.0, 0.99999, 1 - 123 / 2048)] == [
+        "75%", "88%", "99.9%", "87.5%", "0%", "99.999%", "94%"]
     assert "| 50% | 8 | tova | 0.25 | 0.25 | 0.33 |" in table and "dense (teacher)" in table
 
 
@@ -297,6 +298,11 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     bench.write_text('{"problem": "a", "answer": "1"}\n')
     with pytest.raises(ValueError, match=r"is a local file, which has no splits; split='train' is for hub datasets"):
         load_benchmark(str(bench), split="train")  # was ignored
+    folder = tmp_path / "splits"  # a folder of split files takes a split
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')
+    (folder / "test.jsonl").write_text('{"problem": "e", "answer": "2"}\n')
+    assert [p["prompt"] for p in load_benchmark(str(folder), split="train")] == ["t"]
 
 
 def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """train/recipe.py: --variants trains several retrofits of one teacher, --eval_methods compares them
 (README command 1's shape, on a 1-layer random model)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -58,6 +59,10 @@ def test_a_finished_variant_trained_with_other_flags_is_not_reused(tmp_path, arc
         json.dump(json.loads(json.dumps(old.to_json(), default=str)), f)
     assert recipe.finished(old)
     assert recipe.finished(variant(progress=True, checkpoint_every=5, micro_batch=4))  # how, not what, it trains
+    assert recipe.finished(variant(dms_window=8))  # the DMS flags do not shape a KVpop variant
+    os.makedirs(tmp_path / "init")  # the same folders spelled another way: the same run
+    respelled = dataclasses.replace(old, init_checkpoint=str(tmp_path) + "/./init/")
+    assert recipe.finished(respelled)
     with pytest.raises(FlagError, match=r"run/kvpop-mlp holds a finished run trained with other settings: "
                                         r"kvpop.topk 16 -> 12; optim.base_lr 8e-05 -> 0.0001\. .*--overwrite"):
         recipe.finished(variant(topk=12, base_lr=1e-4))

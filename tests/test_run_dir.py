@@ -202,12 +202,17 @@ def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_t
         assert ckpt.restore(4, like)[2]["step"] == 4
         ckpt.close()
         damage(os.path.join(directory, "4"), how)
-        ckpt = Checkpointer(directory, read_only=True)
+        ckpt = Checkpointer(directory, async_save=False)  # as a resume opens it
         message = (rf"checkpoint {directory}/4 cannot be read \(\w+: .*\): it is damaged or does not match this "
-                   rf"run; move it aside \(`mv {directory}/4 {directory}/4.damaged`\) to resume from step 2")
+                   rf"run; move it aside \(`mv {directory}/4 {directory}/4.damaged`\) to resume from step 2, "
+                   r"or start over with --overwrite")
         with pytest.raises(FlagError, match=message):
             ckpt.restore_meta(4) if how == "empty meta" else ckpt.restore(4, like)
         assert ckpt.restore(2, like)[2]["step"] == 2  # the step before it is whole
+        ckpt.close()
+        ckpt = Checkpointer(directory, read_only=True)  # as train.export opens it
+        with pytest.raises(FlagError, match=r"it is damaged or does not match this run; export an earlier step \(2\)"):
+            ckpt.restore_meta(4) if how == "empty meta" else ckpt.restore_params(4, like.params)
         ckpt.close()
         os.rename(os.path.join(directory, "4"), os.path.join(directory, "4.damaged"))
         assert Checkpointer(directory, read_only=True).latest_step() == 2  # the advice works

@@ -50,6 +50,7 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(gamma_min=0.9999999), "gamma_min"),
     (dict(steps=0), "--steps"),
     (dict(warmup_steps=41), "--warmup_steps=41 exceeds --steps=40: the learning rates would never reach their peak"),
+    (dict(warmup_steps=None, steps=50), r"--warmup_steps=100 \(its default\) exceeds --steps=50"),
     # issue 13: every float flag is finite (NaN slips through `< 0`, inf through `> 0`), named
     (dict(base_lr="nan"), "--base_lr=nan is not a finite number"),
     (dict(new_lr="inf"), "--new_lr=inf is not a finite number"),
@@ -342,7 +343,7 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
 def test_non_finite_updated_state_aborts_without_saving_or_exporting(tmp_path, arch):
     """The issue's --base_lr=nan --steps=1: the loss of step 1 is finite, the updated weights are not."""
     run = str(tmp_path / "run")
-    cfg = parse(tiny_flags(run, arch, steps=1, checkpoint_every=1))
+    cfg = parse(tiny_flags(run, arch, steps=1, warmup_steps=1, checkpoint_every=1))
     object.__setattr__(cfg.optim, "base_lr", float("nan"))  # what the flags now refuse, e.g. from a library caller
     with pytest.raises(NonFiniteLossError, match="step 1: the updated parameters or optimizer state hold NaN/inf"):
         train(cfg)

@@ -36,6 +36,7 @@ class Checkpointer:
                  read_only: bool = False):
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save,
             create=not read_only, read_only=read_only,
@@ -72,14 +73,18 @@ class Checkpointer:
         naming the step, what failed, and the step a resume could fall back to."""
         try:
             yield
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError) as e:  # not RuntimeError: an out-of-memory restore is no damage
             path = os.path.join(self.directory, str(step))
             earlier = [s for s in self.all_steps() if s < step]
-            fallback = (f"move it aside (`mv {path} {path}.damaged`) to resume from step {max(earlier)}, "
-                        if earlier else "")
+            if self.read_only:  # train.export
+                advice = (f"export an earlier step ({', '.join(map(str, earlier))})" if earlier else
+                          "no earlier step is kept")
+            else:
+                advice = ((f"move it aside (`mv {path} {path}.damaged`) to resume from step {max(earlier)}, "
+                           if earlier else "") + "or start over with --overwrite")
             detail = (str(e).strip().splitlines() or [""])[0][:300]
-            raise FlagError(f"checkpoint {path} cannot be read ({type(e).__name__}: {detail}): it is damaged or does not match this run; "
-                            f"{fallback}or start over with --overwrite") from e
+            raise FlagError(f"checkpoint {path} cannot be read ({type(e).__name__}: {detail}): it is damaged or "
+                            f"does not match this run; {advice}") from e
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict, dict]:
         """Restores (state, data state, meta) at `step` onto `abstract_state`'s shapes and shardings."""

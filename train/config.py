@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import jax.numpy as jnp
+from absl import flags as absl_flags
 
 from kvpop_jax import dms as dms_lib
 from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
@@ -256,11 +257,9 @@ def parse_flags(argv):
     """absl's flag parse for `app.run(main, flags_parser=parse_flags)`: a bad flag value (an unknown
     --scorer, a non-integer --steps) is one `error:` line and exit 2, like every refused flag
     (absl's own prints FATAL and exits 1)."""
-    from absl import flags
-
     try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
+        return absl_flags.FLAGS(argv)
+    except absl_flags.Error as e:
         print(f"error: {e}\nPass --helpfull to see every flag.", file=sys.stderr)
         sys.exit(2)
 

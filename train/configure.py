@@ -114,9 +114,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
         run_dir = run_dir.rstrip("/") + "-quick"
     if warmup > steps:
-        raise FlagError(f"--warmup_steps={f.warmup_steps} exceeds --steps={f.steps}"
+        default = "" if f["warmup_steps"].present else " (its default)"
+        raise FlagError(f"--warmup_steps={f.warmup_steps}{default} exceeds --steps={f.steps}"
                         + (" (a quarter of each with --quick)" if f.quick else "")
-                        + ": the learning rates would never reach their peak")
+                        + ": the learning rates would never reach their peak; pass --warmup_steps <= --steps")
 
     demo_examples = 0
     demo_tasks = tuple(t.strip() for t in f.demo_tasks if t.strip())

@@ -38,6 +38,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file it writes at INFO
+    cfg = None
     try:
         shd.maybe_initialize_distributed(FLAGS.distributed)  # before anything touches a device
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
@@ -57,8 +58,10 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # checkpoints already saved stay whole (orbax's writes land atomically)
-        print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {FLAGS.run_dir}",
-              file=sys.stderr)
+        run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir  # --quick runs in RUN_DIR-quick
+        how = ("the same command" if FLAGS.resume and not FLAGS.overwrite else
+               "the command without --overwrite/--noresume (with them it would start over)")
+        print(f"\ninterrupted; rerun {how} to resume from the last checkpoint in {run_dir}", file=sys.stderr)
         sys.exit(130)
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)

@@ -169,9 +169,16 @@ def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
             else:
                 yield f"{prefix}{k}", v
 
-    new = dict(flat({k: v for k, v in json.loads(json.dumps(cfg.to_json(), default=str)).items()
-                     if k not in OPERATIONAL_FIELDS}))
-    old = dict(flat({k: v for k, v in saved.items() if k not in OPERATIONAL_FIELDS}))
+    # The retrofit's own block only: a KVpop run is not shaped by the DMS flags, nor a DMS run by the
+    # KVpop training knobs (its memory-matched budget is in its own block).
+    skip = set(OPERATIONAL_FIELDS) | {"dms" if cfg.retrofit == "kvpop" else "kvpop"}
+
+    def same_path(value):  # one folder however it is spelled (relative, absolute, a trailing slash)
+        return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
+
+    new = {k: same_path(v) for k, v in flat({k: v for k, v in json.loads(json.dumps(cfg.to_json(), default=str)).items()
+                                             if k not in skip})}
+    old = {k: same_path(v) for k, v in flat({k: v for k, v in saved.items() if k not in skip})}
     return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
 
 
