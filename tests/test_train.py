@@ -42,6 +42,7 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(topk=200), "must exceed the KVpop budget"),
     (dict(seq_len=36), "must exceed the KVpop budget"),
     (dict(global_batch=6, micro_batch=4), "not divisible by --micro_batch"),
+    (dict(micro_batch=0), "--global_batch and --micro_batch must be >= 1, got 4, 0"),
     (dict(data="/nonexistent/data.jsonl"), "--data"),
     (dict(data="demo:0"), "demo:N"),
     (dict(init_checkpoint="/nonexistent/ckpt"), "--init_checkpoint"),

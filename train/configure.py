@@ -68,7 +68,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         kvpop.check_sequence_length(f.seq_len)
     except ValueError as e:
         raise FlagError(f"--seq_len={f.seq_len}: {e} (B = --sinks + --window + --topk)") from e
-    micro = f.micro_batch or f.global_batch
+    micro = f.global_batch if f.micro_batch is None else f.micro_batch  # 0 is refused, not read as "unset"
     if f.global_batch < 1 or micro < 1:
         raise FlagError(f"--global_batch and --micro_batch must be >= 1, got {f.global_batch}, {micro}")
     if f.global_batch % micro:
