@@ -496,3 +496,28 @@ def test_teacher_tiled_attention_equals_dense_model(monkeypatch, tied):
     ref_values, ref_indices = losses.teacher_topk(logits, 8)
     np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(indices, ref_indices)
+
+
+def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path, arch, monkeypatch, capsys):
+    """Not a KeyboardInterrupt traceback: which folder to resume from (RUN_DIR-quick under --quick),
+    and not to rerun with --overwrite, which would start over."""
+    import train.main as train_main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_main, "train", interrupted)
+    run = str(tmp_path / "run")
+    try:
+        for extra, how in (([], "rerun the same command"), (["--overwrite"], "rerun the command without --overwrite")):
+            train_main.FLAGS.unparse_flags()
+            train_main.FLAGS(["train", *tiny_flags(run, arch, quick=True), *extra])
+            with pytest.raises(SystemExit) as exit_info:
+                train_main.main(["train"])
+            assert exit_info.value.code == 130
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1] == f"interrupted; {how}" + (
+                "/--noresume (with them it would start over)" if extra else "") + \
+                f" to resume from the last checkpoint in {run}-quick", err
+    finally:
+        train_main.FLAGS.unparse_flags()
