@@ -271,9 +271,9 @@ class KVpopConfig:
         for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
                      "listwise_queries"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "window"):
-                raise ValueError(f"KVpopConfig.{name} must be an int >= {int(name == 'window')}"
-                                 + (" (the newest token is always kept)" if name == "window" else "") + f", got {value!r}")
+            minimum, why = (1, " (the newest token is always kept)") if name == "window" else (0, "")
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"KVpopConfig.{name} must be an int >= {minimum}{why}, got {value!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"KVpopConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
         if self.aggregate not in AGGREGATIONS:

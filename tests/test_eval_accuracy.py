@@ -280,24 +280,19 @@ def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkey
 
 def test_benchmark_file_errors_name_file_and_line(tmp_path):
     bench = tmp_path / "bench.jsonl"
-    bench.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n')
-    with pytest.raises(ValueError, match=r"benchmark '.*bench.jsonl' line 2 is not valid JSON"):
-        load_benchmark(str(bench))
-    bench.write_text("")
-    with pytest.raises(ValueError, match=r"bench.jsonl' is empty"):
-        load_benchmark(str(bench))
-    bench.write_text("[1, 2]\n")
-    with pytest.raises(ValueError, match=r"row 0 is not a JSON object"):
-        load_benchmark(str(bench))
-    bench.write_text('{"problem": "a", "answer": null}\n')  # str(None) would score a boxed "None" as right
-    with pytest.raises(ValueError, match=r"row 0 has no answer \(None\)"):
-        load_benchmark(str(bench))
-    bench.write_text('{"problem": "", "answer": "1"}\n')
-    with pytest.raises(ValueError, match=r"row 0: 'problem' must be a non-empty string"):
-        load_benchmark(str(bench))
-    bench.write_text('{"problem": "a", "answer": "1"}\n')
-    with pytest.raises(ValueError, match=r"is a local file, which has no splits; split='train' is for hub datasets"):
-        load_benchmark(str(bench), split="train")  # was ignored
+    for text, message, kw in (
+            ('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n',
+             r"benchmark '.*bench.jsonl' line 2 is not valid JSON", {}),
+            ("", r"bench.jsonl' is empty", {}),
+            ("[1, 2]\n", r"row 0 is not a JSON object", {}),
+            # str(None) would score a boxed "None" as right
+            ('{"problem": "a", "answer": null}\n', r"row 0 has no answer \(None\)", {}),
+            ('{"problem": "", "answer": "1"}\n', r"row 0: 'problem' must be a non-empty string", {}),
+            ('{"problem": "a", "answer": "1"}\n',  # the split was ignored
+             r"is a local file, which has no splits; split='train' is for hub datasets", dict(split="train"))):
+        bench.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_benchmark(str(bench), **kw)
     folder = tmp_path / "splits"  # a folder of split files takes a split
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')

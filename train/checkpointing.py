@@ -89,7 +89,15 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, dict, dict]:
         """Restores (state, data state, meta) at `step` onto `abstract_state`'s shapes and shardings."""
         with self._reading(step):
-            restored = self._restore(step, abstract_state)
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract_state.params),
+                    opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+                    data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
         meta = restored["meta"]
         rng_sharding = getattr(abstract_state.rng, "sharding", None)
         rng = np.asarray(meta["rng"], np.uint32)
@@ -98,17 +106,6 @@ class Checkpointer:
             params=restored["params"], opt_state=restored["opt_state"], rng=_put(rng, rng_sharding),
         )
         return state, restored["data"], meta
-
-    def _restore(self, step: int, abstract_state: TrainState) -> dict:
-        return self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state.params),
-                opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
-                data=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters (for export)."""
