@@ -29,10 +29,12 @@ renamed together at the end, so a failed rerun leaves the previous report as it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -50,7 +52,7 @@ from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
 from kvpop_jax.checkpoint import check_checkpoint, load_tokenizer
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.generate import generate
+from kvpop_jax.generate import compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 from kvpop_jax.sampling import SamplingConfig
 
@@ -118,6 +120,19 @@ def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
     return os.fspath(path)
 
 
+@contextlib.contextmanager
+def _background(enabled: bool):
+    """One worker thread (None when not `enabled`); on exit, queued work is dropped and running work waited for."""
+    if not enabled:
+        yield None
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="compile-ahead")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[int]]:
     """Consecutive problem indices in groups of up to `size` with equal prompt length."""
     if size < 1:
@@ -153,6 +168,7 @@ def run_accuracy(
     progress: bool = True,
     problem_batch: int = 1,
     stream_prompt: bool = False,
+    compile_ahead: bool = True,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -172,6 +188,9 @@ def run_accuracy(
     attention seen so far, as over a generated trace; default: one-shot compression after a dense
     prefill (kvpress's convention; they then see every prompt query, the question's included).
     KVpop and DMS always prefill in parallel, which equals their token-by-token decode.
+    compile_ahead: while one method × CR decodes, a background thread loads the next one's checkpoint
+    and compiles its first decode program (`generate.compile_generate`); the same programs run
+    either way, so the results are identical, and XLA's single-core compiles overlap the decodes.
     """
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
@@ -230,22 +249,42 @@ def run_accuracy(
     batch = batch_size or n_rollouts
 
     loaded: dict[str, tuple] = {}
+    first = next(iter(benchmarks))  # the shape of each setting's first call: its first problem group
+    first_group = _problem_groups(encoded[first], problem_batch if n_rollouts == 1 else 1)[0]
+
+    def prepare(k: int, ahead: bool):
+        """Setting k's (model, params, cache, eos); `ahead`: also compile its first decode program."""
+        method, cr = settings[k]
+        path = _checkpoint_for(checkpoints, method, cr)
+        if path not in loaded:
+            loaded[path] = load_pretrained(path, dtype=dtype)
+        config, params = loaded[path]
+        model, mparams, cache = method_setup(method, config, params, None if cr is None else budgets[cr],
+                                             sinks=sinks, dtype=dtype)
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        eos |= set(config.eos_token_id if isinstance(config.eos_token_id, tuple) else
+                   [config.eos_token_id] if config.eos_token_id is not None else [])
+        eos = tuple(sorted(eos))
+        if ahead:
+            compile_generate(model, mparams, len(first_group) * min(batch, n_rollouts), len(encoded[first][first_group[0]]),
+                             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos, cache=cache,
+                             stream_prompt=stream_prompt and method in BASELINES)
+        return model, mparams, cache, eos
+
     records: list[dict] = []
     reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="accuracy", disable=not progress)
+    # XLA compiles on one core while a decode keeps ~1.5 busy: setting k + 1 loads and compiles in
+    # this thread while setting k decodes (the same programs as without it: the results are identical).
+    upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
-    with staged_outputs(out_dir) as out, open(out.path("samples.jsonl"), "w") as samples:
-        for method, cr in settings:
-            path = _checkpoint_for(checkpoints, method, cr)
-            if path not in loaded:
-                loaded[path] = load_pretrained(path, dtype=dtype)
-            config, params = loaded[path]
+    with staged_outputs(out_dir) as out, open(out.path("samples.jsonl"), "w") as samples, \
+            _background(compile_ahead) as pool:
+        for k, (method, cr) in enumerate(settings):
+            model, mparams, cache, eos = upcoming.result() if upcoming is not None else prepare(k, False)
+            upcoming = pool.submit(prepare, k + 1, True) if pool is not None and k + 1 < len(settings) else None
             budget = None if cr is None else budgets[cr]
-            model, mparams, cache = method_setup(method, config, params, budget, sinks=sinks, dtype=dtype)
-            eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-            eos |= set(config.eos_token_id if isinstance(config.eos_token_id, tuple) else
-                       [config.eos_token_id] if config.eos_token_id is not None else [])
             bar.set_postfix(method=method, cr=cr)
             for bench, problems in benchmarks.items():
                 for group in _problem_groups(encoded[bench], problem_batch if n_rollouts == 1 else 1):
@@ -256,7 +295,7 @@ def run_accuracy(
                         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), group[0]), start)
                         tokens, lengths = generate(model, mparams, jnp.asarray([encoded[bench][i] for i, _ in rows]),
                                                    cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
-                                                   eos_ids=tuple(sorted(eos)), rng=key,
+                                                   eos_ids=eos, rng=key,
                                                    stream_prompt=stream_prompt and method in BASELINES)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
                         if cr is not None and cache != "dms":  # DMS's gates evict whatever B is

@@ -37,6 +37,10 @@ from kvpop_jax.sampling import SamplingConfig, sample
 
 CacheSpec = Union[str, BaselineConfig]
 CACHE_KINDS = ("auto", "dense", "kvpop", "dms")
+# Decode steps per iteration of the streamed prompt's scan. 4 took a 100-problem TOVA / H2O pass
+# (1024-token prompts, B 256 and 123) from 40.5 to 33.8 s on a 2-core CPU with the same completions;
+# 8 compiles longer than it saves (39.0 s), 16 doubles the compile (BENCHMARKS.md, stops 42 and 44).
+STREAM_UNROLL = 4
 
 
 def resolve_cache(config: Qwen3Config, cache: CacheSpec) -> CacheSpec:
@@ -87,7 +91,8 @@ def _prefill(model, params, prompt_ids, state, stream_from: int | None):
         o = model.apply({"params": params}, tok[:, None], cache=carry[0], method=Qwen3ForCausalLM.decode_step)
         return (o.cache, o.logits[:, -1].astype(carry[1].dtype)), None
 
-    (cache, logits), _ = jax.lax.scan(feed, (out.cache, out.logits[:, -1]), prompt_ids[:, n0:].T)
+    (cache, logits), _ = jax.lax.scan(feed, (out.cache, out.logits[:, -1]), prompt_ids[:, n0:].T,
+                                      unroll=STREAM_UNROLL)
     return logits, cache
 
 
@@ -172,16 +177,53 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompt_ids = _as_prompt_array(prompt_ids)
     check_token_ids(prompt_ids, model.config.vocab_size, "prompt_ids")
-    kind = resolve_cache(model.config, cache)
+    kind, stream_from = _plan(model.config, cache, stream_prompt)
     rng = jax.random.key(0) if rng is None else rng
-    eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)
-    stream_from = None
+    return _generate(model, params, prompt_ids, rng, _eos_array(eos_ids), max_new_tokens=max_new_tokens,
+                     sampling=sampling, cache=kind, stream_from=stream_from)
+
+
+def compile_generate(
+    model: Qwen3ForCausalLM,
+    params,
+    batch: int,
+    prompt_len: int,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    cache: CacheSpec = "auto",
+    stream_prompt: bool = False,
+) -> None:
+    """Compiles, without running it, the program `generate` runs for [batch, prompt_len] prompts
+    with these arguments; a later `generate` call with the same model, parameter shapes and
+    arguments (any prompt ids, rng and EOS ids of the same count) reuses the compile from JAX's
+    cache. Meant for a background thread: XLA compiles on one core, so the next program can
+    compile while the current one decodes (`eval.accuracy.run_accuracy`)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch < 1 or prompt_len < 1:
+        raise ValueError(f"batch and prompt_len must be >= 1, got {batch} and {prompt_len}")
+    kind, stream_from = _plan(model.config, cache, stream_prompt)
+    # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the
+    # avals and placements of a real call, so that call finds this compile.
+    _generate.lower(model, params, jnp.zeros((batch, prompt_len), jnp.int32), jax.random.key(0),
+                    _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling, cache=kind,
+                    stream_from=stream_from).compile()
+
+
+def _eos_array(eos_ids) -> jax.Array:
+    return jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)
+
+
+def _plan(config: Qwen3Config, cache: CacheSpec, stream_prompt: bool) -> tuple[CacheSpec, int | None]:
+    """(resolved cache, stream_from) of a `generate` call."""
+    kind = resolve_cache(config, cache)
     if stream_prompt and isinstance(kind, BaselineConfig) and kind.method == "streaming":
-        kind = dataclasses.replace(kind, banded_prefill=True)  # the streamed read in one banded pass (exact)
-    elif stream_prompt and kind != "dense":
-        stream_from = max(1, kind.budget if isinstance(kind, BaselineConfig) else _bounded_budget(model.config))
-    return _generate(model, params, prompt_ids, rng, eos, max_new_tokens=max_new_tokens, sampling=sampling,
-                     cache=kind, stream_from=stream_from)
+        return dataclasses.replace(kind, banded_prefill=True), None  # the streamed read in one banded pass (exact)
+    if stream_prompt and kind != "dense":
+        return kind, max(1, kind.budget if isinstance(kind, BaselineConfig) else _bounded_budget(config))
+    return kind, None
 
 
 def _bounded_budget(config: Qwen3Config) -> int:
@@ -191,4 +233,4 @@ def _bounded_budget(config: Qwen3Config) -> int:
     return config.dms.window
 
 
-__all__ = ["CACHE_KINDS", "generate", "init_generation_cache", "resolve_cache"]
+__all__ = ["CACHE_KINDS", "compile_generate", "generate", "init_generation_cache", "resolve_cache"]

@@ -4,9 +4,12 @@ and train.main command lines."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
+import re
 import sys
 
 import jax
@@ -42,6 +45,30 @@ TINY_HF_CONFIGS = {
                     num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=500_000.0,
                     tie_word_embeddings=False, attention_bias=True),
 }
+
+
+@contextlib.contextmanager
+def logged_compiles():
+    """Yields a list that collects (thread name, function) of every XLA compile inside the block.
+    jax_log_compiles is set globally (the `jax.log_compiles()` context is thread-local), so a
+    worker thread's compiles show too."""
+    seen = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            match = re.match(r"Finished XLA compilation of (\S+)", record.getMessage())
+            if match:
+                seen.append((record.threadName, match.group(1)))
+
+    handler, logger = Handler(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield seen
+    finally:
+        jax.config.update("jax_log_compiles", before)
+        logger.removeHandler(handler)
 
 
 def make_hf_checkpoint(path, seed: int = 0, **overrides):

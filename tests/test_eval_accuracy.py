@@ -13,7 +13,7 @@ from eval.accuracy import parse_checkpoints, run_accuracy
 from eval.answers import extract_answer, is_correct, normalize_answer
 from eval.benchmarks import load_benchmark
 from eval.report import format_table, summarize
-from kvpop_jax import KVpopConfig, Qwen3Config, save_pretrained
+from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
 from kvpop_jax.config import DMSConfig
 from kvpop_jax.modeling import abstract_params, init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
@@ -101,6 +101,34 @@ def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     assert [r["abs"] for r in one] == [r["abs"] for r in two]
     read = lambda d: [json.loads(x)["completion"] for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()]
     assert read("one") == read("two") and len(read("one")) == 3 * 3
+
+
+def test_compile_ahead_compiles_each_next_setting_in_the_background(tmp_path):
+    """Every setting after the first compiles its decode in the worker thread while the previous one
+    decodes, and the completions equal a run without it (shapes of their own, so no other test's
+    compiles are reused: rope_theta 12345)."""
+    from helpers import logged_compiles
+
+    dense, base = _dense_checkpoint(tmp_path / "dense", rope_theta=12_345.0)
+    kv_config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=4, scorer="mlstm"))
+    params = load_pretrained(dense)[1]
+    save_pretrained(kv_config, retrofit_params(kv_config, params, jax.random.key(1)), tmp_path / "kvpop")
+    bench = tmp_path / "bench.jsonl"
+    problems = [("x3y5z1\nask x\n", "3"), ("p7q1r4\nask q\n", "1"), ("m2n8o6\nask m\n", "2")]
+    bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n" for p, a in problems))
+    checkpoints = {"dense": dense, "kvpop-mlstm": str(tmp_path / "kvpop")}
+    methods = ["dense", "tova", "streaming", "kvpop-mlstm"]
+    kwargs = dict(n_rollouts=1, compression_ratios=(0.5, 0.6), context_len=32, max_new_tokens=5, problem_batch=3,
+                  sampling=SamplingConfig.greedy(), progress=False, stream_prompt=True)
+    with logged_compiles() as seen:
+        ahead = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "ahead"), **kwargs)
+    decodes = [thread for thread, fn in seen if fn == "jit(_generate)"]
+    assert decodes == ["MainThread"] + ["compile-ahead_0"] * 6, decodes  # dense here, 3 methods x 2 CRs there
+    plain = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "plain"), compile_ahead=False,
+                         **kwargs)
+    assert ahead == plain
+    read = lambda d: (tmp_path / d / "samples.jsonl").read_text()  # noqa: E731
+    assert read("ahead") == read("plain")
 
 
 def test_problem_groups():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_HF_CONFIGS
+from helpers import TINY_HF_CONFIGS, logged_compiles
 from kvpop_jax import Qwen3Config
 from kvpop_jax.generate import generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
@@ -201,3 +201,41 @@ def test_training_only_knobs_do_not_change_decoding(rng):
     mean_export = dataclasses.replace(base, kvpop=dataclasses.replace(trained, target_reduce="sum"))
     max_export = dataclasses.replace(base, kvpop=trained)
     assert method_config("a", mean_export, 20, sinks=1) == method_config("b", max_export, 20, sinks=1)
+
+
+@pytest.fixture
+def compiles():
+    with logged_compiles() as seen:
+        yield seen
+
+
+def test_compile_generate_compiles_the_program_generate_then_runs(rng, compiles):
+    """A background compile of the program, then `generate` in this thread with other prompt ids,
+    rng and EOS ids of the same count: no second compile (another model config does compile)."""
+    import dataclasses
+    import threading
+
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import compile_generate
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(4))
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 9)))
+    cache = BaselineConfig("tova", 5)
+    kwargs = dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0), cache=cache,
+                  stream_prompt=True)
+    worker = threading.Thread(target=compile_generate, args=(model, params, 2, 9), kwargs=dict(eos_ids=(1,), **kwargs),
+                              name="ahead")
+    worker.start()
+    worker.join()
+    assert compiles.count(("ahead", "jit(_generate)")) == 1
+    tokens, _ = generate(model, params, prompt, eos_ids=(5,), rng=jax.random.key(7), **kwargs)
+    assert tokens.shape == (2, 4)
+    assert ("MainThread", "jit(_generate)") not in compiles
+    # the same call with another model config is another program: compiled here, so the check above can fail
+    fresh = Qwen3ForCausalLM(dataclasses.replace(config, rms_norm_eps=config.rms_norm_eps * 2))
+    generate(fresh, params, prompt, eos_ids=(5,), rng=jax.random.key(7), **kwargs)
+    assert ("MainThread", "jit(_generate)") in compiles
+    with pytest.raises(ValueError, match="batch and prompt_len"):
+        compile_generate(model, params, 0, 9, max_new_tokens=4)
