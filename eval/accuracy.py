@@ -29,12 +29,10 @@ renamed together at the end, so a failed rerun leaves the previous report as it 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -54,6 +52,7 @@ from kvpop_jax.checkpoint import check_checkpoint, load_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
+from kvpop_jax.runtime import background_worker
 from kvpop_jax.sampling import SamplingConfig
 
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -118,19 +117,6 @@ def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
             raise ValueError(f"checkpoint map of {method!r} has no entry for CR {cr}: {sorted(path)}")
         path = path[cr]
     return os.fspath(path)
-
-
-@contextlib.contextmanager
-def _background(enabled: bool):
-    """One worker thread (None when not `enabled`); on exit, queued work is dropped and running work waited for."""
-    if not enabled:
-        yield None
-        return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="compile-ahead")
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[int]]:
@@ -280,7 +266,7 @@ def run_accuracy(
     upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
     with staged_outputs(out_dir) as out, open(out.path("samples.jsonl"), "w") as samples, \
-            _background(compile_ahead) as pool:
+            background_worker(compile_ahead, "compile-ahead") as pool:
         for k, (method, cr) in enumerate(settings):
             model, mparams, cache, eos = upcoming.result() if upcoming is not None else prepare(k, False)
             upcoming = pool.submit(prepare, k + 1, True) if pool is not None and k + 1 < len(settings) else None

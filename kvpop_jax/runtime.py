@@ -1,5 +1,6 @@
 """Which JAX this process runs on: the start-up line of `train.main` and `eval.main`, and the
-loud warning when a GPU-sized job is about to run on CPU.
+loud warning when a GPU-sized job is about to run on CPU. Also the worker thread that compiles
+the next program while the current one runs (`background_worker`).
 
 `pip install -e .` installs the CPU build of jaxlib everywhere, also on a GPU node; there a
 recipe silently trains on CPU. The start-up line names the backend and the devices, and
@@ -9,9 +10,11 @@ recipe silently trains on CPU. The start-up line names the backend and the devic
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
-from typing import TextIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, TextIO
 
 import jax
 import jaxlib
@@ -60,3 +63,21 @@ def report_backend(gpu_reasons: list[str] | tuple[str, ...] = (), *, what: str =
         bar,
     ]), file=err, flush=True)
     return True
+
+
+@contextlib.contextmanager
+def background_worker(enabled: bool = True, name: str = "background") -> Iterator[ThreadPoolExecutor | None]:
+    """One worker thread (None when not `enabled`), for compiling the next program ahead: XLA:CPU
+    compiles on one core while a decode or train step keeps about 1.5 of 2 busy, and on a GPU the
+    host is idle while the device runs. On exit, queued work is dropped; running work is waited for,
+    unless the block raised (Ctrl-C's message then prints at once; the interpreter joins the thread)."""
+    if not enabled:
+        yield None
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True, cancel_futures=True)

@@ -123,7 +123,8 @@ def test_compile_ahead_compiles_each_next_setting_in_the_background(tmp_path):
     with logged_compiles() as seen:
         ahead = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "ahead"), **kwargs)
     decodes = [thread for thread, fn in seen if fn == "jit(_generate)"]
-    assert decodes == ["MainThread"] + ["compile-ahead_0"] * 6, decodes  # dense here, 3 methods x 2 CRs there
+    # dense here (while the worker already compiles the next), 3 methods x 2 CRs there
+    assert sorted(decodes) == ["MainThread"] + ["compile-ahead_0"] * 6, decodes
     plain = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "plain"), compile_ahead=False,
                          **kwargs)
     assert ahead == plain

@@ -8,12 +8,10 @@ import time
 
 import jax
 
-from kvpop_jax import modeling
 from kvpop_jax import sharding as shd
 from train import optim
-from train import step as st
 from train.config import TrainConfig, load_model_config
-from train.setup import abstract_batch, abstract_train_state, build_mesh, step_config, with_shardings
+from train.setup import build_mesh, jitted_step, step_config
 
 
 def _gb(n: int) -> str:
@@ -35,14 +33,8 @@ def dry_run(cfg: TrainConfig) -> dict[str, int]:
     model_config = load_model_config(cfg)
     sc = step_config(cfg, model_config)
     tx = optim.make_optimizer(cfg.optim)
-    abstract_state = abstract_train_state(cfg, model_config, tx)
-    abstract_teacher = None if cfg.teacher_logits_dir else modeling.abstract_params(model_config, sc.teacher_dtype)
-    batch_like = abstract_batch(cfg, model_config)
-    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(
-        sc, tx, mesh, abstract_state, abstract_teacher, batch_like)
-    args = (with_shardings(abstract_state, state_sh),
-            None if abstract_teacher is None else with_shardings(abstract_teacher, teacher_sh),
-            with_shardings(batch_like, batch_sh))
+    step_fn, (state_sh, teacher_sh, batch_sh), args = jitted_step(cfg, mesh, model_config, sc, tx)
+    abstract_state, abstract_teacher, batch_like = args
     t0 = time.perf_counter()
     lowered = step_fn.lower(*args)
     t1 = time.perf_counter()

@@ -33,8 +33,8 @@ from train.config import FlagError, TrainConfig, check_export_dir, load_model_co
 from train.export import export_params
 from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_run_dir, prepare_run_dir,
                            read_metrics)
-from train.setup import (abstract_batch, abstract_train_state, build_mesh, info, next_rows, prepare_data,
-                         prepare_init_checkpoint, run_tokenizer, step_config, to_global, with_shardings)
+from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
+                         run_tokenizer, step_config, to_global)
 from train.teacher_cache import read_teacher_topk
 
 CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
@@ -134,13 +134,34 @@ class DivergenceGuard:
         self.add(metrics)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict."""
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """The train step of `cfg`, compiled ahead of `train(cfg, compiled_step=...)`."""
+    cfg: TrainConfig
+    executable: Any
+
+
+def compile_step(cfg: TrainConfig) -> CompiledStep:
+    """Compiles the step `train(cfg)` will run (the same mesh, shapes, shardings and program) from
+    abstract arrays, without weights, data or the run folder. For a background thread: XLA compiles
+    on one core, so the recipe compiles the next variant's step while one trains."""
+    mesh = build_mesh(cfg)
+    model_config = load_model_config(cfg)
+    sc = step_config(cfg, model_config)
+    step_fn, _, args = jitted_step(cfg, mesh, model_config, sc, optim.make_optimizer(cfg.optim))
+    return CompiledStep(cfg, step_fn.lower(*args).compile())
+
+
+def train(cfg: TrainConfig, compiled_step: CompiledStep | None = None) -> dict[str, Any]:
+    """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict.
+    `compiled_step`: `compile_step(cfg)`'s result, so the first step does not compile."""
+    if compiled_step is not None and compiled_step.cfg != cfg:
+        raise ValueError("compiled_step was compiled for another TrainConfig than the one to train")
     with lock_run_dir(cfg.run_dir):
-        return _train(cfg)
+        return _train(cfg, None if compiled_step is None else compiled_step.executable)
 
 
-def _train(cfg: TrainConfig) -> dict[str, Any]:
+def _train(cfg: TrainConfig, compiled=None) -> dict[str, Any]:
     check_export_dir(cfg.export_dir, cfg.init_checkpoint)
     prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
     if jax.process_count() > 1:
@@ -161,17 +182,16 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
                                 f"{latest}, or start over with --overwrite")
-        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest)
+        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest, compiled)
     finally:
         ckpt.close()
 
 
-def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
-    abstract_state = abstract_train_state(cfg, model_config, tx)
-    abstract_teacher = None if cfg.teacher_logits_dir else modeling.abstract_params(model_config, sc.teacher_dtype)
-    batch_like = abstract_batch(cfg, model_config)
-    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(
-        sc, tx, mesh, abstract_state, abstract_teacher, batch_like)
+def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest, compiled) -> dict[str, Any]:
+    step_fn, (state_sh, teacher_sh, batch_sh), (abstract_state, abstract_teacher, _) = jitted_step(
+        cfg, mesh, model_config, sc, tx)
+    if compiled is not None:
+        step_fn = compiled  # the same program, compiled ahead (`compile_step`)
     tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
     if len(tokenizer) > model_config.vocab_size:
         raise FlagError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab is {model_config.vocab_size}")
@@ -190,7 +210,7 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
                           out_shardings=teacher_sh)(base)
     if latest is not None:
         del base
-        state, data_state, _ = ckpt.restore(latest, with_shardings(abstract_state, state_sh))
+        state, data_state, _ = ckpt.restore(latest, abstract_state)
         try:
             batches.restore(data_state)
         except ValueError as e:

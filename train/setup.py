@@ -65,6 +65,20 @@ def with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def jitted_step(cfg: TrainConfig, mesh, model_config: Qwen3Config, sc: st.StepConfig, tx):
+    """The jitted train step, its (state, teacher, batch) shardings, and abstract (state, teacher, batch)
+    arguments that carry them (the teacher None with precomputed teacher top-k)."""
+    abstract_state = abstract_train_state(cfg, model_config, tx)
+    abstract_teacher = None if cfg.teacher_logits_dir else modeling.abstract_params(model_config, sc.teacher_dtype)
+    batch_like = abstract_batch(cfg, model_config)
+    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(sc, tx, mesh, abstract_state, abstract_teacher,
+                                                                batch_like)
+    args = (with_shardings(abstract_state, state_sh),
+            None if abstract_teacher is None else with_shardings(abstract_teacher, teacher_sh),
+            with_shardings(batch_like, batch_sh))
+    return step_fn, (state_sh, teacher_sh, batch_sh), args
+
+
 def info(message: str) -> None:
     """A progress message on process 0 (absl/orbax INFO logs are silenced)."""
     if jax.process_index() == 0:
