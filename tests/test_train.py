@@ -376,37 +376,6 @@ def test_pair_accuracy_and_regression_rmse_are_logged_only_with_their_losses(tmp
     assert "pair_accuracy" not in keys and "regression_rmse" not in keys
 
 
-def test_a_step_compiled_ahead_in_a_thread_trains_exactly_as_the_plain_run(tmp_path, arch):
-    """`compile_step` in a worker thread (as the recipe does for its next variant), then `train` with
-    it: no compile of the step in this thread, and metrics (but times) and export identical to a
-    run that compiles its own step. A step compiled for other flags is refused."""
-    import threading
-
-    from helpers import logged_compiles
-    from train.loop import compile_step
-
-    flags_ = dict(steps=2, checkpoint_every=2, scorer="mlstm")
-    ahead_cfg = parse(tiny_flags(str(tmp_path / "ahead"), arch, **flags_))
-    plain_cfg = parse(tiny_flags(str(tmp_path / "plain"), arch, **flags_))
-    result = {}
-    with logged_compiles() as seen:
-        worker = threading.Thread(target=lambda: result.update(step=compile_step(ahead_cfg)), name="ahead")
-        worker.start()
-        worker.join()
-        assert ("ahead", "jit(train_step)") in seen
-        with pytest.raises(ValueError, match="another TrainConfig"):
-            train(plain_cfg, compiled_step=result["step"])
-        train(ahead_cfg, compiled_step=result["step"])
-        assert ("MainThread", "jit(train_step)") not in seen
-        train(plain_cfg)
-        assert ("MainThread", "jit(train_step)") in seen  # the check above can fail
-    timing = ("tokens_per_s", "step_time_s", "time")
-    strip = lambda ms: [{k: v for k, v in m.items() if k not in timing} for m in ms]  # noqa: E731
-    assert strip(_metrics(ahead_cfg.run_dir)) == strip(_metrics(plain_cfg.run_dir))
-    assert open(os.path.join(ahead_cfg.export_dir, "model.safetensors"), "rb").read() == \
-        open(os.path.join(plain_cfg.export_dir, "model.safetensors"), "rb").read()
-
-
 # ------------------------------------------------------------------------------ end to end (subprocesses)
 
 

@@ -134,34 +134,13 @@ class DivergenceGuard:
         self.add(metrics)
 
 
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    """The train step of `cfg`, compiled ahead of `train(cfg, compiled_step=...)`."""
-    cfg: TrainConfig
-    executable: Any
-
-
-def compile_step(cfg: TrainConfig) -> CompiledStep:
-    """Compiles the step `train(cfg)` will run (the same mesh, shapes, shardings and program) from
-    abstract arrays, without weights, data or the run folder. For a background thread: XLA compiles
-    on one core, so the recipe compiles the next variant's step while one trains."""
-    mesh = build_mesh(cfg)
-    model_config = load_model_config(cfg)
-    sc = step_config(cfg, model_config)
-    step_fn, _, args = jitted_step(cfg, mesh, model_config, sc, optim.make_optimizer(cfg.optim))
-    return CompiledStep(cfg, step_fn.lower(*args).compile())
-
-
-def train(cfg: TrainConfig, compiled_step: CompiledStep | None = None) -> dict[str, Any]:
-    """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict.
-    `compiled_step`: `compile_step(cfg)`'s result, so the first step does not compile."""
-    if compiled_step is not None and compiled_step.cfg != cfg:
-        raise ValueError("compiled_step was compiled for another TrainConfig than the one to train")
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict."""
     with lock_run_dir(cfg.run_dir):
-        return _train(cfg, None if compiled_step is None else compiled_step.executable)
+        return _train(cfg)
 
 
-def _train(cfg: TrainConfig, compiled=None) -> dict[str, Any]:
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     check_export_dir(cfg.export_dir, cfg.init_checkpoint)
     prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
     if jax.process_count() > 1:
@@ -182,16 +161,14 @@ def _train(cfg: TrainConfig, compiled=None) -> dict[str, Any]:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
                                 f"{latest}, or start over with --overwrite")
-        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest, compiled)
+        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest)
     finally:
         ckpt.close()
 
 
-def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest, compiled) -> dict[str, Any]:
+def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
     step_fn, (state_sh, teacher_sh, batch_sh), (abstract_state, abstract_teacher, _) = jitted_step(
         cfg, mesh, model_config, sc, tx)
-    if compiled is not None:
-        step_fn = compiled  # the same program, compiled ahead (`compile_step`)
     tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
     if len(tokenizer) > model_config.vocab_size:
         raise FlagError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab is {model_config.vocab_size}")

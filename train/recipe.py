@@ -50,10 +50,9 @@ from eval.dms_patterns import run_dms_patterns
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.runtime import background_worker
 from kvpop_jax.sampling import SamplingConfig
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
-from train.loop import compile_step, train
+from train.loop import train
 from train.recipe_report import plot_training, write_summary
 from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, lock_run_dir, training_changes
 from train.setup import info, prepare_init_checkpoint, run_tokenizer
@@ -113,32 +112,23 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     if teacher_dir and cfg.overwrite and os.path.isdir(teacher_dir):
         shutil.rmtree(teacher_dir)  # written for the old flags (another teacher, data or kl_topk): recomputed
     done = {n: not cfg.overwrite and finished(variant_config(cfg, n, init_dir, tokenizer_dir)) for n in cfg.variants}
-    vcfgs = {n: variant_config(cfg, n, init_dir, tokenizer_dir, teacher_dir) for n in cfg.variants}
-    todo = [n for n in cfg.variants if not done[n]]
-    # Each variant's train step compiles in this thread while the one before trains (the first while
-    # the teacher top-k is written): the same programs, off the critical path (`loop.compile_step`).
-    with background_worker(name="compile-ahead") as pool:
-        compiled = {todo[0]: pool.submit(compile_step, vcfgs[todo[0]])} if todo else {}
-        if teacher_dir and todo:
-            info(f"teacher top-k of the {cfg.steps} training batches, shared by the variants: {teacher_dir} "
-                 f"({teacher_topk_bytes(cfg) / 2**20:.0f} MiB)")
-            t0 = time.perf_counter()
-            write_teacher_logits(dataclasses.replace(cfg, init_checkpoint=init_dir, tokenizer=tokenizer_dir,
-                                                     teacher_logits_dir=teacher_dir))
-            teacher_seconds = time.perf_counter() - t0
-        for name in cfg.variants:
-            vcfg = vcfgs[name]
-            exports[name] = vcfg.export_dir
-            if done[name]:  # a rerun after a crash skips what is done
-                info(f"[{name}] already trained: {vcfg.export_dir}")
-                continue
-            if name != todo[-1]:
-                upcoming = todo[todo.index(name) + 1]
-                compiled[upcoming] = pool.submit(compile_step, vcfgs[upcoming])
-            info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
-            t0 = time.perf_counter()
-            train(vcfg, compiled_step=_compiled_or_none(compiled.pop(name)))
-            times[name] = time.perf_counter() - t0
+    if teacher_dir and not all(done.values()):
+        info(f"teacher top-k of the {cfg.steps} training batches, shared by the variants: {teacher_dir} "
+             f"({teacher_topk_bytes(cfg) / 2**20:.0f} MiB)")
+        t0 = time.perf_counter()
+        write_teacher_logits(dataclasses.replace(cfg, init_checkpoint=init_dir, tokenizer=tokenizer_dir,
+                                                 teacher_logits_dir=teacher_dir))
+        teacher_seconds = time.perf_counter() - t0
+    for name in cfg.variants:
+        vcfg = variant_config(cfg, name, init_dir, tokenizer_dir, teacher_dir)
+        exports[name] = vcfg.export_dir
+        if done[name]:  # a rerun after a crash skips what is done
+            info(f"[{name}] already trained: {vcfg.export_dir}")
+            continue
+        info(f"[{name}] training into {vcfg.run_dir} ({describe(vcfg)})")
+        t0 = time.perf_counter()
+        train(vcfg)
+        times[name] = time.perf_counter() - t0
     if not cfg.variants:
         train(cfg)
         exports = {cfg.retrofit: cfg.export_dir}
@@ -151,15 +141,6 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     info("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in {**shared, **times}.items())
          + f"; total {time.perf_counter() - start:.0f} s")
     return summary
-
-
-def _compiled_or_none(future):
-    """A compile-ahead's result, or None if it failed: `train` then compiles the step itself and
-    reports any error in its own words, after its own earlier checks (run folder, export path, data)."""
-    try:
-        return future.result()
-    except Exception:  # noqa: BLE001 -- reported by train() in order, not here out of order
-        return None
 
 
 def finished(cfg: TrainConfig) -> bool:
