@@ -179,18 +179,28 @@ def _column_attention(q, k, lse, positions, block: int = 256):
     return jnp.sum(jax.lax.map(one, tuple(blocks)), axis=0)
 
 
-def _banded_attention(q, k, v, positions, *, sinks: int, recent: int, block: int = 256):
+def _banded_attention(q, k, v, positions, *, sinks: int, recent: int, block: int = 128):
     """Causal attention in which query t sees only keys j < sinks or t - recent <= j <= t.
 
-    q [B, P, Hq, D], k, v [B, P, Hkv, D], positions int [B, P]. Returns (out [B, P, Hq, D],
-    lse [B, Hq, P]) as `attention.dense_attention` does; one block of queries at a time.
+    q [B, P, Hq, D], k, v [B, P, Hkv, D], positions int [B, P] (strictly increasing, >= 0). Returns
+    (out [B, P, Hq, D], lse [B, Hq, P]) as `attention.dense_attention` does. One block of queries
+    at a time, each against the sinks and the `recent + block` keys its band can reach, not the
+    whole prompt: P x (sinks + recent + block) logits instead of P x P.
     """
     b, p, hq, d = q.shape
+    width = min(p, recent + block)  # key slots a query block's band can reach past the sinks
+    n_sink = min(sinks, p)
 
-    def one_block(_, q_blk, qpos_blk):
-        kv_pos, q_pos = positions[:, None, :], qpos_blk[:, :, None]
-        mask = (kv_pos <= q_pos) & ((kv_pos < sinks) | (kv_pos >= q_pos - recent))  # [B, Q, T]
-        return attn_lib.attend(q_blk, k, v, mask[:, None, None], d**-0.5)
+    # Increasing positions put position < sinks at an index < sinks and [pos_t - recent, pos_t]
+    # at indices within [t - recent, t]; band slots below n_sink are the sinks' own, masked there.
+    def one_block(start, q_blk, qpos_blk):
+        lo = jnp.clip(start - recent, 0, p - width)
+        kk, vv, kv_pos = (jnp.concatenate([x[:, :n_sink], jax.lax.dynamic_slice_in_dim(x, lo, width, axis=1)], axis=1)
+                          for x in (k, v, positions))
+        fresh = jnp.concatenate([jnp.ones((n_sink,), bool), lo + jnp.arange(width) >= n_sink])
+        kv_pos, q_pos = kv_pos[:, None, :], qpos_blk[:, :, None]
+        mask = (kv_pos <= q_pos) & ((kv_pos < sinks) | (kv_pos >= q_pos - recent)) & fresh
+        return attn_lib.attend(q_blk, kk, vv, mask[:, None, None], d**-0.5)
 
     out, lse = attn_lib.map_query_blocks(one_block, [attn_lib.group_queries(q, k.shape[2]), positions], [1, 1],
                                          block=block)

@@ -159,6 +159,26 @@ def test_model_with_unbounded_budget_equals_dense(rng):
         assert cache.nbytes == baselines.init_cache(config, BaselineConfig(method, 12), 2).nbytes
 
 
+@pytest.mark.parametrize("sinks,recent,block,prompt_len", [(2, 5, 4, 37), (0, 7, 8, 30), (3, 1, 4, 9),
+                                                        (4, 20, 8, 23), (2, 5, 64, 37)])
+def test_banded_attention_equals_numpy_masked_attention(rng, sinks, recent, block, prompt_len):
+    """The banded pass reads, per query block, the sinks and the keys its band can reach (sliced);
+    against numpy softmax attention under the full band mask, on positions with gaps."""
+    from helpers import masked_attention_np
+
+    q = rng.normal(size=(B, prompt_len, HQ, D)).astype(np.float32) * 2
+    k = rng.normal(size=(B, prompt_len, HKV, D)).astype(np.float32) * 2
+    v = rng.normal(size=(B, prompt_len, HKV, D)).astype(np.float32)
+    pos = np.cumsum(rng.integers(1, 3, size=prompt_len)) - 1  # strictly increasing from 0, with gaps
+    visible = (pos[None, :] <= pos[:, None]) & ((pos[None, :] < sinks) | (pos[None, :] >= pos[:, None] - recent))
+    want, want_lse = masked_attention_np(q, k, v, np.broadcast_to(visible, (B, HKV, prompt_len, prompt_len)))
+    fn = jax.jit(baselines._banded_attention, static_argnames=("sinks", "recent", "block"))
+    got, lse = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.broadcast_to(jnp.asarray(pos), (B, prompt_len)),
+                  sinks=sinks, recent=recent, block=block)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("prompt_len", [17, 6, 4])
 def test_banded_prefill_equals_streaming_token_by_token(rng, prompt_len):
     """StreamingLLM's banded prefill == a prefill of the first B tokens and one decode step per
