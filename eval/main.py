@@ -134,6 +134,9 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--stream_prompt", action="store_true",
                         help="training-free baselines read the prompt token by token (evict as over a generated "
                              "trace) instead of compressing it in one shot after a dense prefill")
+    parser.add_argument("--no_compile_ahead", dest="compile_ahead", action="store_false",
+                        help="compile each method x CR's decode when it starts, not in a worker thread while the one "
+                             "before decodes (the same completions either way)")
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     run_accuracy(
@@ -143,7 +146,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,
         sinks=args.sinks, limit=args.limit, split=args.split, chat_template=args.chat_template, seed=args.seed,
-        problem_batch=args.problem_batch, stream_prompt=args.stream_prompt,
+        problem_batch=args.problem_batch, stream_prompt=args.stream_prompt, compile_ahead=args.compile_ahead,
     )
     print(open(f"{args.out_dir}/accuracy.md").read())
 

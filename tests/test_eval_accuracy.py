@@ -445,3 +445,21 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
                                          r"failed \(ConnectionError"):
         load_benchmark("some_org/bench")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
+    import eval.main as cli
+
+    seen = []
+
+    def fake_run_accuracy(*args, out_dir, compile_ahead, **kwargs):
+        seen.append(compile_ahead)
+        os.makedirs(out_dir, exist_ok=True)
+        open(os.path.join(out_dir, "accuracy.md"), "w").close()  # what the CLI prints after the run
+
+    monkeypatch.setattr(cli, "run_accuracy", fake_run_accuracy)
+    base = ["accuracy", "--checkpoints", "dense=x", "--methods", "dense", "--benchmark", "b.jsonl",
+            "--out_dir", str(tmp_path / "out")]
+    cli.main(base)
+    cli.main(base + ["--no_compile_ahead"])
+    assert seen == [True, False]
