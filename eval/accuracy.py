@@ -252,9 +252,9 @@ def run_accuracy(
                    [config.eos_token_id] if config.eos_token_id is not None else [])
         eos = tuple(sorted(eos))
         if ahead:
-            compile_generate(model, mparams, len(first_group) * min(batch, n_rollouts), len(encoded[first][first_group[0]]),
-                             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos, cache=cache,
-                             stream_prompt=stream_prompt and method in BASELINES)
+            rows, prompt_len = len(first_group) * min(batch, n_rollouts), len(encoded[first][first_group[0]])
+            compile_generate(model, mparams, rows, prompt_len, max_new_tokens=max_new_tokens, sampling=sampling,
+                             eos_ids=eos, cache=cache, stream_prompt=stream_prompt and method in BASELINES)
         return model, mparams, cache, eos
 
     records: list[dict] = []

@@ -69,8 +69,9 @@ def report_backend(gpu_reasons: list[str] | tuple[str, ...] = (), *, what: str =
 def background_worker(enabled: bool = True, name: str = "background") -> Iterator[ThreadPoolExecutor | None]:
     """One worker thread (None when not `enabled`), for compiling the next program ahead: XLA:CPU
     compiles on one core while a batched decode keeps about 1.5 of 2 busy, and on a GPU the host is
-    idle while the device runs. (A train step keeps both CPU cores busy: there it does not pay.) On exit, queued work is dropped; running work is waited for,
-    unless the block raised (Ctrl-C's message then prints at once; the interpreter joins the thread)."""
+    idle while the device runs (a CPU train step keeps both cores busy: there it does not pay,
+    BENCHMARKS.md stop 44). On exit, queued work is dropped; running work is waited for, unless the
+    block raised (Ctrl-C's message then prints at once; the interpreter joins the thread)."""
     if not enabled:
         yield None
         return

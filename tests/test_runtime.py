@@ -1,4 +1,4 @@
-"""The start-up line and the GPU-work-on-CPU warning (kvpop_jax/runtime.py, train.main)."""
+"""The start-up line, the GPU-work-on-CPU warning and the compile-ahead worker (kvpop_jax/runtime.py, train.main)."""
 
 import io
 import subprocess
@@ -42,3 +42,24 @@ def test_train_main_prints_the_backend_and_warns_for_a_gpu_recipe_on_cpu(tmp_pat
     assert f"jax {jax.__version__} (jaxlib" in proc.stdout and " on cpu: " in proc.stdout
     assert "WARNING: this dry run" in proc.stderr and "bfloat16 compute" in proc.stderr
     assert "per-device bytes" in proc.stdout  # and it still ran
+
+
+def test_background_worker_runs_work_and_does_not_hold_up_an_error():
+    import threading
+    import time
+
+    from kvpop_jax.runtime import background_worker
+
+    with background_worker(False) as pool:
+        assert pool is None
+    with background_worker(name="ahead") as pool:
+        assert pool.submit(lambda: threading.current_thread().name).result().startswith("ahead")
+    release = threading.Event()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):  # the block's error leaves at once, the running task aside
+        with background_worker() as pool:
+            pool.submit(release.wait, 30)
+            queued = pool.submit(lambda: "never")
+            raise KeyboardInterrupt
+    assert time.perf_counter() - t0 < 10 and queued.cancelled()
+    release.set()
