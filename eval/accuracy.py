@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from eval.answers import is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, load_benchmark
 from eval.outputs import staged_outputs
-from eval.plots import write_text
+from eval.plots import check_counts, write_text
 from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
@@ -182,10 +182,8 @@ def run_accuracy(
     dtype = dtype or jnp.float32
     # Every input is checked before the first decode: a bad CR or checkpoint of the last method
     # must not surface after hours of the first one's rollouts.
-    for name, value in (("problem_batch", problem_batch), ("n_rollouts", n_rollouts), ("context_len", context_len),
-                        ("max_new_tokens", max_new_tokens), ("batch_size", 1 if batch_size is None else batch_size)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_counts(problem_batch=problem_batch, n_rollouts=n_rollouts, context_len=context_len,
+                 max_new_tokens=max_new_tokens, batch_size=1 if batch_size is None else batch_size)
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")
@@ -235,8 +233,10 @@ def run_accuracy(
     batch = batch_size or n_rollouts
 
     loaded: dict[str, tuple] = {}
-    first = next(iter(benchmarks))  # the shape of each setting's first call: its first problem group
+    # The shape of each setting's first call: the first problem group of the first benchmark.
+    first = next(iter(benchmarks))
     first_group = _problem_groups(encoded[first], problem_batch if n_rollouts == 1 else 1)[0]
+    first_rows, first_len = len(first_group) * min(batch, n_rollouts), len(encoded[first][first_group[0]])
 
     def prepare(k: int, ahead: bool):
         """Setting k's (model, params, cache, eos); `ahead`: also compile its first decode program."""
@@ -252,8 +252,7 @@ def run_accuracy(
                    [config.eos_token_id] if config.eos_token_id is not None else [])
         eos = tuple(sorted(eos))
         if ahead:
-            rows, prompt_len = len(first_group) * min(batch, n_rollouts), len(encoded[first][first_group[0]])
-            compile_generate(model, mparams, rows, prompt_len, max_new_tokens=max_new_tokens, sampling=sampling,
+            compile_generate(model, mparams, first_rows, first_len, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_ids=eos, cache=cache, stream_prompt=stream_prompt and method in BASELINES)
         return model, mparams, cache, eos
 

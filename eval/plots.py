@@ -1,4 +1,5 @@
-"""Shared helpers of the evaluation reports: matplotlib (Agg), markdown tables, loading a model.
+"""Shared helpers of the evaluation reports: matplotlib (Agg), markdown tables, loading a model,
+checking count arguments.
 
 Every `eval` command writes a markdown report and PNGs into one output directory; these
 helpers keep the look of those files the same across commands.
@@ -12,6 +13,7 @@ import os
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 import matplotlib
 
 matplotlib.use("Agg")  # headless: no display on CI or the GPU machine
@@ -65,6 +67,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def check_counts(**values: Any) -> None:
+    """ValueError naming the first value that is not an integer >= 1 (checked before any work)."""
+    for name, value in values.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def timestamp() -> str:

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval.outputs import staged_outputs
-from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
+from eval.plots import check_counts, load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.documents import (DocumentSpec, checked_rows, columns_and_first, open_dataset, render, text_spec,
                                  tokenize)
@@ -290,10 +290,8 @@ def run_recall(
         scorer's state); default the checkpoint's own. The paper's Fig. 7 reports CR 75%.
       rows: how dataset documents become rows, "stream" or "documents" (see `load_rows`).
     """
-    for name, value in (("num_sequences", num_sequences), ("num_queries", num_queries), ("batch_size", batch_size),
-                        ("seq_len", 1 if seq_len is None else seq_len), ("budget", 1 if budget is None else budget)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_counts(num_sequences=num_sequences, num_queries=num_queries, batch_size=batch_size,
+                 seq_len=1 if seq_len is None else seq_len, budget=1 if budget is None else budget)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)

@@ -38,7 +38,7 @@ from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config, parse_flags
 from train.configure import config_from_flags
 from train.flags import define_flags
-from train.setup import abstract_batch, abstract_train_state, build_mesh, step_config, to_global
+from train.setup import build_mesh, jitted_step, step_config, to_global
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, SXM parts), matched by substring.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "B200": 2250e12, "A100": 312e12}
@@ -93,11 +93,7 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
     mesh = build_mesh(cfg)
     sc = step_config(cfg, model_config)
     tx = optim.make_optimizer(cfg.optim)
-    abstract_state = abstract_train_state(cfg, model_config, tx)
-    abstract_teacher = modeling.abstract_params(model_config, sc.teacher_dtype)
-    batch_like = abstract_batch(cfg, model_config)
-    step_fn, state_sh, teacher_sh, batch_sh = st.jit_train_step(sc, tx, mesh, abstract_state, abstract_teacher,
-                                                                batch_like)
+    step_fn, (state_sh, teacher_sh, batch_sh), _ = jitted_step(cfg, mesh, model_config, sc, tx)
 
     def init(key):
         base = modeling.init_params(model_config, key)
@@ -107,7 +103,6 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
         return st.init_state(params, tx, cfg.seed), teacher
 
     state, teacher = jax.jit(init, out_shardings=(state_sh, teacher_sh))(jax.random.PRNGKey(cfg.seed))
-    del abstract_state, abstract_teacher
     times = []
     for i in range(1 + timed_steps):
         batch = to_global(_random_batch(cfg, model_config.vocab_size, cfg.seed + i), batch_sh)
