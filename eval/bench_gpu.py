@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ from eval.bench_common import append_benchmarks, default_command, device_descrip
 from eval.bench_decode import bench_markdown, run_bench_decode, tiny_config
 from eval.bench_kernels import run_bench_kernels
 from eval.outputs import out_dir_arg
+from kvpop_jax.fileio import atomic_write_bytes
 from kvpop_jax.runtime import backend_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,10 +77,25 @@ class Plan:
     timeout_s: int  # per subprocess
 
 
-def _run(cmd: Sequence[str], plan: Plan, **env) -> subprocess.CompletedProcess:
+def _run(cmd: Sequence[str], plan: Plan, log: str, **env) -> subprocess.CompletedProcess:
+    """Runs `cmd` in its own process group, its output saved to out_dir/LOG.log. Past the plan's
+    limit the whole group is killed (pytest-xdist workers too, which hold GPU memory) and the
+    output so far is returned with return code -9."""
     environ = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=os.path.join(plan.out_dir, "jax_cache"),
                    **env)
-    return subprocess.run(list(cmd), cwd=REPO, env=environ, capture_output=True, text=True, timeout=plan.timeout_s)
+    proc = subprocess.Popen(list(cmd), cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=plan.timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nbench gpu: killed after the {plan.timeout_s} s limit (--timeout_s)\n"
+        code = -9
+    with open(os.path.join(plan.out_dir, f"{log}.log"), "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n{out}\n--- stderr ---\n{err}")
+    return subprocess.CompletedProcess(list(cmd), code, out, err)
 
 
 def _tail(text: str, lines: int = 20) -> str:
@@ -95,24 +112,40 @@ def stage_kernel_tests(plan: Plan) -> Stage:
     if not tests:
         return Stage("kernel_tests", "skipped", 0.0, f"no tests/ next to {REPO} (not a source checkout)")
     if plan.dry:
-        args, env = [os.path.join(REPO, "tests", "test_kernel_topk_cutoff.py"), "-k", "rejects"], {}
+        args, env = ["-q", os.path.join(REPO, "tests", "test_kernel_topk_cutoff.py"), "-k", "rejects"], {}
     else:
         args = tests + [os.path.join(REPO, "tests", "test_gpu_readiness.py")]
         env = dict(KVPOP_KERNEL_TESTS="native")  # tests/conftest.py then leaves JAX_PLATFORMS alone
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
-    proc = _run(cmd, plan, **env)
+        workers = _test_workers()
+        if workers > 1:  # Triton and ptxas compiles are host work: spread them over the cores
+            args = ["-n", str(workers), *args]
+        args = ["-v", *args]  # each outcome in kernel_tests.log as it comes, for a run cut off by --timeout_s
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--tb=short", *args]
+    proc = _run(cmd, plan, "kernel_tests", **env)
     counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|errors?|xfailed|deselected).*?)(?: =+)?$",
                         proc.stdout, re.M)
     summary = counts[-1] if counts else f"pytest exited with {proc.returncode}"
     failures = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     rel = " ".join(os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in args)
     env_text = " ".join(f"{k}={v}" for k, v in env.items())
-    md = "\n".join([f"`{env_text} python -m pytest -q {rel}`".replace("` ", "`"), "", f"Result: **{summary}**"]
+    md = "\n".join([f"`{env_text} python -m pytest {rel}`".replace("` ", "`"), "", f"Result: **{summary}**"]
                    + ([f"- {f}" for f in failures[:40]] or []))
     status = "ok" if proc.returncode == 0 else "failed"
+    if proc.returncode == -9:
+        summary = f"killed after {plan.timeout_s} s; " + (counts[-1] if counts else "no summary")
     if proc.returncode not in (0, 1):  # collection or usage error: show the tail
         md += "\n\n" + _code(_tail(proc.stdout + proc.stderr))
     return Stage("kernel_tests", status, 0.0, summary, md)
+
+
+def _test_workers() -> int:
+    """pytest-xdist workers for the native kernel tests: one per 2 host cores, at most 8 (they share
+    the GPU; each JAX process takes memory as it goes, PARENT_ENV); 1 without pytest-xdist."""
+    try:
+        import xdist  # noqa: F401
+    except ModuleNotFoundError:
+        return 1
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 def stage_kernels(plan: Plan) -> Stage:
@@ -162,7 +195,7 @@ def _recipe_argv(plan: Plan, run_name: str) -> list[str]:
 
 def stage_dry_run(plan: Plan) -> Stage:
     cmd = [sys.executable, "-m", "train.main", *_recipe_argv(plan, "dry_run"), "--dry_run"]
-    proc = _run(cmd, plan)
+    proc = _run(cmd, plan, "dry_run")
     lines = proc.stdout.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("dry run:")), None)
     shown = " ".join(a for a in cmd[1:] if not a.startswith("--run_dir"))
@@ -184,7 +217,7 @@ def stage_train(plan: Plan) -> Stage:
         argv += ["--init_checkpoint=random:qwen3_8b", "--num_layers=4", f"--micro_batch={devices}",
                  f"--global_batch={2 * devices}", "--timed_steps=3"]
     cmd = [sys.executable, "-m", "train.throughput", *argv, "--data=demo:1", f"--json_out={out}"]
-    proc = _run(cmd, plan)
+    proc = _run(cmd, plan, "train")
     shown = " ".join(a for a in cmd[1:] if not a.startswith(("--run_dir", "--json_out")))
     if proc.returncode or not os.path.isfile(out):
         return Stage("train", "failed", 0.0, f"exit {proc.returncode}",
@@ -227,6 +260,7 @@ def run_bench_gpu(*, stages: Sequence[str] = STAGES, dry: bool | None = None, ou
     plan = Plan(dry=dry, out_dir=os.path.abspath(out_dir), report_dir=report_dir, timeout_s=timeout_s)
     start = time.perf_counter()
     done: list[Stage] = []
+    command = command or default_command()
     for name in stages:
         print(f"bench gpu: {name} ...", flush=True)
         t0 = time.perf_counter()
@@ -237,17 +271,18 @@ def run_bench_gpu(*, stages: Sequence[str] = STAGES, dry: bool | None = None, ou
         stage.seconds = time.perf_counter() - t0
         print(f"bench gpu: {name} {stage.status} in {stage.seconds:.0f} s: {stage.summary}", flush=True)
         done.append(stage)
-    total = time.perf_counter() - start
-    md = report_markdown(done, total, dry=dry, command=command or default_command())
-    with open(os.path.join(out_dir, "bench_gpu.md"), "w") as f:
-        f.write(md)
+        # after every stage, so that a run stopped by a time limit keeps what it measured
+        pending = [s for s in stages if s not in {d.name for d in done}]
+        md = report_markdown(done, time.perf_counter() - start, dry=dry, command=command, pending=pending)
+        atomic_write_bytes(os.path.join(out_dir, "bench_gpu.md"), md.encode())
     if benchmarks_md:
         append_benchmarks(benchmarks_md, md)
     print(md, flush=True)
     return done
 
 
-def report_markdown(stages: Sequence[Stage], total_s: float, *, dry: bool, command: str) -> str:
+def report_markdown(stages: Sequence[Stage], total_s: float, *, dry: bool, command: str,
+                    pending: Sequence[str] = ()) -> str:
     dev = device_description()
     title = "GPU bench" + (" (dry run: tiny shapes on CPU, plumbing only)" if dry else "")
     lines = [
@@ -258,6 +293,7 @@ def report_markdown(stages: Sequence[Stage], total_s: float, *, dry: bool, comma
         "| stage | status | seconds | summary |", "|---|---|---:|---|",
     ]
     lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.summary} |" for s in stages]
+    lines += [f"| {name} | not run yet | — | — |" for name in pending]
     for s in stages:
         if s.markdown:
             lines += ["", f"### {s.name}", "", s.markdown.strip()]

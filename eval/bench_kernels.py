@@ -7,11 +7,13 @@ k = B − s − w, Qwen3-4B-like heads: Hq = 32, Hkv = 8, D = 128, batch 1):
   * the transposed future-LSE pass (`targets.future_attention_log_mass`);
   * the running top-k cutoff (`policy.running_topk_cutoff`);
 
-each by its XLA reference and its Pallas (Triton) kernel (the dispatchers' "xla" and "pallas"),
-the attention rows also by the Mosaic GPU forward ("mosaic_gpu": Hopper, bf16/f16; its
-backward is the XLA reference's), beside dense causal `jax.nn.dot_product_attention` (XLA's
-implementation, and cuDNN's on GPU; forward or forward + backward to match the row). Kernels
-run only on GPU; elsewhere their cells read "n/a (<backend>)". The table is printed and
+each by every back end its dispatcher has: the XLA reference ("xla", O(S²)), the plain-XLA fast
+path ("xla_sparse": gathered key lists for attention, a band for the future LSE), the Pallas
+(Triton) kernels ("pallas", and for attention "pallas_compacted"), and for attention the Mosaic
+GPU forward ("mosaic_gpu": Hopper, bf16/f16; its backward is the XLA reference's), beside dense
+causal `jax.nn.dot_product_attention` (XLA's implementation, and cuDNN's on GPU; forward or
+forward + backward to match the row). Kernels run only on GPU; elsewhere their cells read
+"n/a (<backend>)"; "—" is a back end the op does not have. The table is printed and
 appended, with the command, date, device and versions, to a markdown file.
 
 `python -m eval.bench_kernels --seq_lens 1024,2048 --budgets 512,1024` runs it directly.
@@ -37,6 +39,10 @@ from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_pr
 from kvpop_jax.targets import future_attention_log_mass
 from pallas_kernels.compat import is_hopper_or_later
 
+# The table's kernel columns: KVPOP_ATTENTION back ends (attention rows; the others have "xla" and "pallas").
+ATTENTION_IMPLS = {"xla": "xla", "xla_sparse": "xla_sparse", "pallas": "pallas", "pallas_compacted": "pallas_compacted",
+                   "mosaic_gpu": "mosaic_gpu"}
+COLUMNS = tuple(ATTENTION_IMPLS)
 GPU_SEQ_LENS = (4096, 16384)
 GPU_BUDGETS = (2048, 4096)
 # A few minutes on a 2-core CPU (the XLA paths do O(S²) work at S = 16k per head).
@@ -158,38 +164,43 @@ def run_bench_kernels(
             _, lse = kvpop_attention(q, k, v, ranks, cut, implementation="xla", **policy)
 
             def attend(impl):
-                return lambda q, k, v: kvpop_attention(q, k, v, ranks, cut, implementation=impl, **policy)[0]
+                return lambda q, k, v: kvpop_attention(q, k, v, ranks, cut, implementation=impl, topk=topk,
+                                                       **policy)[0]
 
-            cases = [  # name, xla fn, pallas fn, mosaic fn, args, dense column
-                ("sparse attention fwd", jax.jit(attend("xla")), jax.jit(attend("pallas")),
-                 jax.jit(attend("mosaic_gpu")), (q, k, v), "fwd"),
-                ("sparse attention fwd+bwd", _grad_of_sum(attend("xla")), _grad_of_sum(attend("pallas")),
-                 _grad_of_sum(attend("mosaic_gpu")), (q, k, v), "fwd+bwd"),
-                ("future LSE", jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
-                                                                                    implementation="xla")),
-                 jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
-                                                                     implementation="pallas")), None,
-                 (q, k, lse), "fwd"),
-                ("top-k cutoff", jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="xla", **policy)),
-                 jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation="pallas", **policy)), None,
-                 (ranks,), None),
+            def lse_fn(impl):
+                return jax.jit(lambda q, k, lse: future_attention_log_mass(q, k, lse, window=window,
+                                                                           implementation=impl))
+
+            def cutoff_fn(impl):
+                return jax.jit(lambda r: running_topk_cutoff(r, topk=topk, implementation=impl, **policy))
+
+            # name, {column: fn or None (not applicable)}, args, dense column
+            cases = [
+                ("sparse attention fwd", {c: jax.jit(attend(i)) for c, i in ATTENTION_IMPLS.items()},
+                 (q, k, v), "fwd"),
+                ("sparse attention fwd+bwd", {c: _grad_of_sum(attend(i)) for c, i in ATTENTION_IMPLS.items()},
+                 (q, k, v), "fwd+bwd"),
+                ("future LSE", {c: lse_fn(c) for c in ("xla", "xla_sparse", "pallas")}, (q, k, lse), "fwd"),
+                ("top-k cutoff", {"xla": cutoff_fn("xla"), "pallas": cutoff_fn("pallas")}, (ranks,), None),
             ]
-            for name, xla_fn, pallas_fn, mosaic_fn, args, dense_key in cases:
-                xla_ms = _guarded(xla_fn, args, iters, warmup)
-                pallas_ms = _guarded(pallas_fn, args, iters, warmup) if run_pallas else na
-                if mosaic_fn is None:
-                    mosaic_ms = "—"
-                else:
-                    mosaic_ms = _guarded(mosaic_fn, args, iters, warmup) if run_mosaic else na_mosaic
-                speedup = (
-                    f"{xla_ms / pallas_ms:.1f}x"
-                    if isinstance(xla_ms, float) and isinstance(pallas_ms, float)
-                    else "—"
-                )
+            for name, fns, args, dense_key in cases:
+                cells = {}
+                for column in COLUMNS:
+                    if column not in fns:
+                        cells[column] = "—"
+                    elif column.startswith("pallas") and not run_pallas:
+                        cells[column] = na
+                    elif column == "mosaic_gpu" and not run_mosaic:
+                        cells[column] = na_mosaic
+                    else:
+                        cells[column] = _guarded(fns[column], args, iters, warmup)
+                kernels = [cells[c] for c in ("pallas", "pallas_compacted") if isinstance(cells[c], float)]
+                speedup = (f"{cells['xla'] / min(kernels):.1f}x" if kernels and isinstance(cells["xla"], float)
+                           else "—")
                 dense_cells = [dense_ms[impl, dense_key] if dense_key else "—" for impl in ("xla", "cudnn")]
-                rows.append((name, seq, budget, topk, xla_ms, pallas_ms, mosaic_ms, *dense_cells, speedup))
-                print(f"  {name:26s} S={seq:6d} B={budget:5d}: xla {_fmt(xla_ms)}, pallas {_fmt(pallas_ms)}, "
-                      f"mosaic {_fmt(mosaic_ms)}", flush=True)
+                rows.append((name, seq, budget, topk, *(cells[c] for c in COLUMNS), *dense_cells, speedup))
+                print(f"  {name:26s} S={seq:6d} B={budget:5d}: "
+                      + ", ".join(f"{c} {_fmt(cells[c])}" for c in COLUMNS), flush=True)
 
     device = jax.devices()[0]
     header = [
@@ -204,8 +215,9 @@ def run_bench_kernels(
         "`\"cudnn\"`, forward or forward + backward as the row; Mosaic GPU fwd+bwd = its forward + the "
         "XLA reference's backward; times in ms",
         "",
-        "| op | S | B | k | XLA reference | Pallas (Triton) | Mosaic GPU | dense XLA | dense cuDNN | Pallas vs XLA |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | S | B | k | XLA reference | XLA sparse | Pallas (Triton) | Pallas compacted | Mosaic GPU | dense XLA "
+        "| dense cuDNN | best Pallas vs XLA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | " + " | ".join(_fmt(x) for x in r[4:]) + " |" for r in rows]
     report = "\n".join(header + table) + "\n"

@@ -118,7 +118,25 @@ def mosaic_gpu_interpret_params(**kwargs):
     reason = mosaic_gpu_interpret_unavailable()
     if reason:
         raise NotImplementedError(reason)
+    if "on_race" in kwargs and "on_race" not in inspect.signature(plgpu.InterpretGPUParams).parameters:
+        kwargs.pop("on_race")  # jax 0.11 records races instead (mosaic_gpu_races_found)
     return plgpu.InterpretGPUParams(**kwargs)
+
+
+def mosaic_gpu_races_found() -> bool:
+    """Whether the last Mosaic GPU kernel interpreted with `detect_races=True` found a race.
+
+    jax >= 0.12 raises at the race with `on_race="raise"`; jax 0.11 only prints it and sets a flag
+    in its (private) interpreter state, read here.
+    """
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    except ImportError:  # no GPU interpret mode: nothing was interpreted
+        return False
+    try:
+        return bool(interpret_pallas_call.get_races().races_found)
+    except AssertionError:  # no kernel ran with race detection since start-up
+        return False
 
 
 def mosaic_gpu_interpret_unavailable() -> str | None:
@@ -151,4 +169,5 @@ def is_hopper_or_later(device) -> bool:
 
 __all__ = ["DEFAULT_DEVICE_KIND", "JAX_VERSION", "KERNEL_TARGETS", "MOSAIC_GPU_TARGETS", "TRITON_TARGETS",
            "abstract_gpu_device", "compile_for_gpu", "export_for_cuda", "is_hopper_or_later",
-           "mosaic_gpu_interpret_params", "mosaic_gpu_interpret_unavailable", "mosaic_load", "plgpu"]
+           "mosaic_gpu_interpret_params", "mosaic_gpu_interpret_unavailable", "mosaic_gpu_races_found", "mosaic_load",
+           "plgpu"]

@@ -45,8 +45,8 @@ def _installed(module: str) -> bool:
 
 
 def _gpu_compiler_missing() -> str | None:
-    if not _installed("jax_plugins.xla_cuda12"):
-        return "the jax-cuda12-plugin / jax-cuda12-pjrt wheels (same version as jaxlib) are not installed"
+    if not (_installed("jax_plugins.xla_cuda12") or _installed("jax_plugins.xla_cuda13")):
+        return "no jax-cuda12 (or -cuda13) plugin / pjrt wheels (same version as jaxlib) are installed"
     if not (shutil.which("ptxas") or os.path.exists("/usr/local/cuda/bin/ptxas")
             or _installed("nvidia.cuda_nvcc")):
         return "no ptxas (CUDA toolkit, or the nvidia-cuda-nvcc-cu12 wheel)"

@@ -151,6 +151,20 @@ def test_metrics_torn_last_line_is_dropped_and_a_bad_middle_line_named(tmp_path,
     assert read_metrics(str(tmp_path / "missing.jsonl"), 3) == []
 
 
+def test_tensorboard_is_imported_only_when_asked_for_and_its_absence_named(tmp_path, monkeypatch):
+    """GPU images (and users) may lack tensorboardX: --dry_run and throughput must not need it."""
+    from train.loop import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import now fails as if not installed
+    cfg = dataclasses.make_dataclass("Cfg", ["run_dir", "tensorboard"])
+    MetricsLog(cfg(str(tmp_path), False), 0).write(1, {"loss": 1.0})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 1.0}
+    with pytest.raises(ModuleNotFoundError, match=r"--tensorboard needs tensorboardX.*--notensorboard"):
+        MetricsLog(cfg(str(tmp_path), True), 1)
+    script = "import sys; sys.modules['tensorboardX'] = None; import train.main, train.throughput, train.dry_run"
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, env=train_env(tmp_path))
+
+
 def test_every_kvpop_flag_named_by_the_resume_check_exists():
     from absl import flags
 

@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
@@ -76,6 +75,11 @@ class MetricsLog:
             return
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
+            try:  # imported here: --dry_run, throughput and --notensorboard runs do without it
+                from tensorboardX import SummaryWriter
+            except ModuleNotFoundError as e:
+                raise ModuleNotFoundError(f"--tensorboard needs tensorboardX ({e}); `pip install tensorboardX`, "
+                                          "or pass --notensorboard") from e
             self.writer = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
