@@ -10,7 +10,8 @@ to BENCHMARKS.md as one section:
                 the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU
   kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
                 attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
-  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop vs DMS (the pool at the KVpop memory)
+  decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop vs DMS (the pool at the
+                KVpop memory), 8 layers of Qwen3-8B's shape at the cr88 budget (GPU_DECODE_MODEL)
 
 The first three run in subprocesses (eval never imports train), the last two in this process,
 after them: JAX keeps the device memory it has used, and the subprocesses need the GPUs' memory.
@@ -51,6 +52,13 @@ STAGES = ("kernel_tests", "dry_run", "train", "kernels", "decode")
 PARENT_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 RECIPE = "configs/qwen3_8b_cr88.flags"
 DECODE_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072)
+# The decode stage's model on a GPU: 8 layers of Qwen3-8B's shape (Hq 32, Hkv 8, D 128, MLP 12288),
+# a 32k vocabulary, the cr88 recipe's budget and scorer (B = 4 + 256 + 2016). About 1.8B parameters
+# (3.6 GB in bf16), so that a step reads enough memory for the cache's growth to show: the first
+# H200 run (BENCHMARKS.md, 2026-12-04) used the CPU benchmark's 256-wide model, and every method
+# sat at the ~0.7 ms a step costs in launches whatever the length.
+GPU_DECODE_MODEL = dict(layers=8, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=32768,
+                        window=256, topk=2016, scorer="mlstm")
 # The dry path's model and recipe overrides: one tiny layer, float32, no remat (compiles in seconds).
 DRY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
@@ -166,7 +174,8 @@ def stage_decode(plan: Plan) -> Stage:
         config = tiny_config(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, window=8, topk=16)
         kw = dict(lengths=(64,), model_config=config, steps=1, warmup=0)
     else:
-        kw = dict(lengths=DECODE_LENGTHS, model_config=tiny_config(), steps=8, warmup=2, dtype=jnp.bfloat16)
+        kw = dict(lengths=DECODE_LENGTHS, model_config=tiny_config(**GPU_DECODE_MODEL), steps=8, warmup=2,
+                  dtype=jnp.bfloat16)
     rows = run_bench_decode(methods=("dense", "kvpop", "dms"), out_dir=os.path.join(plan.out_dir, "decode"),
                             benchmarks_md=None, progress=False, command="bench gpu (decode)", **kw)
     info = json.load(open(os.path.join(plan.out_dir, "decode", "bench_decode.json")))["info"]
