@@ -1,19 +1,21 @@
-"""`python -m eval.main bench gpu`: what a GPU node should measure first, in one run (<= 8 min on H100s).
+"""`python -m eval.main bench gpu`: what a GPU node should measure first, in one run (~10 min on one H200).
 
 Stages, in order (`--stages` picks some), each a markdown table; together they are appended
 to BENCHMARKS.md as one section:
 
   kernel_tests  pytest tests/test_kernel_*.py + tests/test_gpu_readiness.py with
                 KVPOP_KERNEL_TESTS=native: the kernel tests run compiled on the GPU, not interpreted
-  dry_run       `python -m train.main --flagfile=configs/qwen3_8b_cr88.flags --dry_run`: per-device memory
+  dry_run       `python -m train.main --flagfile=configs/qwen3_8b_cr88.flags --dry_run --scan_layers`: per-device
+                memory (scanned: one compiled layer; unscanned, 8B had not compiled in 205 s on an H200)
   train         `python -m train.throughput`: a few steps of a random 4-layer model of Qwen3-8B's width with
                 the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU
+  train_scan    the same with --scan_layers (is the scanned step as fast? the recipes leave it off until known)
   kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
                 attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
   decode        `bench decode` (eval/bench_decode.py) to 131k tokens, dense vs KVpop vs DMS (the pool at the
                 KVpop memory), 8 layers of Qwen3-8B's shape at the cr88 budget (GPU_DECODE_MODEL)
 
-The first three run in subprocesses (eval never imports train), the last two in this process,
+The first four run in subprocesses (eval never imports train), the last two in this process,
 after them: JAX keeps the device memory it has used, and the subprocesses need the GPUs' memory.
 For the same reason `eval.main` turns JAX's preallocation off for this command
 (`XLA_PYTHON_CLIENT_PREALLOCATE=false`, `PARENT_ENV`).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -47,7 +50,7 @@ from kvpop_jax.fileio import atomic_write_bytes
 from kvpop_jax.runtime import backend_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("kernel_tests", "dry_run", "train", "kernels", "decode")
+STAGES = ("kernel_tests", "dry_run", "train", "train_scan", "kernels", "decode")
 # Set before JAX starts in the process that runs this command (eval.main does).
 PARENT_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 RECIPE = "configs/qwen3_8b_cr88.flags"
@@ -203,7 +206,8 @@ def _recipe_argv(plan: Plan, run_name: str) -> list[str]:
 
 
 def stage_dry_run(plan: Plan) -> Stage:
-    cmd = [sys.executable, "-m", "train.main", *_recipe_argv(plan, "dry_run"), "--dry_run"]
+    # --scan_layers: unscanned, Qwen3-8B's 36 layers had not compiled after 205 s on an H200 (2026-12-04)
+    cmd = [sys.executable, "-m", "train.main", *_recipe_argv(plan, "dry_run"), "--dry_run", "--scan_layers"]
     proc = _run(cmd, plan, "dry_run")
     lines = proc.stdout.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("dry run:")), None)
@@ -216,9 +220,10 @@ def stage_dry_run(plan: Plan) -> Stage:
                  f"`python {shown}`\n\n" + _code("\n".join(lines[start:])))
 
 
-def stage_train(plan: Plan) -> Stage:
-    out = os.path.join(plan.out_dir, "throughput.json")
-    argv = _recipe_argv(plan, "throughput")
+def stage_train(plan: Plan, scan: bool = False) -> Stage:
+    name = "train_scan" if scan else "train"
+    out = os.path.join(plan.out_dir, f"{name}.json")
+    argv = _recipe_argv(plan, name) + (["--scan_layers"] if scan else [])
     if plan.dry:
         argv += [f"--init_checkpoint=random:{_dry_arch(plan)}", "--timed_steps=1"]
     else:
@@ -226,10 +231,10 @@ def stage_train(plan: Plan) -> Stage:
         argv += ["--init_checkpoint=random:qwen3_8b", "--num_layers=4", f"--micro_batch={devices}",
                  f"--global_batch={2 * devices}", "--timed_steps=3"]
     cmd = [sys.executable, "-m", "train.throughput", *argv, "--data=demo:1", f"--json_out={out}"]
-    proc = _run(cmd, plan, "train")
+    proc = _run(cmd, plan, name)
     shown = " ".join(a for a in cmd[1:] if not a.startswith(("--run_dir", "--json_out")))
     if proc.returncode or not os.path.isfile(out):
-        return Stage("train", "failed", 0.0, f"exit {proc.returncode}",
+        return Stage(name, "failed", 0.0, f"exit {proc.returncode}",
                      f"`python {shown}`\n\n" + _code(_tail(proc.stdout + proc.stderr)))
     r = json.load(open(out))
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
@@ -244,12 +249,12 @@ def stage_train(plan: Plan) -> Stage:
     ])
     md = (f"`python {shown}`\n\n{table}\n\nMFU counts model FLOPs (student fwd+bwd, teacher fwd, causal attention; "
           "see train/throughput.py) against the device's dense bf16 peak.")
-    return Stage("train", "ok", 0.0, f"{r['tokens_per_s']:.0f} tokens/s, MFU {mfu}", md)
+    return Stage(name, "ok", 0.0, f"{r['tokens_per_s']:.0f} tokens/s, MFU {mfu}", md)
 
 
 STAGE_FNS: dict[str, Callable[[Plan], Stage]] = {
     "kernel_tests": stage_kernel_tests, "kernels": stage_kernels, "decode": stage_decode,
-    "dry_run": stage_dry_run, "train": stage_train,
+    "dry_run": stage_dry_run, "train": stage_train, "train_scan": functools.partial(stage_train, scan=True),
 }
 
 

@@ -261,12 +261,16 @@ class Qwen3ForCausalLM(nn.Module):
     `logits_from_hidden` a sequence chunk at a time (training never holds `[B, S, V]`).
     `remat_policy` (none | full | dots_saveable | dots_with_no_batch_dims_saveable)
     rematerializes each decoder layer in the backward pass; the parameter tree is the same.
+    `scan_layers=True` runs the layers of a parallel forward (no cache) as one `lax.scan` over
+    their stacked parameters, so XLA compiles one layer instead of all; the parameter tree, the
+    math and the outputs are the loop's (`_scan_layers`).
     """
 
     config: Qwen3Config
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
+    scan_layers: bool = False
 
     def setup(self):
         c = self.config
@@ -311,7 +315,9 @@ class Qwen3ForCausalLM(nn.Module):
             decoding = cache.started or s == 1  # a one-token prompt is a step on an empty cache
         x = self.embed_tokens(input_ids)
         layer_aux, new_layers = [], []
-        for i, layer in enumerate(self.layers):
+        if self._scans(cache):
+            x, layer_aux = self._scan_layers(x, positions, segment_ids, query_samples, return_policy)
+        for i, layer in enumerate(self.layers if not layer_aux else ()):
             x, lc, aux = layer(x, positions, segment_ids, None if cache is None else cache.layers[i],
                                None if cache is None else cache.length, decoding, query_samples, return_policy)
             layer_aux.append(aux)
@@ -324,6 +330,38 @@ class Qwen3ForCausalLM(nn.Module):
         if return_hidden:
             return CausalLMOutput(logits=None, cache=new_cache, aux=aux, hidden=x)
         return CausalLMOutput(logits=self.logits_from_hidden(x), cache=new_cache, aux=aux)
+
+    def _scans(self, cache) -> bool:
+        """The scanned path serves parallel forwards (training, scoring); decoding, init and
+        `mutable=["intermediates"]` take the loop."""
+        return (self.scan_layers and cache is None and self.config.num_hidden_layers > 1
+                and not self.is_initializing() and not self.is_mutable_collection("intermediates"))
+
+    def _scan_layers(self, x, positions, segment_ids, query_samples, return_policy):
+        """The decoder layers as one `lax.scan` over their stacked parameters: XLA compiles one
+        layer, not L (Qwen3-8B's 36). The parameter tree stays per layer (`layers_{i}`, as HF
+        import/export and checkpoints have it); the stack is taken inside the step, a copy of the
+        layers' parameters. Same math as the loop; results agree to float rounding. DMS's
+        relaxation noise draws one key per layer from the module's "dms" stream, so its noise
+        differs from the loop's (same distribution)."""
+        c = self.config
+        n = c.num_hidden_layers
+        params = self.variables["params"]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(n)])
+        keys = jax.random.split(self.make_rng(DMS_RNG), n) if self.has_rng(DMS_RNG) else None
+        layer = DecoderLayer(c, self.dtype, self.param_dtype, parent=None)  # unbound: applied per layer
+
+        def body(x, xs):
+            p, key = xs
+            rngs = {DMS_RNG: key} if key is not None else None
+            x, _, aux = layer.apply({"params": p}, x, positions, segment_ids, None, None, False, query_samples,
+                                    return_policy, rngs=rngs)
+            return x, aux
+
+        if self.remat_policy != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=False)
+        x, aux = jax.lax.scan(body, x, (stacked, keys))
+        return x, [None if aux is None else jax.tree.map(lambda a, i=i: a[i], aux) for i in range(n)]
 
     def decode_step(self, input_ids, cache):
         """New tokens [B, S] against the cache -> CausalLMOutput with the new cache.

@@ -2,6 +2,7 @@
 blockwise and tiled dense attention, and the Pallas kernels under shard_map (8 fake CPU devices,
 in a subprocess since the device count is fixed when JAX starts)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvpop_jax import attention
-from kvpop_jax.config import KVpopConfig, Qwen3Config
+from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
 from kvpop_jax.modeling import REMAT_POLICIES, Qwen3ForCausalLM, init_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +68,84 @@ def test_remat_gives_the_same_loss_and_gradients():
         # recomputation reorders float32 sums: compare each leaf to its own scale
         for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-7 + 1e-5 * float(np.max(np.abs(b))))
+
+
+# ------------------------------------------------------------------------------ scanned layers
+
+
+def _scan_config(kind):
+    kvpop = {"dense": None, "mlp": KVpopConfig(sinks=2, window=4, topk=4, scorer="mlp", num_query_samples=8),
+             "mlstm": KVpopConfig(sinks=2, window=4, topk=4, scorer="mlstm", mlstm_dim=16, mlstm_chunk=8,
+                                  num_query_samples=8)}[kind]
+    return dataclasses.replace(tiny_config(tied=False, kvpop=False), num_hidden_layers=3, kvpop=kvpop)
+
+
+@pytest.mark.parametrize("kind, policy", [("dense", "none"), ("mlp", "full"), ("mlstm", "dots_saveable")])
+def test_scanned_layers_equal_the_loop(kind, policy):
+    """--scan_layers compiles one layer for all: same parameter tree, same logits, aux, policy and
+    gradients as the Python loop (fresh random weights, the retrofit's scorers included)."""
+    config = _scan_config(kind)
+    init = init_params(config, jax.random.PRNGKey(0))
+    keys = iter(jax.random.split(jax.random.PRNGKey(7), len(jax.tree.leaves(init))))
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), init)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 24), 0, 96)
+    q_samples = jnp.broadcast_to(jnp.arange(12, 24, dtype=jnp.int32), (2, 12)) if config.kvpop else None
+    scanned = Qwen3ForCausalLM(config, remat_policy=policy, scan_layers=True)
+    got_tree = scanned.init(jax.random.PRNGKey(0), ids[:, :1])["params"]
+    assert jax.tree_util.tree_structure(got_tree) == jax.tree_util.tree_structure(init)
+
+    def run(p, scan):
+        model = Qwen3ForCausalLM(config, remat_policy=policy, scan_layers=scan)
+        return model.apply({"params": p}, ids, query_samples=q_samples, return_policy=config.kvpop is not None)
+
+    def loss(p, scan):
+        out = run(p, scan)
+        extra = out.aux["retention_loss"] if config.kvpop else 0.0
+        return jnp.mean(jax.nn.log_softmax(out.logits)[..., 3]) + extra
+
+    dots = [str(jax.make_jaxpr(lambda p, scan=scan: run(p, scan))(params)).count("dot_general")
+            for scan in (False, True)]
+    assert dots[1] < dots[0], dots  # the scanned program traces the layer once, not three times
+    want, got = jax.jit(lambda p: run(p, False))(params), jax.jit(lambda p: run(p, True))(params)
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert jax.tree_util.tree_structure(got.aux) == jax.tree_util.tree_structure(want.aux)
+    for a, b in zip(jax.tree.leaves(got.aux), jax.tree.leaves(want.aux)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    want_grads = jax.jit(jax.grad(lambda p: loss(p, False)))(params)
+    got_grads = jax.jit(jax.grad(lambda p: loss(p, True)))(params)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 + 1e-5 * float(np.max(np.abs(b))))
+
+
+def test_scanned_dms_layers_equal_the_loop_and_train_with_their_noise():
+    config = dataclasses.replace(_scan_config("dense"), dms=DMSConfig(window=4, budget=8, gate_hidden=8))
+    init = init_params(config, jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape, x.dtype), init)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 96)
+    loop, scanned = (Qwen3ForCausalLM(config, scan_layers=scan) for scan in (False, True))
+    want, got = (jax.jit(m.apply)({"params": params}, ids) for m in (loop, scanned))
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)  # hard gates: no noise
+    np.testing.assert_allclose(got.aux["metrics"]["eviction_rate"], want.aux["metrics"]["eviction_rate"])
+
+    def soft_loss(p, key):  # relaxed gates: one noise key per layer, drawn from the "dms" stream
+        out = scanned.apply({"params": p}, ids, rngs={"dms": key})
+        return jnp.mean(out.logits[..., 0]) + jnp.mean(out.aux["dms_frac"])
+
+    grads = jax.jit(jax.grad(soft_loss))(params, jax.random.PRNGKey(5))
+    gate_grads = [g for path, g in jax.tree_util.tree_leaves_with_path(grads) if "dms" in jax.tree_util.keystr(path)]
+    assert gate_grads and all(np.isfinite(g).all() for g in gate_grads)
+    assert any(np.abs(g).max() > 0 for g in gate_grads)
+
+
+def test_scanned_layers_leave_decoding_and_intermediates_to_the_loop():
+    config = _scan_config("dense")
+    params = init_params(config, jax.random.PRNGKey(0))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (1, 8), 0, 96)
+    model = Qwen3ForCausalLM(config, scan_layers=True)
+    _, inter = model.apply({"params": params}, ids, mutable=["intermediates"])
+    assert len(inter["intermediates"]) == config.num_hidden_layers  # sown per layer: the loop ran
+    want = Qwen3ForCausalLM(config).apply({"params": params}, ids).logits
+    np.testing.assert_allclose(model.apply({"params": params}, ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ hidden states

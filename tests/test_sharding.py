@@ -175,11 +175,13 @@ FLAGS = ["--run_dir={tmp}/run", "--model_config={tmp}/arch.json", "--dry_run", "
 
 
 @pytest.mark.long
-def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path):
-    (tmp_path / "arch.json").write_text(json.dumps(ARCH))
+@pytest.mark.parametrize("scan", [False, True])  # --scan_layers: the stacked layer weights keep their sharding
+def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path, scan):
+    arch = dict(ARCH, num_hidden_layers=2) if scan else ARCH
+    (tmp_path / "arch.json").write_text(json.dumps(arch))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
-    argv = [f.format(tmp=tmp_path) for f in FLAGS]
+    argv = [f.format(tmp=tmp_path) for f in FLAGS] + (["--scan_layers"] if scan else [])
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT] + argv, cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -198,7 +200,7 @@ def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path):
     from kvpop_jax.config import Qwen3Config
     from kvpop_jax.modeling import abstract_params
 
-    total = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(Qwen3Config.from_hf(ARCH))))
+    total = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(Qwen3Config.from_hf(arch))))
     report = out["dry_run"]
     assert report["devices"] == 8
     assert total / 4 <= report["params"] < total / 2  # (+ the replicated 16 KB MLP scorer)

@@ -15,7 +15,9 @@ import pytest
 from absl import flags
 
 from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
+from kvpop_jax import modeling
 from train import optim
+from train import step as st
 from train.config import FlagError, OptimConfig, check_devices, load_model_config
 from train.configure import config_from_flags
 from train.flags import define_flags
@@ -521,3 +523,36 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path, arch, monkeypatch, ca
                 f" to resume from the last checkpoint in {run}-quick", err
     finally:
         train_main.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize("scorer, remat", [("mlstm", "full")])  # the paper recipes' settings
+def test_scan_layers_flag_gives_the_train_step_of_the_loop(tmp_path, scorer, remat):
+    """--scan_layers reaches both models of the step, and one step (teacher, student, losses, AdamW)
+    gives the loop's loss, metrics and updated parameters on fresh random weights and tokens."""
+    from train.setup import build_mesh, jitted_step, step_config, to_global
+    from train.throughput import _random_batch
+
+    arch = tmp_path / "arch.json"
+    arch.write_text(json.dumps(dict(TINY_ARCH, num_hidden_layers=3)))
+    results = []
+    for scan in (False, True):
+        cfg = parse(tiny_flags(str(tmp_path / f"run_{scan}"), str(arch), scan_layers=scan, scorer=scorer, remat=remat))
+        model_config = load_model_config(cfg)
+        sc = step_config(cfg, model_config)
+        assert cfg.scan_layers is scan and sc.scan_layers is scan
+        tx = optim.make_optimizer(cfg.optim)
+        mesh = build_mesh(cfg)
+        step_fn, (state_sh, teacher_sh, batch_sh), _ = jitted_step(cfg, mesh, model_config, sc, tx)
+        key = jax.random.PRNGKey(3)
+        base = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape, x.dtype),
+                            modeling.init_params(model_config, key))
+        params = modeling.retrofit_params(sc.model, base, jax.random.fold_in(key, 1))
+        state = jax.device_put(st.init_state(params, tx, cfg.seed), state_sh)
+        batch = to_global(_random_batch(cfg, model_config.vocab_size, 11), batch_sh)
+        state, metrics = step_fn(state, jax.device_put(jax.tree.map(jnp.copy, base), teacher_sh), batch)
+        results.append((jax.device_get(metrics), jax.device_get(state.params)))
+    (want_m, want_p), (got_m, got_p) = results
+    for k in ("loss", "kl", "retention_loss"):
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -168,6 +168,7 @@ class TrainConfig:
     divergence_warmup: int = 3  # steps of history before the divergence guard checks
     retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)
     dms: DMSConfig | None = None  # the DMS settings (memory-matched to `kvpop`), when a run or variant needs them
+    scan_layers: bool = False  # the decoder layers as one lax.scan in the train step (one layer compiled)
 
     @property
     def grad_accum(self) -> int:

@@ -57,7 +57,8 @@ def dry_run(cfg: TrainConfig) -> dict[str, int]:
     mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
     print(f"dry run: {model_config.num_hidden_layers} layers, hidden {model_config.hidden_size}, "
           f"S={cfg.seq_len}, global batch {cfg.global_batch} = {cfg.grad_accum} x micro {cfg.micro_batch}, "
-          f"{_retrofit(cfg)}, remat {cfg.remat}, loss_chunk {cfg.loss_chunk or cfg.seq_len}, "
+          f"{_retrofit(cfg)}, remat {cfg.remat}{', scanned layers' if cfg.scan_layers else ''}, "
+          f"loss_chunk {cfg.loss_chunk or cfg.seq_len}, "
           f"{cfg.compute_dtype} compute, {cfg.param_dtype} params, {cfg.teacher_dtype} teacher")
     print(f"mesh {mesh_desc} on {mesh.size} {jax.devices()[0].platform} devices; "
           f"lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s")

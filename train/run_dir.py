@@ -154,7 +154,7 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
 # run's export is still that of the new flags when only these differ.
 OPERATIONAL_FIELDS = ("run_dir", "export_dir", "checkpoint_every", "keep_checkpoints", "async_checkpointing",
                       "resume", "export", "log_every", "tensorboard", "progress", "dry_run", "variants", "evaluation",
-                      "overwrite", "divergence_factor", "divergence_warmup", "mesh", "remat", "loss_chunk",
+                      "overwrite", "divergence_factor", "divergence_warmup", "mesh", "remat", "scan_layers", "loss_chunk",
                       "micro_batch", "teacher_logits_dir", "write_teacher_logits")
 
 

@@ -30,7 +30,8 @@ def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
     return st.StepConfig(
         model=cfg.model_retrofit(model_config),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
-        teacher_dtype=DTYPES[cfg.teacher_dtype], remat=cfg.remat, loss_chunk=cfg.loss_chunk,
+        teacher_dtype=DTYPES[cfg.teacher_dtype], remat=cfg.remat, scan_layers=cfg.scan_layers,
+        loss_chunk=cfg.loss_chunk,
         micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum, seq_len=cfg.seq_len,
         precomputed_teacher=bool(cfg.teacher_logits_dir), optim=cfg.optim,
     )

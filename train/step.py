@@ -82,6 +82,7 @@ class StepConfig:
     seq_len: int
     precomputed_teacher: bool
     optim: optim.OptimConfig
+    scan_layers: bool = False  # both models' layers as one lax.scan (Qwen3ForCausalLM.scan_layers)
 
 
 def _chunks(x, chunk: int):
@@ -136,9 +137,10 @@ def chunked_kl(student: Model, params, x, t_values, t_indices, mask, *, temperat
 
 def build_models(sc: StepConfig) -> tuple[Model, Model]:
     """(student KVpop model with the remat policy, dense teacher: forward only, no remat)."""
-    student = Model(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat_policy=sc.remat)
+    student = Model(sc.model, dtype=sc.compute_dtype, param_dtype=sc.param_dtype, remat_policy=sc.remat,
+                    scan_layers=sc.scan_layers)
     teacher = Model(dataclasses.replace(sc.model, kvpop=None, dms=None), dtype=sc.compute_dtype,
-                    param_dtype=sc.teacher_dtype, remat_policy="none")
+                    param_dtype=sc.teacher_dtype, remat_policy="none", scan_layers=sc.scan_layers)
     return student, teacher
 
 

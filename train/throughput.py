@@ -126,7 +126,7 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
         "budget": f"DMS w={cfg.dms.window} memory={cfg.dms.budget}" if cfg.retrofit == "dms" else
                   f"s={cfg.kvpop.sinks} w={cfg.kvpop.window} k={cfg.kvpop.topk}",
         "scorer": f"dms gate {cfg.dms.gate_hidden}" if cfg.retrofit == "dms" else cfg.kvpop.scorer,
-        "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
+        "compute_dtype": cfg.compute_dtype, "remat": cfg.remat, "scan_layers": cfg.scan_layers,
         "compile_and_first_step_s": times[0], "step_s": step_s, "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_device": tokens / step_s / mesh.size, "model_tflops_per_step": flops / 1e12,
         "mfu": None if peak is None else flops / step_s / (peak * mesh.size),

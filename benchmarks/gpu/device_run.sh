@@ -6,7 +6,7 @@
 #
 #   LIMIT=540 STAGE_LIMIT=200 bash benchmarks/gpu/device_run.sh
 #
-# Stage order: the kernel tests (correctness first), the training step (a subprocess that needs
+# Stage order: the kernel tests (correctness first), the training step, looped and scanned (subprocesses that need
 # the GPU's memory before this process's in-process stages keep theirs), the kernel timings,
 # the decode timings, and last the Qwen3-8B dry run (a long compile; it gets what time is left).
 set -u
@@ -26,12 +26,12 @@ jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print
   command -v ptxas || ls /usr/local/cuda/bin/ptxas || true
   nproc
 } 2>&1 | tee "$OUT/env.txt"
-timeout -k 5 "$LIMIT" $PY -m eval.main bench gpu --stages kernel_tests,train,kernels,decode,dry_run \
+timeout -k 5 "$LIMIT" $PY -m eval.main bench gpu --stages kernel_tests,train,train_scan,kernels,decode,dry_run \
   --out_dir "$WORK" --benchmarks_md '' --timeout_s "$STAGE_LIMIT" 2>&1 | tee "$OUT/log.txt"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
 # stages run their subprocesses in their own sessions: end any the time limit left behind
 pkill -9 -f "train.main|train.throughput|pytest" 2>/dev/null
-for f in bench_gpu.md kernel_tests.log train.log dry_run.log decode/bench_decode.png; do
+for f in bench_gpu.md kernel_tests.log train.log train_scan.log dry_run.log decode/bench_decode.png; do
   [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
 done
 ls -la "$OUT"
