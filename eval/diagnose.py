@@ -66,7 +66,12 @@ small table; each takes under a minute on CPU but `ceiling` (about 5 minutes for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
+import shlex
+import sys
+import time
 from typing import Sequence
 
 import jax
@@ -77,6 +82,7 @@ from tqdm.auto import tqdm
 
 from demo.atoms import ASK, DIGITS, KEEP, NAMES
 from demo.task import TASKS, example_seed, generate_dataset, generate_example, min_seq_len
+from eval.bench_common import append_benchmarks
 from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
@@ -904,6 +910,9 @@ def main(argv: Sequence[str]) -> None:
                              "conditions on the prefix alone, as a scorer must")
     parser.add_argument("--sigmas", default="0.1,0.25,0.5,1,2",
                         help="noise: comma-separated noise levels (nats) added to the teacher's log-target")
+    parser.add_argument("--out", default="",
+                        help="also append the printed table, with this command and the date, to this markdown "
+                             "file (e.g. BENCHMARKS.md); created if missing, never truncated")
     args = parser.parse_args(argv)
     args.exports = [e for e in args.exports.split(",") if e]
     try:
@@ -915,4 +924,28 @@ def main(argv: Sequence[str]) -> None:
     except ValueError:
         raise ValueError(f"--sigmas must be comma-separated numbers, got {args.sigmas!r}") from None
     check_args(args)
-    DIAGNOSTICS[args.what](args)
+    if not args.out:
+        DIAGNOSTICS[args.what](args)
+        return
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
+        DIAGNOSTICS[args.what](args)
+    section = (f"## diagnose {args.what}, {time.strftime('%Y-%m-%d %H:%M %Z')}\n\n"
+               f"- command: `python -m eval.main diagnose {shlex.join(argv)}`\n\n```\n{printed.getvalue().rstrip()}\n```")
+    print(f"appended to {append_benchmarks(args.out, section)}")
+
+
+class _Tee(io.TextIOBase):
+    """A stream that writes to several (the terminal and the --out buffer)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()

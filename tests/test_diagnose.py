@@ -485,3 +485,22 @@ def test_target_structure_and_rank_correlation(rng):
         assert r["sd"] > 0 and -1 <= r["corr"] <= 1 and -1 <= r["corr_position"] <= 1
         for key in ("token", "pair", "position", "token_position"):
             assert -1e-9 <= r[key] <= 1 + 1e-9, (key, r)
+
+
+def test_out_appends_the_printed_table_with_its_command(monkeypatch, tmp_path, capsys):
+    """--out FILE: the table still prints, and lands in FILE under a dated heading with the command;
+    a second run appends (a results file is never truncated)."""
+    from eval import diagnose
+
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "keep", lambda args: print(f"layer  share\nL0     {args.problems / 8}"))
+    out = tmp_path / "results.md"
+    out.write_text("# mine\n\nearlier\n")
+    argv = ["keep", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse", "--problems", "3"]
+    diagnose.main(argv + ["--out", str(out)])
+    diagnose.main(argv + ["--problems", "4", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "L0     0.375" in printed and f"appended to {out}" in printed
+    text = out.read_text()
+    assert text.startswith("# mine\n\nearlier\n") and text.count("## diagnose keep, ") == 2
+    assert "- command: `python -m eval.main diagnose keep --exports checkpoints/demo-kvpop-mlstm" in text
+    assert "```\nlayer  share\nL0     0.375\n```" in text and "L0     0.5\n```" in text
