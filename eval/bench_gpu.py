@@ -62,8 +62,9 @@ DECODE_LENGTHS = (1024, 4096, 16384, 32768, 65536, 131072)
 # sat at the ~0.7 ms a step costs in launches whatever the length.
 GPU_DECODE_MODEL = dict(layers=8, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=32768,
                         window=256, topk=2016, scorer="mlstm")
-# The dry path's model and recipe overrides: one tiny layer, float32, no remat (compiles in seconds).
-DRY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+# The dry path's model and recipe overrides: two tiny layers (so that --scan_layers scans), float32, no remat
+# (compiles in seconds).
+DRY_ARCH = dict(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                 tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
 DRY_RECIPE = ("--seq_len=128", "--window=16", "--topk=16", "--global_batch=1", "--micro_batch=1", "--loss_chunk=0",
@@ -91,19 +92,30 @@ class Plan:
 def _run(cmd: Sequence[str], plan: Plan, log: str, **env) -> subprocess.CompletedProcess:
     """Runs `cmd` in its own process group, its output saved to out_dir/LOG.log. Past the plan's
     limit the whole group is killed (pytest-xdist workers too, which hold GPU memory) and the
-    output so far is returned with return code -9."""
+    output so far is returned with return code -9 and a line saying so. An interrupt of this
+    process (Ctrl-C, SIGTERM from `timeout`) kills the group too before it propagates."""
     environ = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=os.path.join(plan.out_dir, "jax_cache"),
-                   **env)
+                   PYTHONUNBUFFERED="1", **env)  # unbuffered: a killed child's output so far is kept
     proc = subprocess.Popen(list(cmd), cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+    def kill_group():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     try:
         out, err = proc.communicate(timeout=plan.timeout_s)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group()
         out, err = proc.communicate()
         err += f"\nbench gpu: killed after the {plan.timeout_s} s limit (--timeout_s)\n"
         code = -9
+    except BaseException:
+        kill_group()
+        raise
     with open(os.path.join(plan.out_dir, f"{log}.log"), "w") as f:
         f.write(f"$ {' '.join(cmd)}\n{out}\n--- stderr ---\n{err}")
     return subprocess.CompletedProcess(list(cmd), code, out, err)
@@ -136,14 +148,16 @@ def stage_kernel_tests(plan: Plan) -> Stage:
     counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|errors?|xfailed|deselected).*?)(?: =+)?$",
                         proc.stdout, re.M)
     summary = counts[-1] if counts else f"pytest exited with {proc.returncode}"
+    if "killed after the" in proc.stderr:
+        summary = f"killed after {plan.timeout_s} s (--timeout_s); " + (counts[-1] if counts else "no summary")
     failures = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    if not failures:  # a run killed before its summary: the -v progress lines name them
+        failures = [f"{kind} {test}" for kind, test in re.findall(r"\] (FAILED|ERROR) (\S+)", proc.stdout)]
     rel = " ".join(os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in args)
     env_text = " ".join(f"{k}={v}" for k, v in env.items())
     md = "\n".join([f"`{env_text} python -m pytest {rel}`".replace("` ", "`"), "", f"Result: **{summary}**"]
                    + ([f"- {f}" for f in failures[:40]] or []))
     status = "ok" if proc.returncode == 0 else "failed"
-    if proc.returncode == -9:
-        summary = f"killed after {plan.timeout_s} s; " + (counts[-1] if counts else "no summary")
     if proc.returncode not in (0, 1):  # collection or usage error: show the tail
         md += "\n\n" + _code(_tail(proc.stdout + proc.stderr))
     return Stage("kernel_tests", status, 0.0, summary, md)
@@ -216,8 +230,10 @@ def stage_dry_run(plan: Plan) -> Stage:
         return Stage("dry_run", "failed", 0.0, f"exit {proc.returncode}",
                      f"`python {shown}`\n\n" + _code(_tail(proc.stdout + proc.stderr)))
     peak = next((ln.split()[1:3] for ln in lines[start:] if ln.strip().startswith("peak_estimate")), ["?", ""])
-    return Stage("dry_run", "ok", 0.0, f"peak estimate {' '.join(peak)} per device",
-                 f"`python {shown}`\n\n" + _code("\n".join(lines[start:])))
+    return Stage("dry_run", "ok", 0.0, f"peak estimate {' '.join(peak)} per device (scanned layers)",
+                 f"`python {shown}`\n\n" + _code("\n".join(lines[start:]))
+                 + "\n\nWith `--scan_layers`, which the recipes leave off: the step holds one more copy of both "
+                   "models' layer weights than the looped step the recipes run (see the README).")
 
 
 def stage_train(plan: Plan, scan: bool = False) -> Stage:

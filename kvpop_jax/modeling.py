@@ -340,8 +340,9 @@ class Qwen3ForCausalLM(nn.Module):
     def _scan_layers(self, x, positions, segment_ids, query_samples, return_policy):
         """The decoder layers as one `lax.scan` over their stacked parameters: XLA compiles one
         layer, not L (Qwen3-8B's 36). The parameter tree stays per layer (`layers_{i}`, as HF
-        import/export and checkpoints have it); the stack is taken inside the step, a copy of the
-        layers' parameters. Same math as the loop; results agree to float rounding. DMS's
+        import/export and checkpoints have it); the stack is taken inside the step: one more copy of
+        the layers' parameters in memory while it runs (the price of the one compiled layer). Same math
+        as the loop; results agree to float rounding. DMS's
         relaxation noise draws one key per layer from the module's "dms" stream, so its noise
         differs from the loop's (same distribution)."""
         c = self.config

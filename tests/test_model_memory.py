@@ -137,7 +137,7 @@ def test_scanned_dms_layers_equal_the_loop_and_train_with_their_noise():
     assert any(np.abs(g).max() > 0 for g in gate_grads)
 
 
-def test_scanned_layers_leave_decoding_and_intermediates_to_the_loop():
+def test_scanned_layers_leave_intermediates_to_the_loop():
     config = _scan_config("dense")
     params = init_params(config, jax.random.PRNGKey(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (1, 8), 0, 96)

@@ -161,6 +161,10 @@ def test_tensorboard_is_imported_only_when_asked_for_and_its_absence_named(tmp_p
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 1.0}
     with pytest.raises(ModuleNotFoundError, match=r"--tensorboard needs tensorboardX.*--notensorboard"):
         MetricsLog(cfg(str(tmp_path), True), 1)
+    (tmp_path / "arch.json").write_text(json.dumps(TINY_ARCH))
+    with pytest.raises(ModuleNotFoundError, match="--notensorboard"):  # before any loading
+        train(parse(tiny_flags(str(tmp_path / "run"), str(tmp_path / "arch.json"))))
+    assert sorted(os.listdir(tmp_path / "run")) == [LOCK_FILE]  # nothing built, loaded or written yet
     script = "import sys; sys.modules['tensorboardX'] = None; import train.main, train.throughput, train.dry_run"
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, env=train_env(tmp_path))
 

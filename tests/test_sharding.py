@@ -175,7 +175,7 @@ FLAGS = ["--run_dir={tmp}/run", "--model_config={tmp}/arch.json", "--dry_run", "
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("scan", [False, True])  # --scan_layers: the stacked layer weights keep their sharding
+@pytest.mark.parametrize("scan", [False, True])  # --scan_layers: its sharded step equals its single-device step
 def test_sharded_step_equals_single_device_and_dry_run_reports_memory(tmp_path, scan):
     arch = dict(ARCH, num_hidden_layers=2) if scan else ARCH
     (tmp_path / "arch.json").write_text(json.dumps(arch))

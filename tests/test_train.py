@@ -540,6 +540,7 @@ def test_scan_layers_flag_gives_the_train_step_of_the_loop(tmp_path, scorer, rem
         model_config = load_model_config(cfg)
         sc = step_config(cfg, model_config)
         assert cfg.scan_layers is scan and sc.scan_layers is scan
+        assert [m.scan_layers for m in st.build_models(sc)] == [scan, scan]  # student and teacher
         tx = optim.make_optimizer(cfg.optim)
         mesh = build_mesh(cfg)
         step_fn, (state_sh, teacher_sh, batch_sh), _ = jitted_step(cfg, mesh, model_config, sc, tx)

@@ -151,7 +151,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "Per-layer rematerialization policy.", **d)
     flags.DEFINE_bool("scan_layers", False,
                       "Run the decoder layers as one lax.scan in the train step: XLA compiles one layer instead "
-                      "of all (Qwen3-8B: 36). Same parameters, checkpoints and math (float rounding aside).", **d)
+                      "of all (Qwen3-8B: 36). Same parameters, checkpoints and math (float rounding aside); costs "
+                      "one more copy of both models' layer weights during the step (the stack the scan reads).", **d)
     flags.DEFINE_integer("loss_chunk", 0,
                          "Compute lm_head + KL over sequence chunks of this many tokens (0: whole "
                          "sequence); avoids [B, S, V] logits.", **d)

@@ -63,6 +63,17 @@ def host_batch(cfg: TrainConfig, rows: dict[str, np.ndarray], step: int) -> dict
     return {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in out.items()}
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported when a run writes events (--dry_run, throughput and
+    --notensorboard runs do without the package)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"--tensorboard needs tensorboardX ({e}); `pip install tensorboardX`, "
+                                  "or pass --notensorboard") from e
+    return SummaryWriter
+
+
 class MetricsLog:
     """metrics.jsonl (cut back to the resumed step on restart, a torn last line dropped) and TensorBoard."""
 
@@ -75,12 +86,7 @@ class MetricsLog:
             return
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
-            try:  # imported here: --dry_run, throughput and --notensorboard runs do without it
-                from tensorboardX import SummaryWriter
-            except ModuleNotFoundError as e:
-                raise ModuleNotFoundError(f"--tensorboard needs tensorboardX ({e}); `pip install tensorboardX`, "
-                                          "or pass --notensorboard") from e
-            self.writer = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
+            self.writer = summary_writer_class()(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -145,6 +151,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig) -> dict[str, Any]:
+    if cfg.tensorboard and jax.process_index() == 0:
+        summary_writer_class()  # a missing package fails here, not after minutes of loading
     check_export_dir(cfg.export_dir, cfg.init_checkpoint)
     prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
     if jax.process_count() > 1:

@@ -14,6 +14,7 @@ OUT=${OUT:-outputs/gpu_run}
 LIMIT=${LIMIT:-540}
 STAGE_LIMIT=${STAGE_LIMIT:-200}
 WORK=${WORK:-/tmp/bench_gpu}
+rm -rf "$WORK"  # each call measures afresh: no earlier logs, no warm compile cache
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 PY=${PY:-python3}
@@ -30,8 +31,8 @@ timeout -k 5 "$LIMIT" $PY -m eval.main bench gpu --stages kernel_tests,train,tra
   --out_dir "$WORK" --benchmarks_md '' --timeout_s "$STAGE_LIMIT" 2>&1 | tee "$OUT/log.txt"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
 # stages run their subprocesses in their own sessions: end any the time limit left behind
-pkill -9 -f "train.main|train.throughput|pytest" 2>/dev/null
+pkill -9 -f -- "-m (train.main|train.throughput|pytest) " 2>/dev/null
 for f in bench_gpu.md kernel_tests.log train.log train_scan.log dry_run.log decode/bench_decode.png; do
-  [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
+  [ -f "$WORK/$f" ] && mkdir -p "$OUT/$(dirname "$f")" && cp "$WORK/$f" "$OUT/$f"  # the report's image link holds
 done
 ls -la "$OUT"
