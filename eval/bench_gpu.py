@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import functools
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -166,9 +167,7 @@ def stage_kernel_tests(plan: Plan) -> Stage:
 def _test_workers() -> int:
     """pytest-xdist workers for the native kernel tests: one per 2 host cores, at most 8 (they share
     the GPU; each JAX process takes memory as it goes, PARENT_ENV); 1 without pytest-xdist."""
-    try:
-        import xdist  # noqa: F401
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("xdist") is None:
         return 1
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 

@@ -35,6 +35,10 @@ try:  # Mosaic GPU ships with every jaxlib we support; guarded so a trimmed buil
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
+try:  # its GPU interpret mode (jax >= 0.11): where jax 0.11 records the races it finds
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _mgpu_interpret
+except ImportError:  # jax 0.10, or a trimmed build
+    _mgpu_interpret = None
 
 JAX_VERSION = tuple(jax.__version_info__[:3])
 
@@ -129,12 +133,10 @@ def mosaic_gpu_races_found() -> bool:
     jax >= 0.12 raises at the race with `on_race="raise"`; jax 0.11 only prints it and sets a flag
     in its (private) interpreter state, read here.
     """
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    except ImportError:  # no GPU interpret mode: nothing was interpreted
+    if _mgpu_interpret is None:  # no GPU interpret mode: nothing was interpreted
         return False
     try:
-        return bool(interpret_pallas_call.get_races().races_found)
+        return bool(_mgpu_interpret.get_races().races_found)
     except AssertionError:  # no kernel ran with race detection since start-up
         return False
 

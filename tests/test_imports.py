@@ -24,7 +24,8 @@ ALLOWED = {
     "train": {"pallas_kernels", "kvpop_jax", "demo", "eval"},
 }
 # Heavy optional dependencies a function may import when (and only when) it needs them.
-LAZY_OK = {"datasets", "transformers", "tokenizers", "torch", "matplotlib", "math_verify", "kvpop_torch"}
+LAZY_OK = {"datasets", "transformers", "tokenizers", "torch", "matplotlib", "math_verify", "kvpop_torch",
+           "tensorboardX"}  # tensorboardX: only a run that writes events needs it (GPU images may lack it)
 # What kvpop_torch must never pull in: a user with only torch + transformers runs it.
 JAX_STACK = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 KERNEL_DEPS = {"jax", "__future__", "contextlib", "dataclasses", "functools", "inspect", "numbers", "math"}
