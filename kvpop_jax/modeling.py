@@ -315,9 +315,10 @@ class Qwen3ForCausalLM(nn.Module):
             decoding = cache.started or s == 1  # a one-token prompt is a step on an empty cache
         x = self.embed_tokens(input_ids)
         layer_aux, new_layers = [], []
-        if self._scans(cache):
+        scanned = self._scans(cache)
+        if scanned:
             x, layer_aux = self._scan_layers(x, positions, segment_ids, query_samples, return_policy)
-        for i, layer in enumerate(self.layers if not layer_aux else ()):
+        for i, layer in enumerate(() if scanned else self.layers):
             x, lc, aux = layer(x, positions, segment_ids, None if cache is None else cache.layers[i],
                                None if cache is None else cache.length, decoding, query_samples, return_policy)
             layer_aux.append(aux)
@@ -341,10 +342,10 @@ class Qwen3ForCausalLM(nn.Module):
         """The decoder layers as one `lax.scan` over their stacked parameters: XLA compiles one
         layer, not L (Qwen3-8B's 36). The parameter tree stays per layer (`layers_{i}`, as HF
         import/export and checkpoints have it); the stack is taken inside the step: one more copy of
-        the layers' parameters in memory while it runs (the price of the one compiled layer). Same math
-        as the loop; results agree to float rounding. DMS's
-        relaxation noise draws one key per layer from the module's "dms" stream, so its noise
-        differs from the loop's (same distribution)."""
+        the layers' parameters in memory while it runs (the price of the one compiled layer). Same
+        math as the loop; results agree to float rounding. DMS's relaxation noise draws one key per
+        layer from the module's "dms" stream, so its noise differs from the loop's (same
+        distribution)."""
         c = self.config
         n = c.num_hidden_layers
         params = self.variables["params"]
