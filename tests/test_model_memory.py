@@ -73,6 +73,12 @@ def test_remat_gives_the_same_loss_and_gradients():
 # ------------------------------------------------------------------------------ scanned layers
 
 
+def _perturbed(params, seed):
+    """Fresh random weights everywhere (the retrofit's identity-like inits included): + 0.3 N(0, 1)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(jax.tree.leaves(params))))
+    return jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), params)
+
+
 def _scan_config(kind):
     kvpop = {"dense": None, "mlp": KVpopConfig(sinks=2, window=4, topk=4, scorer="mlp", num_query_samples=8),
              "mlstm": KVpopConfig(sinks=2, window=4, topk=4, scorer="mlstm", mlstm_dim=16, mlstm_chunk=8,
@@ -86,8 +92,7 @@ def test_scanned_layers_equal_the_loop(kind, policy):
     gradients as the Python loop (fresh random weights, the retrofit's scorers included)."""
     config = _scan_config(kind)
     init = init_params(config, jax.random.PRNGKey(0))
-    keys = iter(jax.random.split(jax.random.PRNGKey(7), len(jax.tree.leaves(init))))
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), init)
+    params = _perturbed(init, 7)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 24), 0, 96)
     q_samples = jnp.broadcast_to(jnp.arange(12, 24, dtype=jnp.int32), (2, 12)) if config.kvpop else None
     scanned = Qwen3ForCausalLM(config, remat_policy=policy, scan_layers=True)
@@ -119,8 +124,7 @@ def test_scanned_layers_equal_the_loop(kind, policy):
 
 def test_scanned_dms_layers_equal_the_loop_and_train_with_their_noise():
     config = dataclasses.replace(_scan_config("dense"), dms=DMSConfig(window=4, budget=8, gate_hidden=8))
-    init = init_params(config, jax.random.PRNGKey(0))
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape, x.dtype), init)
+    params = _perturbed(init_params(config, jax.random.PRNGKey(0)), 3)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 96)
     loop, scanned = (Qwen3ForCausalLM(config, scan_layers=scan) for scan in (False, True))
     want, got = (jax.jit(m.apply)({"params": params}, ids) for m in (loop, scanned))

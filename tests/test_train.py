@@ -15,7 +15,6 @@ import pytest
 from absl import flags
 
 from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
-from kvpop_jax import modeling
 from train import optim
 from train import step as st
 from train.config import FlagError, OptimConfig, check_devices, load_model_config
@@ -530,7 +529,7 @@ def test_scan_layers_flag_gives_the_train_step_of_the_loop(tmp_path, scorer, rem
     """--scan_layers reaches both models of the step, and one step (teacher, student, losses, AdamW)
     gives the loop's loss, metrics and updated parameters on fresh random weights and tokens."""
     from train.setup import build_mesh, jitted_step, step_config, to_global
-    from train.throughput import _random_batch
+    from train.throughput import _random_batch, random_state
 
     arch = tmp_path / "arch.json"
     arch.write_text(json.dumps(dict(TINY_ARCH, num_hidden_layers=3)))
@@ -544,13 +543,9 @@ def test_scan_layers_flag_gives_the_train_step_of_the_loop(tmp_path, scorer, rem
         tx = optim.make_optimizer(cfg.optim)
         mesh = build_mesh(cfg)
         step_fn, (state_sh, teacher_sh, batch_sh), _ = jitted_step(cfg, mesh, model_config, sc, tx)
-        key = jax.random.PRNGKey(3)
-        base = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape, x.dtype),
-                            modeling.init_params(model_config, key))
-        params = modeling.retrofit_params(sc.model, base, jax.random.fold_in(key, 1))
-        state = jax.device_put(st.init_state(params, tx, cfg.seed), state_sh)
+        state, teacher = random_state(cfg, model_config, sc, tx, (state_sh, teacher_sh))
         batch = to_global(_random_batch(cfg, model_config.vocab_size, 11), batch_sh)
-        state, metrics = step_fn(state, jax.device_put(jax.tree.map(jnp.copy, base), teacher_sh), batch)
+        state, metrics = step_fn(state, teacher, batch)
         results.append((jax.device_get(metrics), jax.device_get(state.params)))
     (want_m, want_p), (got_m, got_p) = results
     for k in ("loss", "kl", "retention_loss"):

@@ -83,6 +83,20 @@ def _random_batch(cfg: TrainConfig, vocab: int, seed: int) -> dict[str, np.ndarr
             "loss_mask": np.ones(shape, np.float32)}
 
 
+def random_state(cfg: TrainConfig, model_config: Qwen3Config, sc: st.StepConfig, tx, shardings):
+    """(train state, teacher params) of a random model (seed `cfg.seed`), built on the devices with
+    the step's (state, teacher) shardings: the student retrofitted, both in the step's dtypes."""
+
+    def init(key):
+        base = modeling.init_params(model_config, key)
+        params = modeling.retrofit_params(sc.model, base, jax.random.fold_in(key, 1))
+        params = jax.tree.map(lambda x: x.astype(sc.param_dtype), params)
+        teacher = jax.tree.map(lambda x: x.astype(sc.teacher_dtype), base)
+        return st.init_state(params, tx, cfg.seed), teacher
+
+    return jax.jit(init, out_shardings=tuple(shardings))(jax.random.PRNGKey(cfg.seed))
+
+
 def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: int = 3) -> dict:
     """Runs 1 + timed_steps train steps of a random model; returns tokens/s, MFU and the setup."""
     if cfg.teacher_logits_dir:
@@ -94,15 +108,7 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
     sc = step_config(cfg, model_config)
     tx = optim.make_optimizer(cfg.optim)
     step_fn, (state_sh, teacher_sh, batch_sh), _ = jitted_step(cfg, mesh, model_config, sc, tx)
-
-    def init(key):
-        base = modeling.init_params(model_config, key)
-        params = modeling.retrofit_params(sc.model, base, jax.random.fold_in(key, 1))
-        params = jax.tree.map(lambda x: x.astype(sc.param_dtype), params)
-        teacher = jax.tree.map(lambda x: x.astype(sc.teacher_dtype), base)
-        return st.init_state(params, tx, cfg.seed), teacher
-
-    state, teacher = jax.jit(init, out_shardings=(state_sh, teacher_sh))(jax.random.PRNGKey(cfg.seed))
+    state, teacher = random_state(cfg, model_config, sc, tx, (state_sh, teacher_sh))
     times = []
     for i in range(1 + timed_steps):
         batch = to_global(_random_batch(cfg, model_config.vocab_size, cfg.seed + i), batch_sh)
