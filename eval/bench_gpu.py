@@ -8,7 +8,8 @@ to BENCHMARKS.md as one section:
   dry_run       `python -m train.main --flagfile=configs/qwen3_8b_cr88.flags --dry_run --scan_layers`: per-device
                 memory (scanned: one compiled layer; unscanned, 8B had not compiled in 205 s on an H200)
   train         `python -m train.throughput`: a few steps of a random 4-layer model of Qwen3-8B's width with
-                the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU
+                the cr88 recipe's settings (S 16384, B 2276, mLSTM, bf16, remat): tokens/s and MFU; then one
+                more step profiled (`--profile_dir`): device time per XLA op (eval/profile_ops.py)
   train_scan    the same with --scan_layers (is the scanned step as fast? the recipes leave it off until known)
   kernels       `bench kernels` (eval/bench_kernels.py): every kernel vs its XLA reference vs dense
                 attention (XLA and cuDNN), forward and forward + backward, S = 4k / 16k, B = 2048 / 4096
@@ -238,7 +239,7 @@ def stage_dry_run(plan: Plan) -> Stage:
 def stage_train(plan: Plan, scan: bool = False) -> Stage:
     name = "train_scan" if scan else "train"
     out = os.path.join(plan.out_dir, f"{name}.json")
-    argv = _recipe_argv(plan, name) + (["--scan_layers"] if scan else [])
+    argv = _recipe_argv(plan, name) + (["--scan_layers"] if scan else [f"--profile_dir={_profile_dir(plan)}"])
     if plan.dry:
         argv += [f"--init_checkpoint=random:{_dry_arch(plan)}", "--timed_steps=1"]
     else:
@@ -264,7 +265,19 @@ def stage_train(plan: Plan, scan: bool = False) -> Stage:
     ])
     md = (f"`python {shown}`\n\n{table}\n\nMFU counts model FLOPs (student fwd+bwd, teacher fwd, causal attention; "
           "see train/throughput.py) against the device's dense bf16 peak.")
-    return Stage(name, "ok", 0.0, f"{r['tokens_per_s']:.0f} tokens/s, MFU {mfu}", md)
+    summary = f"{r['tokens_per_s']:.0f} tokens/s, MFU {mfu}"
+    prof = r.get("profile")
+    if prof and "error" in prof:
+        md += f"\n\nProfiling one more step failed: {prof['error']}"
+    elif prof:
+        md += (f"\n\n**Where one more step's time goes** (profiled after the timing, {prof['step_s']:.3f} s under the "
+               f"profiler; `python -m eval.profile_ops {os.path.basename(_profile_dir(plan))}`):\n\n{prof['markdown']}")
+        summary += f"; device busy {100 * prof['busy_s'] / max(prof['span_s'], 1e-9):.0f}% of the profiled step"
+    return Stage(name, "ok", 0.0, summary, md)
+
+
+def _profile_dir(plan: Plan) -> str:
+    return os.path.join(plan.out_dir, "train_profile")
 
 
 STAGE_FNS: dict[str, Callable[[Plan], Stage]] = {

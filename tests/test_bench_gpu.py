@@ -24,4 +24,5 @@ def test_bench_gpu_dry_path_runs_every_stage_and_appends_its_report(tmp_path, ca
     assert "| kvpop | 64 |" in text and "| dense | 64 |" in text and "| dms | 64 |" in text  # decode
     assert "peak_estimate" in text  # the recipe's dry run: per-device bytes
     assert "tokens/s" in text and "MFU" in text  # the training steps
+    assert "Where one more step's time goes" in text and "| category | ms | share |" in text  # its profile
     assert (tmp_path / "out" / "bench_gpu.md").read_text() in text

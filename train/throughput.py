@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from eval import profile_ops
 from kvpop_jax import modeling
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.runtime import report_backend
@@ -52,6 +53,9 @@ def define_throughput_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("num_layers", 0, "Use this many layers of the architecture (0: all).", flag_values=fv)
     flags.DEFINE_integer("timed_steps", 3, "Steps timed after the compiling one.", flag_values=fv)
     flags.DEFINE_string("json_out", None, "Also write the result as JSON here.", flag_values=fv)
+    flags.DEFINE_string("profile_dir", None, "After the timed steps, profile one more step into this directory "
+                        "(jax.profiler, with a perfetto trace) and print where its time goes per XLA op "
+                        "(eval/profile_ops.py). The timed steps are not profiled.", flag_values=fv)
 
 
 def matmul_params(config: Qwen3Config) -> int:
@@ -97,8 +101,11 @@ def random_state(cfg: TrainConfig, model_config: Qwen3Config, sc: st.StepConfig,
     return jax.jit(init, out_shardings=tuple(shardings))(jax.random.PRNGKey(cfg.seed))
 
 
-def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: int = 3) -> dict:
-    """Runs 1 + timed_steps train steps of a random model; returns tokens/s, MFU and the setup."""
+def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: int = 3,
+                       profile_dir: str | None = None) -> dict:
+    """Runs 1 + timed_steps train steps of a random model; returns tokens/s, MFU and the setup.
+    profile_dir: then one more step under `jax.profiler.trace`; the result's "profile" holds its op
+    table (`eval.profile_ops`) and the trace's path."""
     if cfg.teacher_logits_dir:
         raise FlagError("the throughput run computes the teacher on the fly: drop --teacher_logits_dir")
     model_config = load_model_config(cfg)
@@ -119,6 +126,23 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
     if not all(np.isfinite(float(metrics[k])) for k in ("loss", "kl", "retention_loss")):
         raise FloatingPointError(f"non-finite loss in the throughput run: {metrics}")
     step_s = statistics.median(times[1:]) if timed_steps else times[0]
+    profile = None
+    if profile_dir:  # after the timing: a profiler that fails (no CUPTI, say) costs only its table
+        batch = to_global(_random_batch(cfg, model_config.vocab_size, cfg.seed + 1 + timed_steps), batch_sh)
+        try:
+            with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+                t0 = time.perf_counter()
+                state, _ = step_fn(state, teacher, batch)
+                jax.block_until_ready(state)
+                profiled_s = time.perf_counter() - t0
+            path = profile_ops.find_trace(profile_dir)
+            ops = profile_ops.op_profile(path)
+        except Exception as e:  # noqa: BLE001 - reported, the throughput stands
+            profile = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            profile = {"trace": path, "step_s": profiled_s, "markdown": profile_ops.markdown(ops),
+                       "busy_s": ops.busy_us / 1e6, "span_s": ops.span_us / 1e6,
+                       "by_category_s": {k: v / 1e6 for k, v in ops.by_category.items()}}
     tokens = cfg.global_batch * cfg.seq_len
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind)
@@ -136,7 +160,7 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
         "compile_and_first_step_s": times[0], "step_s": step_s, "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_device": tokens / step_s / mesh.size, "model_tflops_per_step": flops / 1e12,
         "mfu": None if peak is None else flops / step_s / (peak * mesh.size),
-        "loss": float(metrics["loss"]),
+        "loss": float(metrics["loss"]), "profile": profile,
     }
 
 
@@ -146,13 +170,19 @@ def main(argv):
     try:
         cfg = config_from_flags(FLAGS, on_accelerator=None)
         report_backend()
-        result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps)
+        result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
+                                    profile_dir=FLAGS.profile_dir)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     mfu = "n/a (unknown peak)" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
     print(f"throughput: {result['tokens_per_s']:.0f} tokens/s ({result['tokens_per_s_per_device']:.0f} per device), "
           f"step {result['step_s']:.3f} s, MFU {mfu}")
+    if result["profile"] and "error" in result["profile"]:
+        print(f"profiling failed: {result['profile']['error']}", file=sys.stderr)
+    elif result["profile"]:
+        print(f"profiled step ({result['profile']['step_s']:.3f} s under the profiler), trace "
+              f"{result['profile']['trace']}:\n{result['profile']['markdown']}")
     print(json.dumps(result))
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:

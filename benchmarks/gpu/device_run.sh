@@ -5,6 +5,7 @@
 # has jax, flax, optax, orbax, transformers, pytest-xdist; the repo goes on PYTHONPATH.
 #
 #   LIMIT=540 STAGE_LIMIT=200 bash benchmarks/gpu/device_run.sh
+#   STAGES=train,train_scan,decode,dry_run LIMIT=... bash benchmarks/gpu/device_run.sh   # a subset
 #
 # Stage order: the kernel tests (correctness first), the training step, looped and scanned (subprocesses that need
 # the GPU's memory before this process's in-process stages keep theirs), the kernel timings,
@@ -27,7 +28,8 @@ jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print
   command -v ptxas || ls /usr/local/cuda/bin/ptxas || true
   nproc
 } 2>&1 | tee "$OUT/env.txt"
-timeout -k 5 "$LIMIT" $PY -m eval.main bench gpu --stages kernel_tests,train,train_scan,kernels,decode,dry_run \
+STAGES=${STAGES:-kernel_tests,train,train_scan,kernels,decode,dry_run}
+timeout -k 5 "$LIMIT" $PY -m eval.main bench gpu --stages "$STAGES" \
   --out_dir "$WORK" --benchmarks_md '' --timeout_s "$STAGE_LIMIT" 2>&1 | tee "$OUT/log.txt"
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
 # stages run their subprocesses in their own sessions: end any the time limit left behind
@@ -35,4 +37,7 @@ pkill -9 -f -- "-m (train.main|train.throughput|pytest) " 2>/dev/null
 for f in bench_gpu.md kernel_tests.log train.log train_scan.log dry_run.log decode/bench_decode.png; do
   [ -f "$WORK/$f" ] && mkdir -p "$OUT/$(dirname "$f")" && cp "$WORK/$f" "$OUT/$f"  # the report's image link holds
 done
+# the profiled train step's trace (8 files come back at most: with kernel_tests.log this is the 9th, left out)
+trace=$(ls -t "$WORK"/train_profile/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
+[ -n "$trace" ] && [ ! -f "$OUT/kernel_tests.log" ] && cp "$trace" "$OUT/train_trace.json.gz"
 ls -la "$OUT"
