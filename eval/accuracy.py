@@ -214,6 +214,9 @@ def run_accuracy(
     for source in sources:
         name = benchmark_name(source)
         if name in named:
+            if source.startswith("demo:") and named[name].startswith("demo:"):
+                raise ValueError(f"benchmarks {named[name]!r} and {source!r} are the same generated problems "
+                                 f"({name}): give each spec once")
             raise ValueError(f"benchmarks {named[name]!r} and {source!r} share the name {name!r} that reports, "
                              "samples and records are keyed by: rename one of the files")
         named[name] = source
@@ -257,6 +260,7 @@ def run_accuracy(
         return model, mparams, cache, eos
 
     records: list[dict] = []
+    cut_off: dict[tuple, list[int]] = {}  # (method, cr) -> [rollouts cut at max_new_tokens with no answer, rollouts]
     reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="accuracy", disable=not progress)
@@ -290,6 +294,10 @@ def run_accuracy(
                             problem = problems[i]
                             text = tok.decode(tokens[r, : lengths[r]].tolist(), skip_special_tokens=True)
                             ok, pred = is_correct(text, problem["answer"])
+                            counts = cut_off.setdefault((method, cr), [0, 0])
+                            counts[0] += pred is None and lengths[r] >= max_new_tokens and \
+                                int(tokens[r, max_new_tokens - 1]) not in eos
+                            counts[1] += 1
                             correct[i].append(ok)
                             samples.write(json.dumps(dict(method=method, cr=cr, benchmark=bench, id=problem["id"],
                                                           rollout=rollout, answer=problem["answer"],
@@ -305,7 +313,12 @@ def run_accuracy(
         unevicted = [f"CR {cr:g} (B {budgets[cr]}): the longest prompt + completion was {n} tokens, so nothing "
                      "was evicted and its rows equal dense; set context_len to the length the CR should be "
                      "taken of (e.g. the prompt length)" for cr, n in reached.items() if 0 < n <= budgets[cr]]
-        for line in unevicted:
+        # Completions cut off before any answer score 0 whatever the method: say so, not just report 0.
+        truncated = [f"{m}{'' if cr is None else f' at CR {cr:g}'}: {n} of {total} completions reached "
+                     f"max_new_tokens {max_new_tokens} with no answer extracted: too few new tokens for the "
+                     "answers (raise max_new_tokens), or a method that never comes to one"
+                     for (m, cr), (n, total) in cut_off.items() if n > total / 2]
+        for line in unevicted + truncated:
             print(f"warning: {line}", file=sys.stderr)
         prompt_mode = "stream the prompt past B (--stream_prompt)" if stream_prompt else \
             "compress the prompt in one shot after a dense prefill"
@@ -325,7 +338,7 @@ def run_accuracy(
                              checkpoints=[dict(method=m, cr=cr, path=os.path.abspath(p)) for m, cr, p in used])
         names = list(benchmarks)
         rows = summarize(records, names)
-        table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n" for line in unevicted)
+        table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n" for line in unevicted + truncated)
         checker = "math_verify" if math_verify_available() else "normalized string compare"
         write_text(out.path("accuracy.md"),
                    f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n"
@@ -337,7 +350,8 @@ def run_accuracy(
                    + table)
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
                                                               n_rollouts=n_rollouts, checker=checker,
-                                                              unevicted=unevicted, settings=settings_json), indent=1))
+                                                              unevicted=unevicted, truncated=truncated,
+                                                              settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows
 

@@ -56,8 +56,15 @@ def append_benchmarks(path: str | os.PathLike, section: str) -> str:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    unterminated = False  # a last line without its newline would swallow the section's heading
+    if not new:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            unterminated = f.read(1) != b"\n"
     with open(path, "a") as f:
         if new:
             f.write("# Benchmarks\n\nResults appended by the eval commands, newest last.\n\n")
+        elif unterminated:
+            f.write("\n\n")
         f.write(section.rstrip("\n") + "\n\n")
     return path

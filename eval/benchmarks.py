@@ -80,16 +80,18 @@ def parse_demo_spec(source: str) -> DemoSpec:
     for part in parts[1:]:
         key, value = part.split("=", 1) if "=" in part else ("split", part)
         if key not in ("split", "seed", "n", "len", "difficulty"):
-            raise ValueError(f"{source!r}: unknown key {key!r} (seed, n, len, difficulty)")
+            raise ValueError(f"{source!r}: unknown key {key!r} (split, seed, n, len, difficulty)")
         if key in fields:
             raise ValueError(f"{source!r}: {key} given twice ({fields[key]!r} and {value!r})")
         if key == "split":
             fields[key] = value
             continue
-        try:
-            fields[key] = value if key == "difficulty" else int(value)
-        except ValueError:
-            raise ValueError(f"{source!r}: {key}={value!r} is not an integer") from None
+        if key == "difficulty":
+            fields[key] = value
+        elif value.isascii() and value.isdigit():  # plain digits: int() would also take "+4", " 4", "1_0"
+            fields[key] = int(value)
+        else:
+            raise ValueError(f"{source!r}: {key}={value!r} is not a non-negative integer (digits only)")
     try:
         spec = DemoSpec(**fields)
         spec.config()  # the task's own checks: is len long enough for it?

@@ -247,7 +247,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
 
 
 # What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

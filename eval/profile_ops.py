@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable
 
 # (category, pattern over "hlo_op kernel-name", lower case), first match wins.
@@ -63,7 +64,12 @@ class OpProfile:
 
 
 def find_trace(log_dir: str) -> str:
-    """The newest perfetto_trace.json.gz under a `jax.profiler.trace` log dir (FileNotFoundError if none)."""
+    """The newest perfetto_trace.json.gz under a `jax.profiler.trace` log dir (FileNotFoundError if none);
+    a file is returned as it is."""
+    if os.path.isfile(log_dir):
+        return log_dir
+    if not os.path.isdir(log_dir):
+        raise FileNotFoundError(f"{log_dir!r}: no such file or folder")
     found = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not found:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir!r}: was it profiled with "
@@ -107,18 +113,27 @@ def self_times(intervals: list[tuple[float, float]]) -> list[float]:
 
 def op_profile(trace) -> OpProfile:
     """Sums a perfetto trace's XLA op events per op. trace: a path (.json or .json.gz) or the loaded dict."""
+    source = "the trace"
     if isinstance(trace, (str, os.PathLike)):
-        opener = gzip.open if os.fspath(trace).endswith(".gz") else open
-        with opener(trace, "rt") as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        source = os.fspath(trace)
+        with open(source, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"  # by content, whatever the name says
+        try:
+            with (gzip.open if gzipped else open)(source, "rt", encoding="utf-8") as f:
+                trace = json.load(f)
+        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{source!r} is not a readable trace (JSON, optionally gzipped): "
+                             f"{type(e).__name__}: {e}") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{source}: not a Chrome/perfetto trace (a list of events, or a dict with 'traceEvents')")
     process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
     ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and "dur" in e]
     on_device = [e for e in ops if process.get(e.get("pid"), "").startswith("/device:")]
     chosen, timeline = (on_device, "device") if on_device else (ops, "host")
     if not chosen:
-        raise ValueError("the trace has no XLA op events (complete events with args.hlo_op)")
+        raise ValueError(f"{source}: no XLA op events (complete events with args.hlo_op)")
     # Events nest on one timeline (XLA:CPU's while and call thunks hold their bodies' thunks): each
     # op is charged its self time, its duration less that of the events directly inside it.
     per_line: dict[tuple, list] = {}
@@ -147,6 +162,8 @@ def op_profile(trace) -> OpProfile:
 
 def markdown(profile: OpProfile, top: int = 25) -> str:
     """The category split and the `top` ops as markdown tables."""
+    if top < 0:
+        raise ValueError(f"top must be >= 0, got {top}")
     total = profile.total_us or 1.0
     lines = [f"Ops on the {profile.timeline} timeline: {len(profile.rows)} distinct, {profile.total_us / 1e3:.1f} ms "
              f"of self time summed over its threads or streams; some op running {profile.busy_us / 1e3:.1f} ms of "
@@ -173,10 +190,25 @@ def _clip(text: str, n: int, tail: bool = False) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("trace", help="a jax.profiler.trace log dir, or a perfetto_trace.json(.gz)")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--top", type=_count, default=25, help="ops listed (>= 0; default 25)")
     args = ap.parse_args(argv)
-    path = args.trace if os.path.isfile(args.trace) else find_trace(args.trace)
-    print(markdown(op_profile(path), args.top))
+    try:
+        path = find_trace(args.trace)
+        profile = op_profile(path)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"trace: {path}\n\n{markdown(profile, args.top)}")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -73,13 +73,34 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
         raise ValueError(f"{what} is empty")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what}={path} is a file, not a folder")
-    existing = os.path.abspath(path)
+    _check_creatable(path, os.path.abspath(path), what)
+
+
+def _check_creatable(path: str, start: str, what: str) -> None:
+    """`path` can be created at `start` or below it: the nearest existing folder is writable."""
+    existing = start
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(f"{what}={path} lies under the file {existing}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{what}={path}: the folder {existing} is not writable")
+
+
+def check_writable_file(path: str | os.PathLike, what: str) -> None:
+    """A file about to be written or appended to: a ValueError naming `what` if the path is empty, a
+    folder, an existing file that cannot be written, or lies where no file can be created (under a
+    file, or the nearest existing folder not writable). Touches nothing."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError(f"{what} is empty")
+    if os.path.isdir(path):
+        raise ValueError(f"{what}={path} is a folder, not a file")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{what}={path} exists and is not writable")
+        return
+    _check_creatable(path, os.path.dirname(os.path.abspath(path)), what)
 
 
 def pid_alive(pid: int) -> bool:

@@ -504,3 +504,25 @@ def test_out_appends_the_printed_table_with_its_command(monkeypatch, tmp_path, c
     assert text.startswith("# mine\n\nearlier\n") and text.count("## diagnose keep, ") == 2
     assert "- command: `python -m eval.main diagnose keep --exports checkpoints/demo-kvpop-mlstm" in text
     assert "```\nlayer  share\nL0     0.375\n```" in text and "L0     0.5\n```" in text
+
+
+def test_out_is_checked_before_the_diagnostic_and_a_last_line_keeps_its_own(monkeypatch, tmp_path, capsys):
+    """A bad --out is refused before minutes of measuring; a file whose last line has no newline
+    gets one before the new heading (which would otherwise not render)."""
+    from eval import diagnose
+    from eval.main import main as eval_main
+
+    ran = []
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "keep", lambda args: ran.append(1) or print("L0  0.5"))
+    argv = ["diagnose", "keep", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse"]
+    (tmp_path / "file").write_text("x")
+    for out, message in ((tmp_path, "is a folder, not a file"), (tmp_path / "file" / "r.md", "lies under the file")):
+        with pytest.raises(SystemExit) as e:
+            eval_main(argv + ["--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: --out={out}" in err and message in err
+    assert not ran
+    out = tmp_path / "notes.md"
+    out.write_text("# mine\n\nlast line")
+    eval_main(argv + ["--out", str(out)])
+    assert ran and out.read_text().startswith("# mine\n\nlast line\n\n## diagnose keep, ")

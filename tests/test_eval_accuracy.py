@@ -157,8 +157,10 @@ def test_demo_benchmark_spec_generates_fresh_problems():
     hard = benchmark_name("demo:reuse:test:seed=123:n=3:len=1024:difficulty=easy")
     assert hard == "reuse-test-s123-3x1024-easy" and hard != benchmark_name(spec)  # they do not share a report
     for bad, message in (("demo:", "name a task"), ("demo:chess", "task must be one of"),
-                         ("demo:reuse:dev", "split must be one of"), ("demo:reuse:n=x", "n='x' is not an integer"),
-                         ("demo:reuse:k=3", "unknown key 'k'"), ("demo:reuse:n=2:n=3", "n given twice"),
+                         ("demo:reuse:dev", "split must be one of"), ("demo:reuse:n=x", "n='x' is not a non-negative integer"),
+                         ("demo:reuse:n=+4", "n='[+]4' is not"), ("demo:reuse:n= 4", "n=' 4' is not"),
+                         ("demo:reuse:n=1_0", "n='1_0' is not"), ("demo:reuse:seed=-1", "seed='-1' is not"),
+                         ("demo:reuse:k=3", r"unknown key 'k' \(split, seed, n, len, difficulty\)"), ("demo:reuse:n=2:n=3", "n given twice"),
                          ("demo:reuse:test:train", "split given twice"),
                          ("demo:reuse:len=300", r"len=300: .*too short.* the shortest reuse \(medium\) prompt is len=959")):
         with pytest.raises(ValueError, match=message):
@@ -285,6 +287,38 @@ def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeyp
     settings = json.loads((out / "accuracy.json").read_text())["settings"]
     assert settings["stream_prompt"] is False and settings["benchmarks"] == {"bench": str(bench)}
     assert settings["checkpoints"] == [dict(method="dense", cr=None, path=dense), dict(method="tova", cr=None, path=dense)]
+
+
+def test_completions_cut_off_before_any_answer_are_reported(tmp_path, monkeypatch, capsys):
+    """A max_new_tokens too small for the answers scores every method 0: the report says why."""
+    import eval.accuracy as accuracy
+    from demo.atoms import VOCAB
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(dict(problem=f"x{i}y5\nask x\n", answer=str(i))) + "\n" for i in range(4)))
+    digit = VOCAB["7"]
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
+        rows = prompt_ids.shape[0]
+        tokens = np.full((rows, max_new_tokens), VOCAB["x"], np.int32)  # no answer in any completion
+        tokens[:, -1] = last
+        return tokens, np.full(rows, max_new_tokens if cut else max_new_tokens - 1, np.int32)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=20, max_new_tokens=3,
+              sampling=SamplingConfig.greedy(), progress=False)
+    # cut at the limit with nothing extracted: warned; ending on EOS, or before the limit: not
+    for name, cut, last, warned in (("cut", True, digit, True), ("eos", True, VOCAB["<eos>"], False),
+                                    ("early", False, digit, False)):
+        out = tmp_path / name
+        run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), out_dir=str(out), **kw)
+        err = capsys.readouterr().err
+        report = json.loads((out / "accuracy.json").read_text())["truncated"]
+        assert bool(report) == warned and len(report) == (2 if warned else 0), name
+        line = "dense: 4 of 4 completions reached max_new_tokens 3 with no answer extracted"
+        assert (line in err) == warned and (line in (out / "accuracy.md").read_text()) == warned, name
+        assert ("tova at CR 0.5: 4 of 4" in err) == warned, name
 
 
 def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
@@ -430,6 +464,8 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     (other / "bench.jsonl").write_text(bench.read_text())
     with pytest.raises(ValueError, match="share the name 'bench'"):
         run(["dense"], source=[str(bench), str(other / "bench.jsonl")])
+    with pytest.raises(ValueError, match=r"are the same generated problems \(reuse-test-s0-1x1024\): give each spec once"):
+        run(["dense"], source=["demo:reuse:n=1", "demo:reuse:test:n=1"])
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
         SamplingConfig(temperature=float("nan"))
     with pytest.raises(ValueError, match=r"'dense@0.75=/a': dense runs once"):

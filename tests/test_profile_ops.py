@@ -112,3 +112,33 @@ def test_missing_or_empty_traces_are_refused(tmp_path):
         profile_ops.find_trace(str(tmp_path))
     with pytest.raises(ValueError, match="no XLA op events"):
         profile_ops.op_profile({"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 1, "name": "x"}]})
+
+
+def test_cli_errors_are_one_line_and_the_trace_read_is_named(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([_event(1, 1, 0.0, 5.0, "fusion.1")]))
+    profile_ops.main([str(good), "--top", "1"])
+    assert capsys.readouterr().out.startswith(f"trace: {good}\n")
+    zipped = tmp_path / "zipped.json"  # gzip without the suffix: read by content
+    zipped.write_bytes(gzip.compress(good.read_bytes()))
+    profile_ops.main([str(zipped)])
+    assert "`fusion.1`" in capsys.readouterr().out
+    truncated = tmp_path / "cut.json.gz"
+    truncated.write_bytes(gzip.compress(good.read_bytes())[:-12])
+    notjson = tmp_path / "x.json"
+    notjson.write_text("{not json")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, message in ((tmp_path / "nope.json.gz", "no such file or folder"), (empty, "no perfetto_trace.json.gz"),
+                          (truncated, "is not a readable trace"), (notjson, "is not a readable trace")):
+        with pytest.raises(SystemExit) as e:
+            profile_ops.main([str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err, path
+    (tmp_path / "dict.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        profile_ops.main([str(tmp_path / "dict.json")])
+    assert "not a Chrome/perfetto trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        profile_ops.main([str(good), "--top", "-2"])
+    assert e.value.code == 2 and "must be >= 0, got -2" in capsys.readouterr().err

@@ -28,3 +28,51 @@ def test_peak_flops_by_device_kind():
     assert peak_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4e12)
     assert peak_flops("NVIDIA A100-SXM4-80GB") == pytest.approx(312e12)
     assert peak_flops("cpu") is None
+
+
+def _main(monkeypatch, argv):
+    """train.throughput's main on its own FlagValues (the module's FLAGS stay undefined in tests)."""
+    from absl import flags
+
+    import train.throughput as tp
+
+    fv = flags.FlagValues()
+    tp.define_throughput_flags(fv)
+    fv(["throughput", "--flagfile=configs/tiny_cpu.flags", "--data=demo:1", *argv])
+    monkeypatch.setattr(tp, "FLAGS", fv)
+    ran = []
+    monkeypatch.setattr(tp, "measure_throughput", lambda cfg, **kw: ran.append(kw) or (_ for _ in ()).throw(
+        SystemExit("measured")))
+    with pytest.raises(SystemExit) as exit_info:
+        tp.main(["throughput"])
+    return exit_info.value.code, ran
+
+
+def test_cli_refuses_what_it_cannot_do_before_any_work(monkeypatch, tmp_path, capsys):
+    run = f"--run_dir={tmp_path / 'run'}"
+    code, ran = _main(monkeypatch, [run, "--dry_run"])
+    assert code == 2 and not ran and "--dry_run compiles without running a step" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    code, ran = _main(monkeypatch, [run, f"--json_out={tmp_path}"])
+    assert code == 2 and not ran and f"--json_out={tmp_path} is a folder, not a file" in capsys.readouterr().err
+    code, ran = _main(monkeypatch, [run, f"--json_out={tmp_path / 'file' / 'x.json'}"])
+    assert code == 2 and not ran and "lies under the file" in capsys.readouterr().err
+    # the recipe's variants and evaluation are named as unused; the run itself goes ahead
+    code, ran = _main(monkeypatch, [run, f"--json_out={tmp_path / 'new' / 'r.json'}", "--timed_steps=2"])
+    err = capsys.readouterr().err
+    assert code == "measured" and ran == [dict(num_layers=0, timed_steps=2, profile_dir=None)]
+    assert "note: train.throughput times one train step of the flags' own retrofit (kvpop, scorer mlstm, k 70); " \
+           "--variants, --eval_methods and what they imply are not used here" in err
+
+
+def test_step_counts_and_depth_are_checked():
+    from train.config import FlagError
+    from train.throughput import measure_throughput
+    from tests.helpers import parse
+
+    cfg = parse(["--flagfile=configs/tiny_cpu.flags", "--data=demo:1", "--variants=", "--eval_methods="])
+    with pytest.raises(FlagError, match=r"--timed_steps must be >= 1 .* got 0"):
+        measure_throughput(cfg, timed_steps=0)
+    for layers in (-1, 3):
+        with pytest.raises(FlagError, match=rf"--num_layers must be in \[0, 2\] .* got {layers}"):
+            measure_throughput(cfg, num_layers=layers)

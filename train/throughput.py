@@ -32,6 +32,7 @@ from absl import app, flags
 
 from eval import profile_ops
 from kvpop_jax import modeling
+from kvpop_jax.fileio import check_writable_file
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.runtime import report_backend
 from train import optim
@@ -108,7 +109,12 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
     table (`eval.profile_ops`) and the trace's path."""
     if cfg.teacher_logits_dir:
         raise FlagError("the throughput run computes the teacher on the fly: drop --teacher_logits_dir")
+    if timed_steps < 1:
+        raise FlagError(f"--timed_steps must be >= 1 (the first step compiles and is not timed), got {timed_steps}")
     model_config = load_model_config(cfg)
+    if not 0 <= num_layers <= model_config.num_hidden_layers:
+        raise FlagError(f"--num_layers must be in [0, {model_config.num_hidden_layers}] (0: all of the architecture's "
+                        f"{model_config.num_hidden_layers} layers), got {num_layers}")
     if num_layers:
         model_config = dataclasses.replace(model_config, num_hidden_layers=num_layers)
     mesh = build_mesh(cfg)
@@ -168,7 +174,21 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     try:
+        if FLAGS.dry_run:
+            raise FlagError("--dry_run compiles without running a step, and train.throughput times steps: drop it "
+                            "(python -m train.main ... --dry_run reports the compile and per-device memory)")
+        if FLAGS.json_out:  # checked before minutes of compiling, not after
+            try:
+                check_writable_file(FLAGS.json_out, "--json_out")
+            except ValueError as e:
+                raise FlagError(str(e)) from None
         cfg = config_from_flags(FLAGS, on_accelerator=None)
+        unused = [f"--{name}" for name, value in (("variants", cfg.variants), ("eval_methods", cfg.evaluation),
+                                                    ("quick", FLAGS.quick)) if value]
+        if unused:
+            print(f"note: train.throughput times one train step of the flags' own retrofit ({cfg.retrofit}"
+                  + ("" if cfg.retrofit == "dms" else f", scorer {cfg.kvpop.scorer}, k {cfg.kvpop.topk}")
+                  + f"); {', '.join(unused)} and what they imply are not used here", file=sys.stderr)
         report_backend()
         result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
                                     profile_dir=FLAGS.profile_dir)
