@@ -17,6 +17,7 @@ likewise: `self_attn/dms/...` and config.json "dms".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -143,8 +144,11 @@ def _weight_files(path: str) -> dict[str, str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"corrupt safetensors index {index!r}: {e}") from e
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"corrupt safetensors index {index!r}: {type(e).__name__}: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(f"corrupt safetensors index {index!r}: weight_map must map tensor names to shard "
+                             "file names")
         files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
         for fn in sorted(set(files.values())):
             if not os.path.isfile(fn):
@@ -197,6 +201,32 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     return names, expected, handles
 
 
+FINGERPRINT_SAMPLES = 32  # chunks read per weight file
+FINGERPRINT_CHUNK = 1 << 16
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A sha256 hex digest of a checkpoint directory's weights: each safetensors file's name, size,
+    header and `FINGERPRINT_SAMPLES` chunks of its bytes at evenly spaced offsets. It reads about
+    2 MiB a file whatever the model's size. Copies of a checkpoint agree wherever they lie; weights
+    changed throughout (another model, fine-tuned, noised) do not. A change confined to a few
+    bytes between the samples goes unseen: a guard against resuming from the wrong model, not a
+    checksum."""
+    path = os.fspath(path)
+    digest = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        filename = os.path.join(path, name)
+        size = os.path.getsize(filename)
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(filename, "rb") as f:
+            header = f.read(8)
+            digest.update(header + f.read(min(int.from_bytes(header, "little") if len(header) == 8 else 0, 1 << 24)))
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(size * i // FINGERPRINT_SAMPLES)
+                digest.update(f.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()
+
+
 def check_checkpoint(path: str | os.PathLike) -> Qwen3Config:
     """The config of the checkpoint directory `path`, after checking all that can be checked
     without reading the weights: config.json parses, every safetensors file's header opens (a
@@ -222,8 +252,8 @@ def load_pretrained(
     Args:
       path: directory with config.json and safetensors weights.
       dtype: parameter dtype (float32 default; bf16 for large models).
-      config: override the config read from the directory (e.g. to add `kvpop`); KVpop
-        parameters missing from the file are then an error unless `allow_missing_kvpop`.
+      config: override the config read from the directory (e.g. to add `kvpop`); its tensors
+        must then be in the files, as for the directory's own config.
       shardings: optional pytree of `jax.sharding.Sharding` matching the params; each
         tensor is placed straight onto its shards.
     """
@@ -243,6 +273,8 @@ def load_pretrained(
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"corrupt safetensors file {fn!r} reading {hf_name!r}: {e}") from e
         want = expected[param_path]
+        if not np.isfinite(tensor).all():  # a NaN scorer would silently keep the oldest tokens
+            raise ValueError(f"checkpoint {path!r}: tensor {hf_name!r} in {fn!r} holds NaN or infinite values")
         value = np.asarray(TRANSFORMS[kind][0](tensor, config)).astype(want.dtype)
         sharding = flat_shardings.get(param_path)
         flat[param_path] = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)

@@ -124,6 +124,9 @@ class Qwen3Config:
             rope = hf.get(key)
             if not rope:
                 continue
+            if not isinstance(rope, Mapping):
+                raise ValueError(f"{where}: {key} must be an object such as {{\"rope_type\": \"default\"}}, "
+                                 f"got {rope!r}")
             kind = rope.get("rope_type", rope.get("type"))
             if kind not in (None, "default"):
                 raise ValueError(
@@ -135,6 +138,18 @@ class Qwen3Config:
                 f"unsupported sliding-window layers (use_sliding_window={hf.get('use_sliding_window')!r}, "
                 f"layer_types={hf.get('layer_types')!r}); only full attention is supported"
             )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":  # the MLP is SwiGLU: another activation would load and silently run SiLU
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported; Qwen3's MLP uses 'silu'")
+        for flag in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(hf.get(flag, False), bool):  # bool("false") is True
+                raise ValueError(f"{where}: {flag} must be true or false, got {hf[flag]!r}")
+        if not isinstance(hf.get("rms_norm_eps", 1e-6), (int, float)) or isinstance(hf.get("rms_norm_eps"), bool):
+            raise ValueError(f"{where}: rms_norm_eps must be a number, got {hf.get('rms_norm_eps')!r}")
+        for block in ("kvpop", "dms"):  # a retrofit's block present but empty: its tensors would be dropped
+            if block in hf and not hf[block] and hf[block] is not None:
+                raise ValueError(f"{where}: {block!r} is empty; a {block} export carries its settings there "
+                                 f"(remove the key for a dense model)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return cls(
@@ -147,9 +162,9 @@ class Qwen3Config:
             head_dim=head_dim,
             rope_theta=float(rope_theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
-            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_bias=hf.get("attention_bias", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             kvpop=KVpopConfig.from_dict(hf["kvpop"]) if hf.get("kvpop") else None,

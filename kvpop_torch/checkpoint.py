@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from safetensors import safe_open
 
 from kvpop_torch.config import KVpopSettings, read_config
@@ -41,8 +42,12 @@ def weight_files(directory: str | os.PathLike) -> dict[str, str]:
     directory = os.fspath(directory)
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            return {n: os.path.join(directory, fn) for n, fn in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {n: os.path.join(directory, fn) for n, fn in weight_map.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"corrupt safetensors index {index!r}: {type(e).__name__}: {e}") from None
     single = os.path.join(directory, SINGLE_FILE)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory!r}")
@@ -74,8 +79,14 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         for name in (n for n in files if n.startswith(prefix)):
             with open_safetensors(files[name]) as f:
                 state[name[len(prefix):]] = f.get_tensor(name)
+            if not torch.isfinite(state[name[len(prefix):]]).all():  # a NaN scorer keeps the oldest tokens
+                raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} holds NaN or infinite values")
         head = KVpopHead(settings, heads_kv, head_dim, rope_theta=rope_theta)
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = head.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # torch's size mismatch
+            raise ValueError(f"layer {i} of {os.fspath(directory)!r}: KVpop tensors do not fit its config.json's "
+                             f"kvpop settings: {e}") from None
         if missing or unexpected:
             raise ValueError(f"layer {i} of {os.fspath(directory)!r}: missing KVpop tensors "
                              f"{[prefix + n for n in missing]}, unexpected {[prefix + n for n in unexpected]}")

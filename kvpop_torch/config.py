@@ -114,8 +114,13 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = os.path.join(os.fspath(directory), "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {os.fspath(directory)!r}")
-    with open(path) as f:
-        config = json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json at {path!r} is not a JSON object (got {type(config).__name__})")
     refuse_dms(directory, config)
     return config
 

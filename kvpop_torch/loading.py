@@ -35,6 +35,11 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     finally:
         hf_logging.set_verbosity(verbosity)
     unexpected = sorted(k for k in info["unexpected_keys"] if ".self_attn.kvpop." not in k)
+    scorers = sorted(k for k in info["unexpected_keys"] if ".self_attn.kvpop." in k)
+    if scorers and not kvpop:  # a KVpop export whose config lost its block would decode densely
+        raise ValueError(f"{os.fspath(directory)!r} holds KVpop scorer tensors ({scorers[0]}, ...) but its "
+                         "config.json has no 'kvpop' settings: restore them (the export's config.json as written), "
+                         "or load a dense checkpoint")
     if info["missing_keys"] or info["mismatched_keys"] or unexpected:
         raise ValueError(f"{os.fspath(directory)!r} does not match its config: missing {sorted(info['missing_keys'])}, "
                          f"mismatched {info['mismatched_keys']}, unexpected {unexpected}")

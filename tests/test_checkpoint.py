@@ -78,6 +78,56 @@ def test_config_validation_and_from_hf_errors(tmp_path):
         Qwen3Config.from_hf({**base, "num_attention_heads": 2, "rope_parameters": {"rope_type": "linear"}})
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Qwen3Config.from_hf(tmp_path)
+    ok = {**base, "num_attention_heads": 2}
+    for field, value, message in (
+            ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),  # would run SiLU silently
+            ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),  # bool("false")
+            ("attention_bias", 1, "attention_bias must be true or false, got 1"),
+            ("rope_scaling", "linear", "rope_scaling must be an object"),
+            ("rms_norm_eps", None, "rms_norm_eps must be a number, got None"),
+            ("kvpop", {}, "'kvpop' is empty"), ("dms", {}, "'dms' is empty")):
+        with pytest.raises(ValueError, match=message):
+            Qwen3Config.from_hf({**ok, field: value})
+    assert Qwen3Config.from_hf({**ok, "kvpop": None, "hidden_act": "silu"}).kvpop is None
+
+
+def test_non_finite_weights_are_refused_at_load(tmp_path, hf_checkpoint):
+    """A NaN in a weight (a scorer's: the policy would silently keep the oldest tokens) is named."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("g1_tied")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors"):
+            (bad / f).write_bytes(open(os.path.join(path, f), "rb").read())
+    for f in (f for f in os.listdir(path) if f.endswith(".safetensors")):
+        tensors = load_file(os.path.join(path, f))
+        name = sorted(tensors)[len(tensors) // 2]
+        tensors[name] = tensors[name].copy()
+        tensors[name].flat[3] = np.inf
+        save_file(tensors, str(bad / f))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' in .* holds NaN or infinite values"):
+        load_pretrained(bad)
+
+
+def test_fingerprint_agrees_for_copies_and_differs_for_other_weights(tmp_path, hf_checkpoint):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from kvpop_jax.checkpoint import checkpoint_fingerprint
+
+    path, _ = hf_checkpoint("g1_tied")
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(path)
+    rng = np.random.default_rng(0)
+    for f in (f for f in os.listdir(copy) if f.endswith(".safetensors")):
+        tensors = {k: v + (1e-3 * rng.normal(size=v.shape)).astype(v.dtype)
+                   for k, v in load_file(str(copy / f)).items()}  # noised throughout, same shapes
+        save_file(tensors, str(copy / f))
+    assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(path)
 
 
 def test_missing_directory_config_and_weights(tmp_path, hf_checkpoint):
@@ -137,6 +187,11 @@ def test_corrupt_header_and_index(tmp_path, hf_checkpoint):
         json.dump({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}, f)
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors.*does not exist"):
         load_pretrained(path)
+    for index in ({"weight_map": ["model.norm.weight"]}, {"weight_map": {"model.norm.weight": None}}, [1, 2]):
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+        with pytest.raises(ValueError, match="corrupt safetensors index"):
+            load_pretrained(path)
 
 
 # --- issue 13: exports are atomic, scoped to the library's own files, and validated first -----

@@ -134,6 +134,12 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
     with pytest.raises(FlagError, match=r"--dms_window 16 -> 8; dms.target_eviction 0.82\d* -> 0.76\d*\. A res"):
         check_resume(dms_saved, parse(tiny_flags(str(tmp_path / "run"), arch, retrofit="dms", dms_window=8)),
                      model, "ckpt/2")
+    # other weights of the same shape (another teacher, a fine-tuned one): the frozen teacher would change
+    check_resume({**saved, "init_fingerprint": "a" * 64}, cfg, model, "ckpt/2", init_fingerprint="a" * 64)
+    check_resume(saved, cfg, model, "ckpt/2", init_fingerprint="b" * 64)  # saved before fingerprints: not checked
+    with pytest.raises(FlagError, match=r"cannot resume ckpt/2: --init_checkpoint=.* holds other weights than the "
+                                        r"run started from \(it started from .*; the teacher would change mid-run\)"):
+        check_resume({**saved, "init_fingerprint": "a" * 64}, cfg, model, "ckpt/2", init_fingerprint="b" * 64)
     wider = Qwen3Config.from_hf(dict(TINY_ARCH, hidden_size=64))
     with pytest.raises(FlagError, match=r"the model's hidden_size \(--init_checkpoint/--model_config\) 32 -> 64"):
         check_resume(saved, cfg, wider, "ckpt/2")
@@ -234,3 +240,20 @@ def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_t
         ckpt.close()
         os.rename(os.path.join(directory, "4"), os.path.join(directory, "4.damaged"))
         assert Checkpointer(directory, read_only=True).latest_step() == 2  # the advice works
+
+
+def test_orbax_bare_exception_on_a_damaged_array_is_the_same_one_error(tmp_path):
+    """orbax wraps some failed array reads (a half-truncated data file of a real run's step) in a bare
+    Exception; that is damage too. Other errors (a RuntimeError such as running out of memory) pass."""
+    from train.checkpointing import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+    with pytest.raises(FlagError, match=r"checkpoint .*/checkpoints/4 cannot be read \(Exception: Encountered error "
+                                        r"while reading array index.*\): it is damaged"):
+        with ckpt._reading(4):
+            raise Exception("Encountered error while reading array index: (slice(0, 384, 1),)")
+    for passing in (RuntimeError("RESOURCE_EXHAUSTED: out of memory"), TypeError("a bug")):
+        with pytest.raises(type(passing)):
+            with ckpt._reading(4):
+                raise passing
+    ckpt.close()

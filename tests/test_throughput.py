@@ -68,7 +68,7 @@ def test_cli_refuses_what_it_cannot_do_before_any_work(monkeypatch, tmp_path, ca
 def test_step_counts_and_depth_are_checked():
     from train.config import FlagError
     from train.throughput import measure_throughput
-    from tests.helpers import parse
+    from helpers import parse
 
     cfg = parse(["--flagfile=configs/tiny_cpu.flags", "--data=demo:1", "--variants=", "--eval_methods="])
     with pytest.raises(FlagError, match=r"--timed_steps must be >= 1 .* got 0"):

@@ -138,6 +138,41 @@ def test_a_dms_export_is_refused_not_decoded_dense(tmp_path, rng):
             load(tmp_path)
 
 
+def test_an_export_that_lost_its_settings_or_holds_nan_scorers_is_refused(tmp_path, rng):
+    """Scorer tensors without config.json's 'kvpop' block would load as a dense model (the full
+    cache); a NaN scorer would silently keep the oldest tokens; a broken config is named."""
+    import json
+
+    import kvpop_torch
+    from kvpop_torch.checkpoint import load_heads
+    from safetensors.torch import load_file, save_file
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    path = os.path.join(tmp_path, "config.json")
+    original = open(path).read()
+    config = json.loads(original)
+    del config["kvpop"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"holds KVpop scorer tensors .* but its config.json has no 'kvpop'"):
+        kvpop_torch.load(tmp_path)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=r"config.json at .* is not valid JSON"):
+        kvpop_torch.load(tmp_path)
+    with open(path, "w") as f:
+        f.write(original)
+    weights = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if ".self_attn.kvpop." in k)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for load in (kvpop_torch.load, load_heads):
+        with pytest.raises(ValueError, match=rf"KVpop tensor '{name}' holds NaN"):
+            load(tmp_path)
+
+
 def test_a_corrupt_weights_file_is_named(tmp_path, rng):
     import kvpop_torch
     from kvpop_torch.checkpoint import load_heads

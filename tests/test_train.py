@@ -79,6 +79,16 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
         with pytest.raises(FlagError, match="--export_dir=.* is --init_checkpoint=.* or inside it"):
             parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=export_dir))
     parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=str(teacher) + "-kvpop"))
+    # nor inside the run's checkpoint folder, whose clean-up deletes old steps with whatever is in them
+    for export_dir in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "4"):
+        with pytest.raises(FlagError, match="--export_dir=.* is inside the run's checkpoint folder"):
+            parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(export_dir)))
+    parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "checkpoints-export")))
+
+
+def test_a_demo_trace_length_too_short_for_a_task_is_a_flag_error(tmp_path):
+    with pytest.raises(FlagError, match=r"--demo_seq_len=256: .*too short.*; the shortest reuse trace is 959 tokens"):
+        parse(["--flagfile=configs/tiny_cpu.flags", f"--run_dir={tmp_path / 'run'}", "--demo_seq_len=256"])
 
 
 def test_an_init_checkpoint_without_tokenizer_files_is_named(tmp_path, arch):
@@ -455,8 +465,13 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
     assert config.kvpop is not None and config.kvpop.topk == 16 and config.kvpop.scorer == "mlp"
     assert "kvpop" in params["layers_0"]["self_attn"]
     assert os.path.isfile(os.path.join(full_dir, "export", "tokenizer.json"))
-    _, step = export_checkpoint(os.path.join(full_dir, "checkpoints", "40"), str(tmp_path / "exported"))
-    assert step == 40
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # from another folder: the run recorded its tokenizer's folder as an absolute path
+    try:
+        _, step = export_checkpoint(os.path.join(full_dir, "checkpoints", "40"), str(tmp_path / "exported"))
+    finally:
+        os.chdir(cwd)
+    assert step == 40 and os.path.isfile(tmp_path / "exported" / "tokenizer.json")
     _, params2 = load_pretrained(str(tmp_path / "exported"))
     jax.tree.map(np.testing.assert_array_equal, params, params2)
     # the killed-and-resumed run ends with the same weights

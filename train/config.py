@@ -244,12 +244,22 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
     return base[-1]
 
 
-def check_export_dir(export_dir: str, init_checkpoint: str | None) -> None:
-    """The export must not land on (or inside) the init checkpoint: it would replace the model it starts from."""
+def check_export_dir(export_dir: str, init_checkpoint: str | None, checkpoint_dir: str | None = None) -> None:
+    """The export must not land on (or inside) the init checkpoint, which it would replace, nor inside
+    the run's checkpoint folder, whose clean-up would delete it with an old step."""
+    export = os.path.realpath(export_dir)
+
+    def inside(folder: str) -> bool:
+        folder = os.path.realpath(folder)
+        return export == folder or export.startswith(folder.rstrip(os.sep) + os.sep)
+
+    if checkpoint_dir and inside(checkpoint_dir):
+        raise FlagError(f"--export_dir={export_dir} is inside the run's checkpoint folder {checkpoint_dir}, which "
+                        "keeps only the latest --keep_checkpoints steps (an export there is deleted with its step); "
+                        "choose another --export_dir")
     if not init_checkpoint or init_checkpoint.startswith("random:"):
         return
-    init, export = os.path.realpath(init_checkpoint), os.path.realpath(export_dir)
-    if export == init or export.startswith(init.rstrip(os.sep) + os.sep):
+    if inside(init_checkpoint):
         raise FlagError(f"--export_dir={export_dir} is --init_checkpoint={init_checkpoint} or inside it: the export "
                         "would overwrite the model the run starts from; choose another --export_dir")
 

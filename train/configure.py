@@ -8,7 +8,7 @@ import os
 import jax
 from absl import flags
 
-from demo.task import TASKS, make_config
+from demo.task import TASKS, make_config, min_seq_len
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
@@ -135,6 +135,12 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             demo_examples = -1
         if demo_examples < 1:
             raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
+        for task in demo_tasks:  # before the run folder is locked and written, not while generating
+            try:
+                make_config(task=task, seq_len=f.demo_seq_len)
+            except ValueError as e:
+                raise FlagError(f"--demo_seq_len={f.demo_seq_len}: {e}; the shortest {task} trace is "
+                                f"{min_seq_len(task)} tokens") from None
         # The name holds what the traces depend on, so a changed flag regenerates them instead of reusing.
         data_path = os.path.join(run_dir, "data", f"demo_train_{'+'.join(demo_tasks)}_{demo_examples}x{f.demo_seq_len}"
                                                   f"_seed{f.seed}.jsonl")
@@ -166,7 +172,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         "(see README command 1); drop --export_dir")
     if f.export and not variants:
         check_output_dir(export_dir, "--export_dir")
-    check_export_dir(export_dir, f.init_checkpoint)
+    check_export_dir(export_dir, f.init_checkpoint, os.path.join(run_dir, "checkpoints"))
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,

@@ -67,7 +67,12 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
                           abstract_params(config, param_dtype))
     params = ckpt.restore_params(step, target)
     ckpt.close()
-    export_params(config, params, out, dtype=DTYPES[dtype] if dtype else None, tokenizer_dir=meta.get("tokenizer_dir"))
+    tokenizer_dir = meta.get("tokenizer_dir")
+    if tokenizer_dir and not os.path.isdir(tokenizer_dir):
+        print(f"warning: the run's tokenizer folder {tokenizer_dir!r} (recorded in the checkpoint) is not there"
+              + ("" if os.path.isabs(tokenizer_dir) else " from this folder") + ": the export has no tokenizer "
+              "files; copy them in (tokenizer.json, tokenizer_config.json, ...)", file=sys.stderr)
+    export_params(config, params, out, dtype=DTYPES[dtype] if dtype else None, tokenizer_dir=tokenizer_dir)
     return config, step
 
 

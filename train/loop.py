@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
+from kvpop_jax.checkpoint import checkpoint_fingerprint
 from kvpop_jax.fileio import atomic_write_bytes
 from train import optim
 from train import step as st
@@ -153,7 +154,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.tensorboard and jax.process_index() == 0:
         summary_writer_class()  # a missing package fails here, not after minutes of loading
-    check_export_dir(cfg.export_dir, cfg.init_checkpoint)
+    check_export_dir(cfg.export_dir, cfg.init_checkpoint, cfg.checkpoint_dir)
     prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("run folder prepared")
@@ -168,7 +169,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         latest = ckpt.latest_step() if cfg.resume else None
         if latest is not None:  # before compiling or restoring: a changed shape must not reach orbax
-            check_resume(ckpt.restore_meta(latest), cfg, model_config, f"{cfg.checkpoint_dir}/{latest}")
+            check_resume(ckpt.restore_meta(latest), cfg, model_config, f"{cfg.checkpoint_dir}/{latest}",
+                         init_fingerprint=checkpoint_fingerprint(init_dir))
             if latest > cfg.steps:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
@@ -215,8 +217,11 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
     run_json = json.loads(json.dumps(cfg.to_json(), default=str))
     if jax.process_index() == 0:  # only now: a refused or failed resume leaves the old one in place
         atomic_write_bytes(os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE), json.dumps(run_json, indent=2).encode())
-    meta = {"model_config": kv_config.to_hf(), "param_dtype": cfg.param_dtype, "tokenizer_dir": tokenizer_dir,
-            "train_config": run_json}
+    # The tokenizer's folder as an absolute path (train.export may run elsewhere), and what the run
+    # started from, so that a resume from other weights of the same shape is refused (check_resume).
+    meta = {"model_config": kv_config.to_hf(), "param_dtype": cfg.param_dtype,
+            "tokenizer_dir": os.path.abspath(tokenizer_dir) if tokenizer_dir else tokenizer_dir,
+            "train_config": run_json, "init_fingerprint": checkpoint_fingerprint(init_dir)}
 
     log = MetricsLog(cfg, start)
     guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records)

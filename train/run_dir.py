@@ -117,10 +117,17 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
 
 
-def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Config, where: str) -> None:
-    """Refuses to resume a checkpoint (its meta: `saved`) under changed shape- or policy-relevant settings."""
+def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Config, where: str,
+                 init_fingerprint: str | None = None) -> None:
+    """Refuses to resume a checkpoint (its meta: `saved`) under changed shape- or policy-relevant settings,
+    or from other initial weights (`kvpop_jax.checkpoint.checkpoint_fingerprint` of --init_checkpoint,
+    where both the checkpoint and the caller have one): the frozen teacher would change mid-run."""
     old_run = saved.get("train_config") or {}
     changes = []
+    old_fingerprint = saved.get("init_fingerprint")
+    if old_fingerprint and init_fingerprint and old_fingerprint != init_fingerprint:
+        changes.append(f"--init_checkpoint={cfg.init_checkpoint} holds other weights than the run started from "
+                       f"(it started from {old_run.get('init_checkpoint')!r}; the teacher would change mid-run)")
     old_kvpop = old_run.get("kvpop") or {}
     new_kvpop = dataclasses.asdict(cfg.kvpop)
     defaults = {f.name: f.default for f in dataclasses.fields(KVpopConfig)}
