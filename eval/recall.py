@@ -143,6 +143,8 @@ def load_rows(data, *, seq_len: int | None, num_sequences: int, tokenizer=None,
             raise ValueError(f"{path} holds text: the checkpoint needs a tokenizer (or pass token ids)")
         docs = _text_documents(DocumentSpec(path, text_field=text_field), tokenizer, num_sequences * seq_len,
                                rows_of=seq_len if rows == "documents" else None, num_rows=num_sequences)
+    if not docs:
+        raise ValueError(f"{path} holds no documents (an empty file, or no row with text)")
     if rows == "documents":
         long_enough = [np.asarray(d[:seq_len], np.int32) for d in docs if len(d) >= seq_len][:num_sequences]
         if not long_enough:

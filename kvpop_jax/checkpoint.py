@@ -393,7 +393,8 @@ def save_pretrained(
             put(INDEX_FILE, json.dumps(index, indent=2).encode())
         dtypes = {str(t.dtype) for shard in shards for t in shard.values()}
         hf_config = config.to_hf()
-        hf_config["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+        # The weights' one float dtype (transformers loads them at it); mixed ones: float32.
+        hf_config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 and dtypes <= set(FLOAT_DTYPES) else "float32"
         put("config.json", json.dumps(hf_config, indent=2).encode())
         for name, src in sorted(extra_files.items()):
             with open(src, "rb") as f:

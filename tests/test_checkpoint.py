@@ -42,6 +42,11 @@ def test_load_save_load_is_bit_identical(hf_checkpoint, tmp_path, dtype):
     save_pretrained(config, params, tmp_path / "a")
     config2, params2 = load_pretrained(tmp_path / "a", dtype=dtype)
     assert config2 == config
+    with open(tmp_path / "a" / "config.json") as f:  # the dtype the weights are stored in
+        assert json.load(f)["torch_dtype"] == jnp.dtype(dtype).name
+    save_pretrained(config, jax.tree.map(lambda x: x.astype(jnp.float16), params), tmp_path / "h")
+    with open(tmp_path / "h" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == "float16"
     a, b = _flat(params), _flat(params2)
     assert a.keys() == b.keys()
     for k in a:

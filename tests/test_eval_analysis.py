@@ -175,6 +175,11 @@ def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
         load_rows(str(id_file), seq_len=500, num_sequences=1, rows="documents")
     with pytest.raises(ValueError, match=r"rows must be one of .*'rows'"):
         load_rows(str(id_file), seq_len=SEQ, num_sequences=1, rows="rows")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for rows in ("stream", "documents"):
+        with pytest.raises(ValueError, match=r"empty.jsonl holds no documents"):
+            load_rows(str(empty), seq_len=SEQ, num_sequences=1, rows=rows)
 
     text_file = tmp_path / "text.jsonl"
     texts = ["a1b2c3\nkeep a\nm+3=6\n" * (6 + i) for i in range(3)]
