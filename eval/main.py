@@ -205,7 +205,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
             tokenizer = checkpoint_tokenizer(args.checkpoint)
             if tokenizer is None:
                 parser.error(f"no tokenizer in {args.checkpoint!r}; pass --ids or --data")
-            text = open(args.text_file).read() if args.text_file else args.text
+            text = _read_text(args.text_file) if args.text_file else args.text
             data = np.asarray([tokenizer(text)["input_ids"]])
         run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                          out_dir=args.out_dir, rows=args.rows)
@@ -216,7 +216,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     if args.ids:
         source = parse_token_ids(args.ids, "--ids")
     elif args.text_file:
-        source = open(args.text_file).read()
+        source = _read_text(args.text_file)
     else:
         source = args.text
     run_patterns(args.checkpoint, source, out_dir=args.out_dir, last_n=args.last_n)
@@ -247,6 +247,15 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
 
 
 # What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
+def _read_text(path: str) -> str:
+    """--text_file's text; a file that is not UTF-8 is named (not a bare codec error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -309,6 +310,9 @@ def run_recall(
     ids, mask = load_rows(data, seq_len=seq_len, num_sequences=num_sequences, tokenizer=tokenizer,
                           text_field=text_field, rows=rows)
     n, s = ids.shape
+    if n < num_sequences:  # the report says so too; a reader of the terminal should not have to find it there
+        print(f"warning: recall reads {n} rows, not the {num_sequences} asked for: the data holds no more "
+              f"(rows={rows!r}, seq_len={s})", file=sys.stderr)
     if ids.max() >= config.vocab_size or ids.min() < 0:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{ids.min()}, {ids.max()}]")
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=budget, num=num_queries)

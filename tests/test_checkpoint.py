@@ -334,3 +334,14 @@ def test_atomic_writes_get_the_mode_a_plain_open_would(tmp_path, umask):
     mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
     assert mode("atomic.md") == mode("plain.md") == 0o666 & ~umask
     assert (tmp_path / "atomic.md").read_bytes() == b"x"
+
+
+def test_an_export_path_that_is_or_lies_under_a_file_is_named(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("g2_untied")
+    config, params = load_pretrained(path)
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="it exists and is not a directory"):
+        save_pretrained(config, params, tmp_path / "afile")
+    with pytest.raises(NotADirectoryError, match=r"'.*afile' on its way is a file, not a directory"):
+        save_pretrained(config, params, tmp_path / "afile" / "sub" / "export")
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -156,7 +156,7 @@ def test_recall_reads_text_and_token_id_jsonl(checkpoint, tmp_path):
     assert 0.0 <= result.global_mean <= 1.0 and _nonempty(result.files["png"])
 
 
-def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
+def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path, capsys):
     """rows="documents": one row per document of >= seq_len tokens, its first seq_len tokens (the
     demo's prompts as they are run); shorter documents are skipped, none is mixed into another's row."""
     rng = np.random.default_rng(4)
@@ -190,8 +190,10 @@ def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path):
     from kvpop_jax.checkpoint import checkpoint_tokenizer
     tok = checkpoint_tokenizer(checkpoint)
     first = np.array([tok(t)["input_ids"][:SEQ] for t in texts[:2]])
+    capsys.readouterr()
     by_rows = run_recall(checkpoint, first, num_queries=8, out_dir=tmp_path / "out2", batch_size=2, progress=False)
     np.testing.assert_array_equal(result.hits, by_rows.hits)
+    assert "warning: recall reads 2 rows, not the 8 asked for" in capsys.readouterr().err  # default num_sequences
     short_file = tmp_path / "short.jsonl"  # a source of short documents is not read to its end
     short_file.write_text("\n".join(json.dumps({"text": f"a{i % 10}"}) for i in range(250)) + "\n")
     with pytest.raises(ValueError, match=r"none of the 100 documents read holds seq_len=40"):
@@ -368,3 +370,15 @@ def test_bench_decode_dms_rows_have_a_fixed_pool(tmp_path):
     assert all(r.ms_median > 0 for r in rows)
     text = open(tmp_path / "out" / "bench_decode.md").read()
     assert "| dms | 128 |" in text and f"a pool of Hkv x {memory} entries per layer" in text
+
+
+def test_a_text_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from eval.main import main as eval_main
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 a1b2\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        eval_main(["patterns", "--checkpoint", "checkpoints/demo-kvpop-mlstm", "--text_file", str(bad),
+                   "--out_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--text_file '{bad}' is not UTF-8 text" in err and "Traceback" not in err
