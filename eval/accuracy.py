@@ -314,10 +314,10 @@ def run_accuracy(
                      "was evicted and its rows equal dense; set context_len to the length the CR should be "
                      "taken of (e.g. the prompt length)" for cr, n in reached.items() if 0 < n <= budgets[cr]]
         # Completions cut off before any answer score 0 whatever the method: say so, not just report 0.
-        truncated = [f"{m}{'' if cr is None else f' at CR {cr:g}'}: {n} of {total} completions reached "
+        truncated = [f"{m}{'' if cr is None else f' at CR {cr:g}'}: {n} of {seen} completions reached "
                      f"max_new_tokens {max_new_tokens} with no answer extracted: too few new tokens for the "
                      "answers (raise max_new_tokens), or a method that never comes to one"
-                     for (m, cr), (n, total) in cut_off.items() if n > total / 2]
+                     for (m, cr), (n, seen) in cut_off.items() if n > seen / 2]
         for line in unevicted + truncated:
             print(f"warning: {line}", file=sys.stderr)
         prompt_mode = "stream the prompt past B (--stream_prompt)" if stream_prompt else \
