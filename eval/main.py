@@ -246,7 +246,6 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
 }
 
 
-# What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
 def _read_text(path: str) -> str:
     """--text_file's text; a file that is not UTF-8 is named (not a bare codec error)."""
     try:
@@ -256,6 +255,7 @@ def _read_text(path: str) -> str:
         raise ValueError(f"--text_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+# What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 

@@ -372,10 +372,8 @@ def save_pretrained(
             raise ValueError(f"extra file {name!r}: need a plain file name and an existing source, got {src!r}")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"cannot export to {path!r}: it exists and is not a directory")
-    parent = os.path.dirname(path)
-    while parent and not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):  # not os.makedirs' bare FileExistsError
+    parent = fileio.nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(parent):  # not os.makedirs' bare FileExistsError
         raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
 
     previous = _library_files(path) if os.path.isdir(path) else set()

@@ -76,11 +76,17 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
     _check_creatable(path, os.path.abspath(path), what)
 
 
-def _check_creatable(path: str, start: str, what: str) -> None:
-    """`path` can be created at `start` or below it: the nearest existing folder is writable."""
-    existing = start
+def nearest_existing(path: str) -> str:
+    """`path` itself if it exists, else its nearest existing ancestor (absolute)."""
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    return existing
+
+
+def _check_creatable(path: str, start: str, what: str) -> None:
+    """`path` can be created at `start` or below it: the nearest existing folder is writable."""
+    existing = nearest_existing(start)
     if not os.path.isdir(existing):
         raise ValueError(f"{what}={path} lies under the file {existing}")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -166,21 +166,22 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     tx = optim.make_optimizer(cfg.optim)
     ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
                         async_save=cfg.async_checkpointing)
+    init_fingerprint = checkpoint_fingerprint(init_dir)  # checked on a resume, saved with every checkpoint
     try:
         latest = ckpt.latest_step() if cfg.resume else None
         if latest is not None:  # before compiling or restoring: a changed shape must not reach orbax
             check_resume(ckpt.restore_meta(latest), cfg, model_config, f"{cfg.checkpoint_dir}/{latest}",
-                         init_fingerprint=checkpoint_fingerprint(init_dir))
+                         init_fingerprint=init_fingerprint)
             if latest > cfg.steps:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
                                 f"{latest}, or start over with --overwrite")
-        return _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest)
+        return _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest)
     finally:
         ckpt.close()
 
 
-def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
+def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
     step_fn, (state_sh, teacher_sh, batch_sh), (abstract_state, abstract_teacher, _) = jitted_step(
         cfg, mesh, model_config, sc, tx)
     tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
@@ -221,7 +222,7 @@ def _run(cfg, mesh, init_dir, model_config, sc, kv_config, tx, ckpt, latest) -> 
     # started from, so that a resume from other weights of the same shape is refused (check_resume).
     meta = {"model_config": kv_config.to_hf(), "param_dtype": cfg.param_dtype,
             "tokenizer_dir": os.path.abspath(tokenizer_dir) if tokenizer_dir else tokenizer_dir,
-            "train_config": run_json, "init_fingerprint": checkpoint_fingerprint(init_dir)}
+            "train_config": run_json, "init_fingerprint": init_fingerprint}
 
     log = MetricsLog(cfg, start)
     guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records)
