@@ -240,6 +240,17 @@ def check_checkpoint(path: str | os.PathLike) -> Qwen3Config:
     return config
 
 
+def _float_dtype(dtype: Any) -> Any:
+    """`dtype` as a jnp dtype, if it is one of FLOAT_DTYPES (names like "bfloat16" too); ValueError otherwise."""
+    try:
+        name = np.dtype(jnp.dtype(dtype)).name
+    except TypeError:
+        name = None
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: the params load as one of {FLOAT_DTYPES} (e.g. jnp.bfloat16)")
+    return jnp.dtype(name)
+
+
 def load_pretrained(
     path: str | os.PathLike,
     dtype: Any = jnp.float32,
@@ -260,6 +271,7 @@ def load_pretrained(
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    dtype = _float_dtype(dtype)
     config = config or Qwen3Config.from_hf(path)
     files = _weight_files(path)
     names, expected, handles = _matched_tensors(path, config, files, dtype)  # every name and shape, before any data
@@ -345,10 +357,12 @@ def save_pretrained(
     Safe to point at an existing export: the params are checked against the config
     (`check_params`) before anything is written; the export is written into a temporary
     sibling directory and swapped in whole, so a killed save leaves the old one loadable.
-    Files the library wrote before (listed in `kvpop_export.json`) are replaced or removed;
-    every other file and folder in `path` is kept.
+    Files the library wrote before (listed in `kvpop_export.json`) are replaced or removed,
+    but for a tokenizer, kept (with a warning) when `extra_files` brings none; every other file
+    and folder in `path` is kept. Refuses an empty path and the working directory or a folder
+    above it (the swap would replace the folder the process is in).
     """
-    path = os.path.realpath(os.fspath(path))
+    path = fileio.check_replaceable_dir(path, "the export path")
     flat = check_params(config, params)
     names = name_map(config, flat)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -370,6 +384,9 @@ def save_pretrained(
     for name, src in extra_files.items():
         if os.path.basename(name) != name or not os.path.isfile(src):
             raise ValueError(f"extra file {name!r}: need a plain file name and an existing source, got {src!r}")
+        if name in (MANIFEST_FILE, "config.json") or name.endswith(".safetensors") or name == INDEX_FILE:
+            raise ValueError(f"extra file {name!r}: the export writes that name itself (weights and config "
+                             "come from the params and the config)")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"cannot export to {path!r}: it exists and is not a directory")
     parent = fileio.nearest_existing(os.path.dirname(path))
@@ -377,6 +394,14 @@ def save_pretrained(
         raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
 
     previous = _library_files(path) if os.path.isdir(path) else set()
+    # A tokenizer the previous export copied in stays when this one brings none (re-saving a
+    # fine-tuned model into its own export must not leave it without one).
+    carried = sorted(name for name in previous & set(TOKENIZER_FILES)
+                     if name not in extra_files and os.path.isfile(os.path.join(path, name)))
+    if carried:
+        warnings.warn(f"{path}: kept the previous export's tokenizer files {carried} (this export named none; "
+                      "pass extra_files to replace them)", stacklevel=2)
+        extra_files.update({name: os.path.join(path, name) for name in carried})
     with fileio.staged_directory(path) as stage:
         metadata = {"format": "pt"}
 

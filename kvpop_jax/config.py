@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any, Mapping
+
+import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -23,6 +26,14 @@ def _require_positive(cls_name: str, **values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
+
+
+def _require_bools(obj: Any) -> None:
+    """Every field annotated `bool` holds a bool: a string "false" is truthy, 0/1 are not what was meant."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "bool" and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be true or false, got {value!r}")
 
 
 def _from_dict(cls, d: Mapping[str, Any]):
@@ -66,6 +77,7 @@ class Qwen3Config:
             raise TypeError(f"Qwen3Config.dms must be a DMSConfig or None, got {type(self.dms).__name__}")
         if self.kvpop is not None and self.dms is not None:
             raise ValueError("Qwen3Config has both kvpop and dms set; a model is retrofitted with one of them")
+        _require_bools(self)
         _require_positive(
             "Qwen3Config",
             vocab_size=self.vocab_size,
@@ -82,10 +94,20 @@ class Qwen3Config:
                 "Qwen3Config.num_attention_heads must be divisible by num_key_value_heads, got "
                 f"{self.num_attention_heads} heads and {self.num_key_value_heads} kv heads"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"Qwen3Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ValueError(f"Qwen3Config.{name} must be a finite number > 0, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim must be even (RoPE rotates pairs of dimensions), "
+                             f"got {self.head_dim}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
+            for token in ids:
+                if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer))
+                                          or not 0 <= token < self.vocab_size):
+                    raise ValueError(f"Qwen3Config.{name} holds {token!r}; expected token ids in "
+                                     f"[0, vocab_size={self.vocab_size})")
 
     @classmethod
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":
@@ -276,6 +298,7 @@ class KVpopConfig:
     retention_loss_weight: float = 1.0
 
     def __post_init__(self):
+        _require_bools(self)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):

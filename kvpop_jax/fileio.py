@@ -180,12 +180,31 @@ class Stage:
     kept: list[str] = dataclasses.field(default_factory=list)
 
 
+def check_replaceable_dir(path: str | os.PathLike, what: str = "the folder") -> str:
+    """`path` as a real path, refused (ValueError) when a swap would pull the ground from under this
+    process: an empty path (the working directory), the working directory itself or a folder above it.
+    A swap replaces the folder's inode, so the process would be left working in a deleted folder."""
+    raw = os.fspath(path)
+    if not raw:
+        raise ValueError(f"{what} is an empty path: name the folder to write")
+    real = os.path.realpath(raw)
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:  # the working directory is already gone: nothing left to protect
+        return real
+    if os.path.commonpath([real, cwd]) == real:
+        where = "is the working directory" if real == cwd else f"holds the working directory {cwd}"
+        raise ValueError(f"{what}={raw!r} {where}; writing it would replace the folder you are in: "
+                         "name a folder of its own")
+    return real
+
+
 @contextlib.contextmanager
 def staged_directory(path: str | os.PathLike) -> Iterator[Stage]:
     """Yields a Stage in a temporary sibling of `path`; on a normal exit, every entry of the old
     `path` neither written nor discarded is hard-linked (or copied) in, and the stage replaces
     `path` in one rename. On an exception the stage is deleted and `path` is untouched."""
-    path = os.path.realpath(os.fspath(path))
+    path = check_replaceable_dir(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path!r} exists and is not a directory")
     parent, name = os.path.split(path)

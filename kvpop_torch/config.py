@@ -57,6 +57,9 @@ class KVpopSettings:
     decay_step: int = 1
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # a string "false" is truthy
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"kvpop.{f.name} must be true or false, got {getattr(self, f.name)!r}")
         for name in ("sinks", "window", "topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

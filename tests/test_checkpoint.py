@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import traverse_util
 
-from kvpop_jax import Qwen3Config, load_pretrained, save_pretrained
+from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
 from kvpop_jax.modeling import Qwen3ForCausalLM
 
 
@@ -94,6 +94,30 @@ def test_config_validation_and_from_hf_errors(tmp_path):
         with pytest.raises(ValueError, match=message):
             Qwen3Config.from_hf({**ok, field: value})
     assert Qwen3Config.from_hf({**ok, "kvpop": None, "hidden_act": "silu"}).kvpop is None
+    # The dataclasses themselves (a notebook builds them directly), and the kvpop block's own booleans.
+    for field, value, message in (
+            ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+            ("head_dim", 5, "head_dim must be even"),
+            ("rope_theta", float("inf"), "rope_theta must be a finite number > 0, got inf"),
+            ("rope_theta", "1e6", "rope_theta must be a finite number > 0, got '1e6'"),
+            ("eos_token_id", 10, "eos_token_id holds 10; expected token ids in \\[0, vocab_size=10\\)"),
+            ("eos_token_id", [3, "4"], "eos_token_id holds '4'"),
+            ("bos_token_id", -1, "bos_token_id holds -1")):
+        with pytest.raises(ValueError, match=message):
+            Qwen3Config(**{**ok, field: value})
+    assert Qwen3Config(**{**ok, "eos_token_id": [3, 9], "bos_token_id": 0}).eos_token_id == (3, 9)
+    for field in ("delayed_readout", "mlstm_skip", "count_normalize"):
+        block = {**KVpopConfig().to_dict(), field: "false"}
+        with pytest.raises(ValueError, match=f"KVpopConfig.{field} must be true or false, got 'false'"):
+            Qwen3Config.from_hf({**ok, "kvpop": block})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", None])
+def test_load_pretrained_names_a_dtype_that_is_not_a_float(hf_checkpoint, dtype):
+    path, _ = hf_checkpoint("g4_bias")
+    with pytest.raises(ValueError, match=f"dtype={dtype!r}: the params load as one of"):
+        load_pretrained(path, dtype)
+    assert jax.tree.leaves(load_pretrained(path, "bfloat16")[1])[0].dtype == jnp.bfloat16  # names are fine
 
 
 def test_non_finite_weights_are_refused_at_load(tmp_path, hf_checkpoint):
@@ -235,8 +259,12 @@ def test_resave_keeps_user_files_and_removes_only_its_own_stale_files(hf_checkpo
     files = set(os.listdir(out))
     assert "model.safetensors" in files and not any(f.startswith("model-0") for f in files)
     assert "model.safetensors.index.json" not in files and {*user, "tokenizer.json"} <= files
-    save_pretrained(config, params, out)  # the tokenizer copied by the last export is its own: removed now
-    assert "tokenizer.json" not in os.listdir(out) and (out / "notes.txt").read_bytes() == b"mine"
+    (out / "notes.txt").write_bytes(b"mine, edited")  # the export's copy of it must not follow
+    with pytest.warns(UserWarning, match="kept the previous export's tokenizer files"):
+        save_pretrained(config, _scaled(params, 3.0), out)  # a re-save naming no tokenizer keeps the one it had
+    assert (out / "tokenizer.json").read_bytes() == b"mine" and (out / "notes.txt").read_bytes() == b"mine, edited"
+    assert "tokenizer.json" in json.loads((out / "kvpop_export.json").read_text())["files"]
+    assert _params_equal(load_pretrained(out)[1], _scaled(params, 3.0))
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".export")]  # no temporaries left
 
 
@@ -345,3 +373,32 @@ def test_an_export_path_that_is_or_lies_under_a_file_is_named(hf_checkpoint, tmp
     with pytest.raises(NotADirectoryError, match=r"'.*afile' on its way is a file, not a directory"):
         save_pretrained(config, params, tmp_path / "afile" / "sub" / "export")
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_an_export_that_would_replace_the_working_directory_is_refused(hf_checkpoint, tmp_path, monkeypatch):
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    work = tmp_path / "notebook"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "mine.txt").write_text("mine")
+    monkeypatch.chdir(work / "data")
+    for target, message in [("", "empty path"), (".", "is the working directory"), (str(work), "holds the working"),
+                            ("..", "holds the working")]:
+        with pytest.raises(ValueError, match=message):
+            save_pretrained(config, params, target)
+    assert os.getcwd() == str((work / "data").resolve()) and (work / "data" / "mine.txt").read_text() == "mine"
+    assert sorted(os.listdir(work)) == ["data"] and os.listdir(work / "data") == ["mine.txt"]
+    save_pretrained(config, params, "export")  # a folder of its own inside the working directory is fine
+    assert _params_equal(load_pretrained(work / "data" / "export")[1], params)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model-00001-of-00002.safetensors",
+                                  "model.safetensors.index.json", "kvpop_export.json"])
+def test_extra_files_cannot_take_the_exports_own_names(hf_checkpoint, tmp_path, name):
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    src = tmp_path / "notes.txt"
+    src.write_text("not a weight file")
+    with pytest.raises(ValueError, match=f"extra file '{name}'.*writes that name itself"):
+        save_pretrained(config, params, tmp_path / "export", extra_files={name: str(src)})
+    assert not (tmp_path / "export").exists()

@@ -39,6 +39,9 @@ def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
     assert settings.budget == kv.budget and settings.mlstm_value_dim(D) == kv.mlstm_value_dim(D)
     with pytest.raises(ValueError, match="scorer must be one of"):
         KVpopSettings(scorer="lstm")
+    for field in ("delayed_readout", "mlstm_skip", "mlstm_norm"):  # "false" is truthy: refused, as kvpop_jax does
+        with pytest.raises(ValueError, match=f"kvpop.{field} must be true or false, got 'false'"):
+            KVpopSettings.from_dict({**kv.to_dict(), field: "false"})
     assert torch_config.TRAINING_ONLY == KVpopConfig.TRAINING_ONLY
     with pytest.raises(ValueError, match=r"fields this kvpop_torch does not know: \['mlstm_dims', 'new_knob'\]"):
         KVpopSettings.from_dict({**kv.to_dict(), "mlstm_dims": 8, "new_knob": 1})  # was silently ignored
