@@ -184,6 +184,7 @@ class DenseLayerCache:
                              "not a dense one")
         b, _, t, _ = self.k.shape
         s = q.shape[1]
+        _check_dense_room(t, s, length)
         if s <= DECODE_MAX_QUERIES:  # reads the cache before the write below
             out = prefix_attention(q, self.k, self.v, k, v, q_positions=positions, length=length)
             k, v = after(k, out), after(v, out)
@@ -200,8 +201,27 @@ class DenseLayerCache:
         return out, DenseLayerCache(cache_k, cache_v)
 
 
+def _check_dense_room(slots: int, new: int, length) -> None:
+    """A dense cache of `slots` slots holding `length` tokens takes `new` more, or a ValueError. The
+    length is checked where it is concrete (eager calls); under jit it is traced, and an overflowing
+    write would clamp into the last slots (`generate` sizes its cache to the prompt plus
+    max_new_tokens, so it never does)."""
+    if new > slots:
+        raise ValueError(f"{new} tokens do not fit a dense cache of {slots} slots (init_dense_cache max_len={slots})")
+    try:
+        used = int(length)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError, TypeError):
+        return  # traced
+    if used + new > slots:
+        raise ValueError(f"the dense cache holds {used} of its {slots} slots and cannot take {new} more tokens; "
+                         f"init it with max_len >= {used + new}")
+
+
 def init_dense_cache(config: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
     """An empty dense cache of `max_len` slots per layer (it holds every token): k, v [B, Hkv, T, D]."""
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"init_dense_cache: {name}={value!r}; expected a positive integer")
     shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
     layer = DenseLayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Union
 
 import jax
@@ -128,7 +129,9 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
     return tokens, first_eos
 
 
-def _as_prompt_array(prompt_ids) -> jax.Array:
+def _as_prompt_array(prompt_ids, vocab_size: int) -> jax.Array:
+    """The prompt as int32 [B, P], its ids checked against the vocabulary before the cast (an int64
+    id past 2**31 would otherwise wrap into the vocabulary)."""
     if isinstance(prompt_ids, (list, tuple)):
         lengths = {len(row) for row in prompt_ids}
         if len(lengths) > 1:
@@ -137,12 +140,43 @@ def _as_prompt_array(prompt_ids) -> jax.Array:
                 "length, or generate them one at a time"
             )
         prompt_ids = np.asarray(prompt_ids)
-    prompt_ids = jnp.asarray(prompt_ids)
+    if not isinstance(prompt_ids, jax.Array):
+        prompt_ids = np.asarray(prompt_ids)  # host ids keep their width until checked
     if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be [batch, prompt_len >= 1], got shape {prompt_ids.shape}")
     if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
         raise ValueError(f"prompt_ids must be integer token ids, got {prompt_ids.dtype}")
-    return prompt_ids.astype(jnp.int32)
+    check_token_ids(prompt_ids, vocab_size, "prompt_ids")
+    return jnp.asarray(prompt_ids, jnp.int32)
+
+
+def _eos_tuple(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """`eos_ids` (None, one id, or a sequence of ids, as a config's `eos_token_id` comes) as a tuple of
+    ids in the vocabulary; ValueError otherwise (an id outside it would never stop the generation)."""
+    if eos_ids is None:
+        return ()
+    ids = (eos_ids,) if isinstance(eos_ids, (int, np.integer)) else eos_ids
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        raise ValueError(f"eos_ids must be a token id or a sequence of them, got {eos_ids!r}") from None
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+            raise ValueError(f"eos_ids holds {token!r}; expected token ids in [0, {vocab_size})")
+    return tuple(int(t) for t in ids)
+
+
+def _count(value, name: str) -> int:
+    """A positive Python int from an int-like value (numpy or a concrete jax scalar); ValueError otherwise."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}") from None
+    if count < 1:
+        raise ValueError(f"{name} must be >= 1, got {count}")
+    return count
 
 
 def generate(
@@ -173,13 +207,20 @@ def generate(
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
       the first EOS).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompt_ids = _as_prompt_array(prompt_ids)
-    check_token_ids(prompt_ids, model.config.vocab_size, "prompt_ids")
+    max_new_tokens = _count(max_new_tokens, "max_new_tokens")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig (e.g. SamplingConfig.greedy()), got "
+                         f"{type(sampling).__name__}")
+    prompt_ids = _as_prompt_array(prompt_ids, model.config.vocab_size)
+    eos = _eos_tuple(eos_ids, model.config.vocab_size)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
-    rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, params, prompt_ids, rng, _eos_array(eos_ids), max_new_tokens=max_new_tokens,
+    if rng is None:
+        rng = jax.random.key(0)
+    elif isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        rng = jax.random.key(rng)  # a seed
+    elif not isinstance(rng, jax.Array):
+        raise ValueError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__}")
+    return _generate(model, params, prompt_ids, rng, _eos_array(eos), max_new_tokens=max_new_tokens,
                      sampling=sampling, cache=kind, stream_from=stream_from)
 
 
@@ -200,10 +241,9 @@ def compile_generate(
     arguments (any prompt ids, rng and EOS ids of the same count) reuses the compile from JAX's
     cache. Meant for a background thread: XLA compiles on one core, so the next program can
     compile while the current one decodes (`eval.accuracy.run_accuracy`)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if batch < 1 or prompt_len < 1:
-        raise ValueError(f"batch and prompt_len must be >= 1, got {batch} and {prompt_len}")
+    max_new_tokens = _count(max_new_tokens, "max_new_tokens")
+    batch, prompt_len = _count(batch, "batch"), _count(prompt_len, "prompt_len")
+    eos_ids = _eos_tuple(eos_ids, model.config.vocab_size)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the
     # avals and placements of a real call, so that call finds this compile.

@@ -300,7 +300,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __call__(self, input_ids, positions=None, segment_ids=None, cache: Cache | None = None,
                  query_samples=None, return_policy: bool = False, return_hidden: bool = False):
+        shape, dtype = getattr(input_ids, "shape", None), getattr(input_ids, "dtype", None)
+        if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"input_ids: expected an integer array [batch, seq]; got {type(input_ids).__name__} "
+                             f"of shape {np.shape(input_ids)} and dtype {dtype}")
         b, s = input_ids.shape
+        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+            if value is not None and tuple(np.shape(value)) != (b, s):
+                raise ValueError(f"{name} has shape {tuple(np.shape(value))}; input_ids is {(b, s)} and {name} "
+                                 "must match it")
         check_token_ids(input_ids, self.config.vocab_size)  # eager calls only; see check_token_ids
         if positions is None:
             start = 0 if cache is None else cache.length
@@ -421,6 +429,16 @@ def retrofit_params(config: Qwen3Config, base_params: dict, rng: jax.Array) -> d
         head, subtree = DMSGate(config.dms, config.num_key_value_heads, config.head_dim), DMS_SUBTREE
     else:
         raise ValueError("retrofit_params needs a config with kvpop or dms set (dataclasses.replace(config, kvpop=...))")
+    for i in range(config.num_hidden_layers):
+        name = f"layers_{i}"
+        if name not in base_params or "self_attn" not in base_params[name]:
+            raise ValueError(f"retrofit_params: base_params lack {name}/self_attn; the config has "
+                             f"{config.num_hidden_layers} layers")
+        present = [t for t in RETROFIT_SUBTREES if t in base_params[name]["self_attn"]]
+        if present:
+            raise ValueError(f"retrofit_params: {name}/self_attn already holds {present[0]!r} parameters (a "
+                             "retrofitted model); retrofitting again would replace them. Pass the dense params "
+                             "(strip_kvpop(config, params)[1]) to start afresh")
     dummy = jnp.zeros((1, 1, config.num_key_value_heads, config.head_dim), jnp.float32)
     out = dict(base_params)
     for i in range(config.num_hidden_layers):

@@ -6,6 +6,7 @@ Paper decoding (Table 3): temperature 0.6, top-p 0.95, top-k 20, min-p 0.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,12 @@ class SamplingConfig:
     min_p: float = 0.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise ValueError(f"top_k must be an int (0: off), got {self.top_k!r}")
         if not 0 <= self.temperature < float("inf"):  # NaN too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

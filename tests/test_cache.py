@@ -241,3 +241,36 @@ def test_write_slot_scatter_equals_one_hot_select(rng):
     for g, w in zip((got.k, got.v, got.pos, got.priority), want):
         np.testing.assert_array_equal(g, w)
     assert bool(enable.any()) and not bool(enable.all())  # both branches exercised
+
+
+def test_a_full_dense_cache_and_malformed_inputs_are_refused(rng):
+    """A dense cache of 8 slots took a 9th and 10th token by overwriting slot 7 (logits off by 1.07, no
+    error); a prompt longer than the cache and malformed ids or positions failed deep inside jax."""
+    from kvpop_jax.cache import init_dense_cache
+
+    params = init_params(BASE, jax.random.key(0))
+    model = Qwen3ForCausalLM(BASE)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, 10)))
+    out = model.apply({"params": params}, ids[:, :8], cache=init_dense_cache(BASE, 1, 8))
+    with pytest.raises(ValueError, match="holds 8 of its 8 slots and cannot take 1 more tokens; .*max_len >= 9"):
+        model.apply({"params": params}, ids[:, 8:9], cache=out.cache)
+    with pytest.raises(ValueError, match="10 tokens do not fit a dense cache of 8 slots"):
+        model.apply({"params": params}, ids, cache=init_dense_cache(BASE, 1, 8))
+    roomy = model.apply({"params": params}, ids[:, :8], cache=init_dense_cache(BASE, 1, 10))  # room: decodes on
+    step = model.apply({"params": params}, ids[:, 8:9], cache=roomy.cache)
+    np.testing.assert_allclose(step.logits[0, -1], model.apply({"params": params}, ids[:, :9]).logits[0, -1],
+                               rtol=1e-4, atol=1e-4)
+    for batch, max_len in ((1, 0), (1, -1), (0, 8), (1, 8.0), (True, 8)):
+        with pytest.raises(ValueError, match="init_dense_cache: .* expected a positive integer"):
+            init_dense_cache(BASE, batch, max_len)
+    bad_inputs = [
+        (dict(input_ids=ids[0]), "expected an integer array \\[batch, seq\\]; got ArrayImpl of shape \\(10,\\)"),
+        (dict(input_ids=ids[None]), "of shape \\(1, 1, 10\\)"),
+        (dict(input_ids=ids.astype(jnp.float32)), "and dtype float32"),
+        (dict(input_ids=[[1, 2, 3]]), "got list of shape \\(1, 3\\)"),
+        (dict(input_ids=ids, positions=jnp.arange(10)), "positions has shape \\(10,\\); input_ids is \\(1, 10\\)"),
+        (dict(input_ids=ids, segment_ids=jnp.zeros((2, 10), jnp.int32)), "segment_ids has shape \\(2, 10\\)"),
+    ]
+    for kwargs, message in bad_inputs:
+        with pytest.raises(ValueError, match=message):
+            model.apply({"params": params}, **kwargs)

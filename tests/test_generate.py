@@ -237,5 +237,56 @@ def test_compile_generate_compiles_the_program_generate_then_runs(rng, compiles)
     fresh = Qwen3ForCausalLM(dataclasses.replace(config, rms_norm_eps=config.rms_norm_eps * 2))
     generate(fresh, params, prompt, eos_ids=(5,), rng=jax.random.key(7), **kwargs)
     assert ("MainThread", "jit(_generate)") in compiles
-    with pytest.raises(ValueError, match="batch and prompt_len"):
+    with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         compile_generate(model, params, 0, 9, max_new_tokens=4)
+    with pytest.raises(ValueError, match="eos_ids holds 97"):  # checked as generate checks it
+        compile_generate(model, params, 2, 9, max_new_tokens=4, eos_ids=(config.vocab_size,))
+
+
+def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
+    """A notebook's likely arguments: an int EOS (as config.json's eos_token_id comes), numpy / jax integer
+    lengths and an int seed are taken as what they mean; wide ids, out-of-vocabulary EOS ids, float lengths
+    and the wrong kinds of objects are refused by name before anything compiles."""
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(1))
+    model = Qwen3ForCausalLM(config)
+    prompt = rng.integers(0, config.vocab_size, size=(2, 5))
+    greedy = SamplingConfig.greedy()
+    tokens, _ = generate(model, params, prompt, max_new_tokens=4, sampling=greedy)
+    eos = int(tokens[0, 1])
+    want = generate(model, params, prompt, max_new_tokens=4, sampling=greedy, eos_ids=(eos,))
+    for same in (eos, np.int64(eos), [eos]):
+        got = generate(model, params, prompt, max_new_tokens=4, sampling=greedy, eos_ids=same)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert int(want[1][0]) == [int(t) for t in tokens[0]].index(eos) + 1  # the EOS stopped row 0
+    for length in (np.int32(4), jnp.int32(4)):
+        np.testing.assert_array_equal(np.asarray(generate(model, params, prompt, max_new_tokens=length,
+                                                          sampling=greedy)[0]), np.asarray(tokens))
+    sampled = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)
+    by_seed = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=7)[0]
+    by_key = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=jax.random.key(7))[0]
+    np.testing.assert_array_equal(np.asarray(by_seed), np.asarray(by_key))
+
+    wide = np.array([[1, 2**32 + 10, 11]], np.int64)  # int32 would wrap it to id 10
+    with pytest.raises(ValueError, match=f"prompt_ids holds token id {2**32 + 10} outside the vocabulary"):
+        generate(model, params, wide, max_new_tokens=2)
+    bad_calls = [
+        (dict(eos_ids=config.vocab_size), "eos_ids holds 97; expected token ids in \\[0, 97\\)"),
+        (dict(eos_ids=("2",)), "eos_ids holds '2'"),
+        (dict(eos_ids=2.5), "eos_ids must be a token id or a sequence"),
+        (dict(max_new_tokens=3.0), "max_new_tokens must be an int >= 1, got 3.0"),
+        (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(sampling={"temperature": 0}), "sampling must be a SamplingConfig"),
+        (dict(rng="seed"), "rng must be a jax.random.key"),
+    ]
+    for kwargs, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            generate(model, params, prompt, **{"max_new_tokens": 2, **kwargs})
+    for kwargs, message in [(dict(top_k=True), "top_k must be an int"), (dict(top_k=2.5), "top_k must be an int"),
+                            (dict(temperature="0.6"), "temperature must be a number"),
+                            (dict(temperature=None), "temperature must be a number")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingConfig(**kwargs)
+    assert SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3)).top_k == 3
