@@ -204,8 +204,23 @@ TASKS = {
 def make_config(difficulty: str | None = None, task: str | None = None, **overrides) -> DemoTaskConfig:
     """DemoTaskConfig from a DIFFICULTY preset (default "medium") and a TASKS preset (default
     "read_once") plus field overrides."""
+    try:
+        return _make_config(difficulty, task, **overrides)
+    except ValueError as e:
+        if "seq_len" not in overrides or "too short" not in str(e):
+            raise
+        shortest = min_seq_len(task, difficulty)
+        if overrides["seq_len"] >= shortest:  # other overrides made it too short
+            raise
+        raise ValueError(f"{e}: the shortest seq_len for task {task or 'read_once'!r}, difficulty "
+                         f"{difficulty or 'medium'!r} is {shortest}") from None
+
+
+def _make_config(difficulty: str | None, task: str | None, **overrides) -> DemoTaskConfig:
     if task is not None and task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    if difficulty is not None and difficulty not in DIFFICULTY:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTY)}, got {difficulty!r}")
     return DemoTaskConfig(**{**DIFFICULTY[difficulty or "medium"], **TASKS[task or "read_once"], **overrides})
 
 
@@ -216,10 +231,11 @@ def make_config(difficulty: str | None = None, task: str | None = None, **overri
 def min_seq_len(task: str | None = None, difficulty: str | None = None, *, up_to: int = 8192) -> int:
     """The length from which on every seq_len (up to `up_to`) is valid for this task and
     difficulty (integer rounding makes a few lengths just above the first valid one invalid)."""
+    _make_config(difficulty, task)  # a bad task or difficulty is named, not taken for a short length
     last_bad = 0
     for n in range(1, up_to + 1):
         try:
-            make_config(difficulty, task, seq_len=n)
+            _make_config(difficulty, task, seq_len=n)
         except ValueError:
             last_bad = n
     if last_bad == up_to:
@@ -229,6 +245,8 @@ def min_seq_len(task: str | None = None, difficulty: str | None = None, *, up_to
 
 def example_seed(seed: int, split: str, index: int) -> tuple[int, int, int]:
     """The entropy of example `index` of `split`: splits never share a seed."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     return (int(seed), SPLITS[split], int(index))
 
 
@@ -263,6 +281,9 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
         the LM loss towards these helps a small dense model find the lookups;
       n_prompt_tokens, n_text_tokens, max_mark_gap.
     """
+    if seed is None:
+        raise ValueError("seed=None would draw a different trace every call: pass an int, a tuple of ints "
+                         "(example_seed) or an np.random.Generator")
     cfg = config or make_config(difficulty, task, **overrides)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     names = [NAMES[i] for i in rng.permutation(cfg.n_names)]
@@ -423,6 +444,12 @@ def generate_mixture(n: int, seed: int = 0, split: str = "train", tasks: tuple[s
                      **kw) -> list[dict]:
     """Examples 0..n-1 of `split`, example i of task tasks[i % len(tasks)] (one task: exactly
     `generate_dataset(n, seed, split, task=...)`). Ids name the task when there are several."""
+    tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    if not tasks:
+        raise ValueError(f"tasks is empty: name one or more of {sorted(TASKS)}")
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"tasks holds {task!r}; each must be one of {sorted(TASKS)}")
     if len(tasks) == 1:
         return generate_dataset(n, seed, split, task=tasks[0], **kw)
     out = []
@@ -480,6 +507,7 @@ def _normalize(answer: str) -> str:
 
 
 def score(pred_text: str, answer) -> float:
-    """1.0 if the extracted answer equals `answer` (integers compared by value), else 0.0."""
+    """1.0 if the extracted answer equals `answer` (integers compared by value), else 0.0 (an empty
+    answer matches nothing)."""
     pred = extract_answer(pred_text)
-    return float(pred is not None and _normalize(pred) == _normalize(str(answer)))
+    return float(pred is not None and _normalize(pred) != "" and _normalize(pred) == _normalize(str(answer)))

@@ -109,6 +109,22 @@ def test_config_validation():
         dt.make_config(n_query=4, n_marked=3)
     with pytest.raises(ValueError):
         dt.make_config(answer_format="latex")
+    # Names and lengths a notebook gets wrong: ValueErrors naming what was expected, not KeyErrors.
+    bad = [(lambda: dt.make_config("impossible"), "difficulty must be one of \\['easy', 'hard', 'medium'\\]"),
+           (lambda: dt.min_seq_len(None, "bad"), "difficulty must be one of"),
+           (lambda: dt.example_seed(0, "val", 0), "split must be one of .*got 'val'"),
+           (lambda: dt.generate_mixture(2, tasks=()), "tasks is empty"),
+           (lambda: dt.generate_mixture(2, tasks=("reuse", "nope")), "tasks holds 'nope'"),
+           (lambda: dt.generate_example(None), "seed=None would draw a different trace every call"),
+           (lambda: dt.make_config(task="reuse", seq_len=500),
+            f"seq_len=500 is too short .*the shortest seq_len for task 'reuse', difficulty 'medium' is "
+            f"{dt.min_seq_len('reuse')}")]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert dt.min_seq_len("reuse") > 500 and dt.make_config(task="reuse", seq_len=dt.min_seq_len("reuse"))
+    one = dt.generate_mixture(2, tasks="reuse")  # a task name alone, not its letters
+    assert [e["id"] for e in one] == [e["id"] for e in dt.generate_dataset(2, task="reuse")]
 
 
 # ---------------------------------------------------------------------- answers
@@ -123,6 +139,7 @@ def test_extract_answer_and_score():
     assert dt.extract_answer("no answer") is None and dt.extract_answer("\\boxed{7") is None
     assert dt.score("\\boxed{07}", "7") == 1.0 and dt.score("#### 7", 7) == 1.0
     assert dt.score("\\boxed{8}", "7") == 0.0 and dt.score("7", "7") == 0.0
+    assert dt.score("\\boxed{}", "") == 0.0 and dt.score("\\boxed{ }", " ") == 0.0  # an empty answer matches nothing
     ex = dt.generate_example(11, answer_format="hash")
     completion = ex["text"][len(ex["prompt"]):]
     assert "\\boxed" not in completion and dt.score(completion, ex["answer"]) == 1.0

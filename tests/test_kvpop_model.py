@@ -127,6 +127,20 @@ def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
         Qwen3ForCausalLM(config).apply({"params": params}, ids, segment_ids=jnp.zeros((1, 8), jnp.int32))
 
 
+def test_retrofitting_retrofitted_params_is_refused(rng):
+    """retrofit_params on a KVpop model's params replaced its trained scorers with fresh ones, silently."""
+    from kvpop_jax.modeling import strip_kvpop
+
+    _, config, params = _models(KVpopConfig(sinks=1, window=2, topk=3), rng)
+    with pytest.raises(ValueError, match="layers_0/self_attn already holds 'kvpop' parameters"):
+        retrofit_params(config, params, jax.random.key(5))
+    dense_config, dense = strip_kvpop(config, params)
+    again = retrofit_params(config, dense, jax.random.key(5))  # the way to start afresh
+    assert "kvpop" in again["layers_0"]["self_attn"] and dense_config.kvpop is None
+    with pytest.raises(ValueError, match="base_params lack layers_1/self_attn"):
+        retrofit_params(config, {"layers_0": dense["layers_0"]}, jax.random.key(5))
+
+
 @pytest.mark.long
 def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
     """retention_labels="soft", rank_pairs, target_head_samples, listwise_queries and regression_weight (training
