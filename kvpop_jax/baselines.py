@@ -74,8 +74,12 @@ class BaselineConfig:
             raise ValueError(f"banded_prefill is StreamingLLM's ('streaming'), got method {self.method!r}")
         if self.method == "dense":
             return
-        if not isinstance(self.budget, int) or self.budget < 1:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ValueError(f"BaselineConfig.budget must be a positive int for {self.method!r}, got {self.budget!r}")
+        for name in ("sinks", "recent"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"BaselineConfig.{name} must be an int, got {value!r}")
         if self.sinks < 0 or self.sinks >= self.budget:
             raise ValueError(f"BaselineConfig.sinks must be in [0, budget={self.budget}), got {self.sinks}")
         default = {"streaming": self.budget - self.sinks, "h2o": self.budget // 2, "tova": 0}[self.method]

@@ -136,6 +136,11 @@ def test_config_validation():
         BaselineConfig("h2o", 10, sinks=4, recent=7)
     with pytest.raises(ValueError, match="budget must be a positive int"):
         BaselineConfig("tova")
+    for kwargs, message in ((dict(budget=True), "budget must be a positive int for 'h2o', got True"),
+                            (dict(budget=8, recent=4.5), "recent must be an int, got 4.5"),
+                            (dict(budget=8, sinks=2.0), "sinks must be an int, got 2.0")):
+        with pytest.raises(ValueError, match=message):
+            BaselineConfig("h2o", **kwargs)
 
 
 def test_model_with_unbounded_budget_equals_dense(rng):
