@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from typing import Union
 
 import jax
@@ -213,6 +214,10 @@ def generate(
                          f"{type(sampling).__name__}")
     prompt_ids = _as_prompt_array(prompt_ids, model.config.vocab_size)
     eos = _eos_tuple(eos_ids, model.config.vocab_size)
+    reach = prompt_ids.shape[1] + max_new_tokens
+    if reach > model.config.max_position_embeddings:  # RoPE runs past it, but the model never trained there
+        warnings.warn(f"the prompt plus max_new_tokens reach {reach} tokens, beyond the model's "
+                      f"max_position_embeddings {model.config.max_position_embeddings}", stacklevel=2)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     if rng is None:
         rng = jax.random.key(0)

@@ -1,5 +1,7 @@
 """Sampling filters against numpy, and the jitted decode loop against the full forward."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,6 +269,10 @@ def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
     by_seed = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=7)[0]
     by_key = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=jax.random.key(7))[0]
     np.testing.assert_array_equal(np.asarray(by_seed), np.asarray(by_key))
+
+    short = Qwen3ForCausalLM(dataclasses.replace(config, max_position_embeddings=6))
+    with pytest.warns(UserWarning, match="reach 9 tokens, beyond the model's max_position_embeddings 6"):
+        generate(short, params, prompt, max_new_tokens=4, sampling=greedy)
 
     wide = np.array([[1, 2**32 + 10, 11]], np.int64)  # int32 would wrap it to id 10
     with pytest.raises(ValueError, match=f"prompt_ids holds token id {2**32 + 10} outside the vocabulary"):
