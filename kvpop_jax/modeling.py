@@ -310,6 +310,7 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(np.shape(value))}; input_ids is {(b, s)} and {name} "
                                  "must match it")
         check_token_ids(input_ids, self.config.vocab_size)  # eager calls only; see check_token_ids
+        self._check_retrofit_params()
         if positions is None:
             start = 0 if cache is None else cache.length
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -339,6 +340,18 @@ class Qwen3ForCausalLM(nn.Module):
         if return_hidden:
             return CausalLMOutput(logits=None, cache=new_cache, aux=aux, hidden=x)
         return CausalLMOutput(logits=self.logits_from_hidden(x), cache=new_cache, aux=aux)
+
+    def _check_retrofit_params(self) -> None:
+        """A retrofitted config applied to params without its retrofit (dense params) is named, not left
+        to Flax's ScopeParamNotFoundError deep inside a layer. Structure only: fine under jit. (A dense
+        config on a retrofit's params runs the base model: the extra parameters are unused.)"""
+        if self.is_initializing() or not self.has_variable("params", "layers_0"):
+            return
+        attn = self.variables["params"]["layers_0"].get("self_attn", {})
+        want = KVPOP_SUBTREE if self.config.kvpop is not None else DMS_SUBTREE if self.config.dms is not None else None
+        if want is not None and want not in attn:
+            raise ValueError(f"the config is a {want} model but the params have no {want!r} parameters (dense "
+                             f"params?): retrofit_params(config, params, rng) adds fresh ones, or load a {want} export")
 
     def _scans(self, cache) -> bool:
         """The scanned path serves parallel forwards (training, scoring); decoding, init and

@@ -135,6 +135,11 @@ def test_retrofitting_retrofitted_params_is_refused(rng):
     with pytest.raises(ValueError, match="layers_0/self_attn already holds 'kvpop' parameters"):
         retrofit_params(config, params, jax.random.key(5))
     dense_config, dense = strip_kvpop(config, params)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, 8)))
+    with pytest.raises(ValueError, match="the config is a kvpop model but the params have no 'kvpop' parameters"):
+        Qwen3ForCausalLM(config).apply({"params": dense}, ids)  # was Flax's ScopeParamNotFoundError, deep inside
+    np.testing.assert_array_equal(Qwen3ForCausalLM(dense_config).apply({"params": params}, ids).logits,
+                                  Qwen3ForCausalLM(dense_config).apply({"params": dense}, ids).logits)
     again = retrofit_params(config, dense, jax.random.key(5))  # the way to start afresh
     assert "kvpop" in again["layers_0"]["self_attn"] and dense_config.kvpop is None
     with pytest.raises(ValueError, match="base_params lack layers_1/self_attn"):
