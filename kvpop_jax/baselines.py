@@ -38,6 +38,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvpop_jax import attention as attn_lib
 from kvpop_jax.cache import Cache, one_token
@@ -74,6 +75,10 @@ class BaselineConfig:
             raise ValueError(f"banded_prefill is StreamingLLM's ('streaming'), got method {self.method!r}")
         if self.method == "dense":
             return
+        for name in ("budget", "sinks", "recent"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))  # hashable and JSON like a Python int
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ValueError(f"BaselineConfig.budget must be a positive int for {self.method!r}, got {self.budget!r}")
         for name in ("sinks", "recent"):

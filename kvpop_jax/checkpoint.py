@@ -394,10 +394,11 @@ def save_pretrained(
         raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
 
     previous = _library_files(path) if os.path.isdir(path) else set()
-    # A tokenizer the previous export copied in stays when this one brings none (re-saving a
-    # fine-tuned model into its own export must not leave it without one).
-    carried = sorted(name for name in previous & set(TOKENIZER_FILES)
-                     if name not in extra_files and os.path.isfile(os.path.join(path, name)))
+    # A tokenizer the previous export copied in stays, whole, when this one brings none (re-saving a
+    # fine-tuned model into its own export must not leave it without one); one file of a new
+    # tokenizer replaces all of the old one's.
+    carried = [] if set(extra_files) & set(TOKENIZER_FILES) else sorted(  # never a mix of two tokenizers
+        name for name in previous & set(TOKENIZER_FILES) if os.path.isfile(os.path.join(path, name)))
     if carried:
         warnings.warn(f"{path}: kept the previous export's tokenizer files {carried} (this export named none; "
                       "pass extra_files to replace them)", stacklevel=2)

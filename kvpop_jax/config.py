@@ -14,6 +14,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -32,8 +33,10 @@ def _require_bools(obj: Any) -> None:
     """Every field annotated `bool` holds a bool: a string "false" is truthy, 0/1 are not what was meant."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.type == "bool" and not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be true or false, got {value!r}")
+        if f.type == "bool":
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{type(obj).__name__}.{f.name} must be true or false, got {value!r}")
+            object.__setattr__(obj, f.name, bool(value))  # numpy's bool is not JSON
 
 
 def _from_dict(cls, d: Mapping[str, Any]):
@@ -69,6 +72,8 @@ class Qwen3Config:
     dms: "DMSConfig | None" = None
 
     def __post_init__(self):
+        if isinstance(self.eos_token_id, np.ndarray):
+            object.__setattr__(self, "eos_token_id", self.eos_token_id.tolist())
         if isinstance(self.eos_token_id, list):  # keep the dataclass hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.kvpop is not None and not isinstance(self.kvpop, KVpopConfig):
@@ -101,13 +106,18 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ValueError(f"Qwen3Config.head_dim must be even (RoPE rotates pairs of dimensions), "
                              f"got {self.head_dim}")
-        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
-        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, tuple) else (value,)
             for token in ids:
-                if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer))
-                                          or not 0 <= token < self.vocab_size):
-                    raise ValueError(f"Qwen3Config.{name} holds {token!r}; expected token ids in "
-                                     f"[0, vocab_size={self.vocab_size})")
+                if token is not None and (isinstance(token, bool) or not isinstance(token, (int, np.integer))):
+                    raise ValueError(f"Qwen3Config.{name} holds {token!r}; expected token ids (ints)")
+            ids = tuple(None if t is None else int(t) for t in ids)  # numpy ints are not JSON
+            object.__setattr__(self, name, ids if isinstance(value, tuple) else ids[0])
+            outside = [t for t in ids if t is not None and not 0 <= t < self.vocab_size]
+            if outside:  # a warning: a checkpoint's odd config still loads; generate refuses such EOS ids
+                warnings.warn(f"Qwen3Config.{name} holds {outside[0]} outside the vocabulary [0, {self.vocab_size})",
+                              stacklevel=3)
 
     @classmethod
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> "Qwen3Config":

@@ -156,15 +156,23 @@ def _eos_tuple(eos_ids, vocab_size: int) -> tuple[int, ...]:
     ids in the vocabulary; ValueError otherwise (an id outside it would never stop the generation)."""
     if eos_ids is None:
         return ()
+    if isinstance(eos_ids, (np.ndarray, jax.Array)):  # host or concrete device ids, any shape
+        eos_ids = np.asarray(eos_ids).reshape(-1).tolist()
     ids = (eos_ids,) if isinstance(eos_ids, (int, np.integer)) else eos_ids
     try:
         ids = tuple(ids)
     except TypeError:
         raise ValueError(f"eos_ids must be a token id or a sequence of them, got {eos_ids!r}") from None
+    out = []
     for token in ids:
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+        try:
+            index = None if isinstance(token, bool) else operator.index(token)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < vocab_size:
             raise ValueError(f"eos_ids holds {token!r}; expected token ids in [0, {vocab_size})")
-    return tuple(int(t) for t in ids)
+        out.append(index)
+    return tuple(out)
 
 
 def _count(value, name: str) -> int:
@@ -223,6 +231,8 @@ def generate(
         rng = jax.random.key(0)
     elif isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
         rng = jax.random.key(rng)  # a seed
+    elif isinstance(rng, np.ndarray) and rng.dtype == np.uint32 and rng.shape == (2,):
+        rng = jnp.asarray(rng)  # a raw jax.random.PRNGKey that went through numpy
     elif not isinstance(rng, jax.Array):
         raise ValueError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__}")
     return _generate(model, params, prompt_ids, rng, _eos_array(eos), max_new_tokens=max_new_tokens,
@@ -248,6 +258,8 @@ def compile_generate(
     compile while the current one decodes (`eval.accuracy.run_accuracy`)."""
     max_new_tokens = _count(max_new_tokens, "max_new_tokens")
     batch, prompt_len = _count(batch, "batch"), _count(prompt_len, "prompt_len")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     eos_ids = _eos_tuple(eos_ids, model.config.vocab_size)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the

@@ -141,6 +141,7 @@ def test_config_validation():
                             (dict(budget=8, sinks=2.0), "sinks must be an int, got 2.0")):
         with pytest.raises(ValueError, match=message):
             BaselineConfig("h2o", **kwargs)
+    assert BaselineConfig("h2o", np.int64(10), sinks=np.int32(2)) == BaselineConfig("h2o", 10, sinks=2)
 
 
 def test_model_with_unbounded_budget_equals_dense(rng):

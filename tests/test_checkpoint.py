@@ -100,12 +100,18 @@ def test_config_validation_and_from_hf_errors(tmp_path):
             ("head_dim", 5, "head_dim must be even"),
             ("rope_theta", float("inf"), "rope_theta must be a finite number > 0, got inf"),
             ("rope_theta", "1e6", "rope_theta must be a finite number > 0, got '1e6'"),
-            ("eos_token_id", 10, "eos_token_id holds 10; expected token ids in \\[0, vocab_size=10\\)"),
-            ("eos_token_id", [3, "4"], "eos_token_id holds '4'"),
-            ("bos_token_id", -1, "bos_token_id holds -1")):
+            ("eos_token_id", [3, "4"], "eos_token_id holds '4'; expected token ids"),
+            ("bos_token_id", 1.0, "bos_token_id holds 1.0")):
         with pytest.raises(ValueError, match=message):
             Qwen3Config(**{**ok, field: value})
+    for field, value in (("eos_token_id", 10), ("bos_token_id", -1)):  # an odd checkpoint still loads, with a word
+        with pytest.warns(UserWarning, match=f"{field} holds {value} outside the vocabulary \\[0, 10\\)"):
+            Qwen3Config(**{**ok, field: value})
     assert Qwen3Config(**{**ok, "eos_token_id": [3, 9], "bos_token_id": 0}).eos_token_id == (3, 9)
+    numpy_made = Qwen3Config(**{**ok, "tie_word_embeddings": np.bool_(True), "eos_token_id": np.array([1, 2]),
+                                "bos_token_id": np.int64(0)})  # numpy values become Python ones: JSON can write them
+    assert numpy_made.eos_token_id == (1, 2) and type(numpy_made.bos_token_id) is int
+    assert json.loads(json.dumps(numpy_made.to_hf()))["tie_word_embeddings"] is True
     for field in ("delayed_readout", "mlstm_skip", "count_normalize"):
         block = {**KVpopConfig().to_dict(), field: "false"}
         with pytest.raises(ValueError, match=f"KVpopConfig.{field} must be true or false, got 'false'"):
@@ -265,6 +271,9 @@ def test_resave_keeps_user_files_and_removes_only_its_own_stale_files(hf_checkpo
     assert (out / "tokenizer.json").read_bytes() == b"mine" and (out / "notes.txt").read_bytes() == b"mine, edited"
     assert "tokenizer.json" in json.loads((out / "kvpop_export.json").read_text())["files"]
     assert _params_equal(load_pretrained(out)[1], _scaled(params, 3.0))
+    (out / "config_src.json").write_text("{}")  # a new tokenizer of one file replaces the old one whole: no mix
+    save_pretrained(config, params, out, extra_files={"tokenizer_config.json": str(out / "config_src.json")})
+    assert "tokenizer.json" not in os.listdir(out) and (out / "tokenizer_config.json").read_text() == "{}"
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".export")]  # no temporaries left
 
 

@@ -257,7 +257,7 @@ def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
     tokens, _ = generate(model, params, prompt, max_new_tokens=4, sampling=greedy)
     eos = int(tokens[0, 1])
     want = generate(model, params, prompt, max_new_tokens=4, sampling=greedy, eos_ids=(eos,))
-    for same in (eos, np.int64(eos), [eos]):
+    for same in (eos, np.int64(eos), [eos], jnp.asarray([eos]), np.asarray(eos)):
         got = generate(model, params, prompt, max_new_tokens=4, sampling=greedy, eos_ids=same)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -269,6 +269,11 @@ def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
     by_seed = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=7)[0]
     by_key = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=jax.random.key(7))[0]
     np.testing.assert_array_equal(np.asarray(by_seed), np.asarray(by_key))
+    raw = np.asarray(jax.random.PRNGKey(7))  # an old-style key that went through numpy
+    by_raw = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=raw)[0]
+    np.testing.assert_array_equal(np.asarray(by_raw),
+                                  np.asarray(generate(model, params, prompt, max_new_tokens=4, sampling=sampled,
+                                                      rng=jax.random.PRNGKey(7))[0]))
 
     short = Qwen3ForCausalLM(dataclasses.replace(config, max_position_embeddings=6))
     with pytest.warns(UserWarning, match="reach 9 tokens, beyond the model's max_position_embeddings 6"):
