@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from demo.oracles import oracle_recovery
-from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config, min_seq_len, write_jsonl
+from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config, write_jsonl
 from demo.tokenizer import build_tokenizer
 
 SINKS = 4  # the oracles' s, as in the main job
@@ -30,8 +30,7 @@ def main(argv=None):
     try:
         make_config(args.difficulty, args.task, seq_len=args.seq_len)
     except ValueError as e:
-        parser.error(f"--seq_len {args.seq_len}: {e} (the shortest {args.task} prompt is "
-                     f"{min_seq_len(args.task, args.difficulty)})")
+        parser.error(f"--seq_len {args.seq_len}: {e}")  # make_config names the shortest length
     budgets = {cr: int(round((1 - cr) * args.seq_len)) for cr in (0.75, 0.88)}
     if min(budgets.values()) < SINKS + args.w:
         parser.error(f"--w {args.w} does not fit the CR-88% budget B = {budgets[0.88]} of {args.seq_len} tokens "

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 
-from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config, min_seq_len
+from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
@@ -59,8 +59,7 @@ class DemoSpec:
         try:
             return make_config(self.difficulty, self.task, seq_len=self.len)
         except ValueError as e:
-            raise ValueError(f"len={self.len}: {e}; the shortest {self.task} ({self.difficulty}) prompt is "
-                             f"len={min_seq_len(self.task, self.difficulty)}") from None
+            raise ValueError(f"len={self.len}: {e}") from None  # make_config names the shortest length
 
     def problems(self) -> list[dict]:
         self.config()

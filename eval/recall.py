@@ -177,7 +177,7 @@ def _text_documents(spec: DocumentSpec, tokenizer, tokens: int, rows_of: int | N
     `rows_of`: until `num_rows` documents of at least `rows_of` tokens are read, or DOCUMENT_SCAN x
     num_rows documents, so a stream of short documents is not read to its end)."""
     ds = open_dataset(spec)
-    text = text_spec(spec, *columns_and_first(spec, ds))
+    text = text_spec(spec, *columns_and_first(spec, ds), rows=ds)
     docs, total, long_enough = [], 0, 0
     for example in checked_rows(spec, ds):
         rendered = render(example, text, tokenizer)

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import re
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -185,7 +186,9 @@ class TextSpec:
     chat: bool
 
 
-def text_spec(config: DocumentSpec, columns: list[str], first: dict) -> TextSpec:
+def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Iterable[dict] | None = None) -> TextSpec:
+    """Which field(s) hold the text, and whether it is chat: a list of messages in the first row whose
+    field is not null (`rows`, when given, is read for one; otherwise `first` decides)."""
     if config.text_field == "auto":
         found = [f for f in _AUTO_FIELDS if all(p in columns for p in f.split("+"))]
         if not found:
@@ -199,16 +202,43 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict) -> TextSpec
             raise ValueError(f"data={config.data}: text field {missing[0]!r} not found; "
                              f"available columns: {columns}")
     fields = tuple(field.split("+"))
-    return TextSpec(fields, chat=len(fields) == 1 and isinstance(first[fields[0]], list))
+    if len(fields) > 1:
+        return TextSpec(fields, chat=False)
+    sample = first[fields[0]]
+    if sample is None and rows is not None:  # a null first row says nothing: the first row with a value does
+        for row in itertools.islice(rows, _SPEC_SCAN_ROWS):
+            if row.get(fields[0]) is not None:
+                sample = row[fields[0]]
+                break
+    return TextSpec(fields, chat=isinstance(sample, list))
+
+
+_SPEC_SCAN_ROWS = 10_000  # rows text_spec reads past null ones to tell chat from text
+
+
+def _field_text(value, field: str) -> str:
+    """A text field's value as text: strings, and numbers (a+b fields such as question+answer)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"text field {field!r} holds a {type(value).__name__} ({str(value)[:60]!r}...), not text; "
+                     "set text_field to a column of strings (or of chat messages)")
 
 
 def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
     """The example's text; None when its text fields are all null or empty (nothing to train on)."""
     if not spec.chat:
-        parts = ["" if example[f] is None else str(example[f]) for f in spec.fields]
+        parts = [_field_text(example[f], f) for f in spec.fields]
         return "".join(parts) if any(parts) else None
     if not example[spec.fields[0]]:
         return None
+    messages = example[spec.fields[0]]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"text field {spec.fields[0]!r} holds chat messages in other rows but a "
+                         f"{type(messages).__name__} here ({str(messages)[:60]!r}...)")
     # Arrow gives every message every key seen in the column; drop the absent (None) ones.
     messages = [{k: v for k, v in m.items() if v is not None} for m in example[spec.fields[0]]]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -266,5 +296,5 @@ def no_text_error(config: DocumentSpec, spec: TextSpec, rows: int) -> ValueError
 def load_documents(config: DocumentSpec, tokenizer=None) -> Iterator[str]:
     """The source's document texts in stored order (no shuffle, no filter; rows without text skipped)."""
     ds = open_dataset(config)
-    spec = text_spec(config, *columns_and_first(config, ds))
+    spec = text_spec(config, *columns_and_first(config, ds), rows=ds)
     return (t for t in (render(example, spec, tokenizer) for example in checked_rows(config, ds)) if t is not None)

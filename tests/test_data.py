@@ -200,6 +200,20 @@ def test_messages_without_template_and_prompt_fields(tmp_path):
     assert list(load_documents(config(tmp_path, qa, text_field="prompt+answer").documents)) == ["x1\n7", "q"]
 
 
+def test_a_null_first_row_does_not_make_chat_text_and_non_text_values_are_named(tmp_path):
+    """A chat column whose first row was null was read as plain text: every later row trained on the
+    Python repr of its message list. Lists and objects in a text field were stringified the same way."""
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": None}, {"messages": CHAT}])
+    assert list(load_documents(config(tmp_path, chat).documents, build_tokenizer())) == ["user: a+b\nassistant: c0\n"]
+    for name, value in (("list", ["a", "b"]), ("dict", {"a": "b"})):
+        bad = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": "fine"}, {"text": value}])
+        with pytest.raises(ValueError, match=f"text field 'text' holds a {name} .*not text; set text_field"):
+            list(load_documents(config(tmp_path, bad).documents))
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": CHAT}, {"messages": "plain"}])
+    with pytest.raises(ValueError, match="holds chat messages in other rows but a str here"):
+        list(load_documents(config(tmp_path, mixed).documents, build_tokenizer()))
+
+
 # --------------------------------------------------------------------------------- packing
 
 @pytest.mark.parametrize("split_documents", [False, True])

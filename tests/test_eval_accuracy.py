@@ -162,7 +162,8 @@ def test_demo_benchmark_spec_generates_fresh_problems():
                          ("demo:reuse:n=1_0", "n='1_0' is not"), ("demo:reuse:seed=-1", "seed='-1' is not"),
                          ("demo:reuse:k=3", r"unknown key 'k' \(split, seed, n, len, difficulty\)"), ("demo:reuse:n=2:n=3", "n given twice"),
                          ("demo:reuse:test:train", "split given twice"),
-                         ("demo:reuse:len=300", r"len=300: .*too short.* the shortest reuse \(medium\) prompt is len=959")):
+                         ("demo:reuse:len=300",
+                          r"len=300: .*too short.*: the shortest seq_len for task 'reuse', .* is 959$")):
         with pytest.raises(ValueError, match=message):
             load_benchmark(bad)
     with pytest.raises(ValueError, match="a demo spec names its own split"):

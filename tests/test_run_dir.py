@@ -98,8 +98,47 @@ def test_starting_over_an_existing_run_needs_overwrite(tmp_path, arch):
     prepare_run_dir(parse(tiny_flags(run, arch, resume=True)))  # resuming is what a rerun does: allowed
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False, overwrite=True)))
     left = sorted(os.listdir(run))
-    assert left == ["data", "export", "run.lock"], left  # the run's outputs are gone; inputs and the export stay until replaced
+    # the run's outputs are gone; its inputs (data, init, tokenizer) and the export stay until replaced
+    assert left == ["data", "export", "init", "run.lock", "tokenizer"], left
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # nothing left to lose
+
+
+def test_overwrite_deletes_nothing_before_every_flag_and_input_is_checked(tmp_path, arch):
+    """--overwrite with a mesh that cannot be built (or data that cannot be read) deleted the old run's
+    checkpoints, metrics and config first, then stopped with the flag error."""
+    run = str(tmp_path / "run")
+    files = _fake_run(run)
+    with pytest.raises(FlagError, match="mesh"):
+        train(parse(tiny_flags(run, arch, overwrite=True, mesh_data=3)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(FlagError, match="--data: .*empty"):
+        train(parse(tiny_flags(run, arch, overwrite=True, data=str(empty))))
+    for name, text in files.items():  # nothing touched
+        assert open(os.path.join(run, name)).read() == text
+    assert os.path.isdir(os.path.join(run, "checkpoints", "2"))
+
+
+def test_a_teacher_logits_dir_of_another_teacher_or_missing_steps_is_refused_before_training(tmp_path, arch):
+    from train.teacher_cache import TEACHER_META, check_teacher_dir, claim_teacher_dir, teacher_file
+
+    logits = tmp_path / "teacher"
+    logits.mkdir()
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(logits), steps=3))
+    claim_teacher_dir(str(logits), "a" * 64, "initA")
+    claim_teacher_dir(str(logits), "a" * 64, "initA")  # the same teacher again (a rerun): fine
+    assert json.loads((logits / TEACHER_META).read_text()) == {"init_fingerprint": "a" * 64}
+    with pytest.raises(FlagError, match="holds another teacher's top-k .*--init_checkpoint=initB"):
+        claim_teacher_dir(str(logits), "b" * 64, "initB")
+    for step in (0, 1):
+        open(teacher_file(str(logits), step), "wb").close()
+    with pytest.raises(FlagError, match=r"lacks the files of 1 of steps 0..2 \(the first: .*step_00000002.npz\)"):
+        check_teacher_dir(cfg, "a" * 64, 0)
+    check_teacher_dir(cfg, "a" * 64, None)  # the teacher alone: right
+    open(teacher_file(str(logits), 2), "wb").close()
+    check_teacher_dir(cfg, "a" * 64, 0)
+    with pytest.raises(FlagError, match="holds the top-k of another teacher than --init_checkpoint"):
+        check_teacher_dir(cfg, "b" * 64, 2)
 
 
 def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, arch):
@@ -116,7 +155,10 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
                                (dict(scorer_hidden=8), "--scorer_hidden 64 -> 8"),
                                (dict(seq_len=256, max_length=256), "--seq_len 128 -> 256"),
                                (dict(demo_seq_len=512), "--demo_seq_len 256 -> 512"),
-                               (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'")):
+                               (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'"),
+                               (dict(demo_tasks="read_once,reuse", demo_seq_len=1000),
+                                "--demo_seq_len 256 -> 1000; --demo_tasks \\['read_once'\\] -> "
+                                "\\['read_once', 'reuse'\\]")):
         with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):
             check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, **overrides)), model, "ckpt/2")
     # a run saved before a setting existed ran with its default: changing it is refused, keeping it is not
@@ -140,6 +182,19 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
     with pytest.raises(FlagError, match=r"cannot resume ckpt/2: --init_checkpoint=.* holds other weights than the "
                                         r"run started from \(it started from .*; the teacher would change mid-run\)"):
         check_resume({**saved, "init_fingerprint": "a" * 64}, cfg, model, "ckpt/2", init_fingerprint="b" * 64)
+    # Another data file, field or split: the iterator's own check counts documents, so one of as many passed.
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path in (first, second):
+        path.write_text('{"text": "hello"}\n')
+    on_file = parse(tiny_flags(str(tmp_path / "run"), arch, data=str(first), demo_seq_len=None))
+    file_saved = {"train_config": json.loads(json.dumps(on_file.to_json(), default=str))}
+    check_resume(file_saved, parse(tiny_flags(str(tmp_path / "run"), arch, data=str(tmp_path / "." / "a.jsonl"),
+                                              demo_seq_len=None)), model, "ckpt/2")  # the same file, spelled apart
+    for overrides, message in ((dict(data=str(second)), f"--data '{first}' -> '{second}'"),
+                               (dict(data=str(first), text_field="body"), "--text_field 'auto' -> 'body'")):
+        with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):
+            check_resume(file_saved, parse(tiny_flags(str(tmp_path / "run"), arch, demo_seq_len=None, **overrides)),
+                         model, "ckpt/2")
     wider = Qwen3Config.from_hf(dict(TINY_ARCH, hidden_size=64))
     with pytest.raises(FlagError, match=r"the model's hidden_size \(--init_checkpoint/--model_config\) 32 -> 64"):
         check_resume(saved, cfg, wider, "ckpt/2")

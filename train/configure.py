@@ -8,7 +8,7 @@ import os
 import jax
 from absl import flags
 
-from demo.task import TASKS, make_config, min_seq_len
+from demo.task import TASKS, make_config
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
@@ -139,8 +139,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             try:
                 make_config(task=task, seq_len=f.demo_seq_len)
             except ValueError as e:
-                raise FlagError(f"--demo_seq_len={f.demo_seq_len}: {e}; the shortest {task} trace is "
-                                f"{min_seq_len(task)} tokens") from None
+                raise FlagError(f"--demo_seq_len={f.demo_seq_len}: {e}") from None  # it names the shortest
         # The name holds what the traces depend on, so a changed flag regenerates them instead of reusing.
         data_path = os.path.join(run_dir, "data", f"demo_train_{'+'.join(demo_tasks)}_{demo_examples}x{f.demo_seq_len}"
                                                   f"_seed{f.seed}.jsonl")

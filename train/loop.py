@@ -35,7 +35,7 @@ from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_r
                            read_metrics)
 from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
                          run_tokenizer, step_config, to_global)
-from train.teacher_cache import read_teacher_topk
+from train.teacher_cache import check_teacher_dir, read_teacher_topk
 
 CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
 # Not dms_loss: it starts at 0 and grows with its target by design, a "divergence" to a median guard.
@@ -59,7 +59,10 @@ def host_batch(cfg: TrainConfig, rows: dict[str, np.ndarray], step: int) -> dict
     """This host's rows [rows, S] -> micro-batches [A, rows / A, S] (+ precomputed teacher top-k)."""
     out = {k: np.asarray(rows[k]) for k in BATCH_KEYS}
     if cfg.teacher_logits_dir:
-        out.update(read_teacher_topk(cfg, step, out["input_ids"]))
+        try:
+            out.update(read_teacher_topk(cfg, step, out["input_ids"]))
+        except (ValueError, FileNotFoundError) as e:  # rows of other data, a file gone since the start
+            raise FlagError(str(e)) from e
     a = cfg.grad_accum
     return {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in out.items()}
 
@@ -155,18 +158,25 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.tensorboard and jax.process_index() == 0:
         summary_writer_class()  # a missing package fails here, not after minutes of loading
     check_export_dir(cfg.export_dir, cfg.init_checkpoint, cfg.checkpoint_dir)
-    prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("run folder prepared")
+    # Every flag and input is checked (mesh, model, tokenizer, data) before --overwrite deletes anything.
     mesh = build_mesh(cfg)
     init_dir = prepare_init_checkpoint(cfg)
     model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
     sc = step_config(cfg, model_config)
     kv_config = sc.model
+    tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
+    if len(tokenizer) > model_config.vocab_size:
+        raise FlagError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab is {model_config.vocab_size}")
+    batches = prepare_data(cfg, tokenizer)
+    init_fingerprint = checkpoint_fingerprint(init_dir)  # checked on a resume, saved with every checkpoint
+    if cfg.teacher_logits_dir:  # its teacher now; the steps still to train once the resume step is known
+        check_teacher_dir(cfg, init_fingerprint, 0 if cfg.overwrite or not cfg.resume else None)
+    prepare_run_dir(cfg, delete=jax.process_index() == 0)  # every host decides the same; one deletes
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("run folder prepared")
     tx = optim.make_optimizer(cfg.optim)
     ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
                         async_save=cfg.async_checkpointing)
-    init_fingerprint = checkpoint_fingerprint(init_dir)  # checked on a resume, saved with every checkpoint
     try:
         latest = ckpt.latest_step() if cfg.resume else None
         if latest is not None:  # before compiling or restoring: a changed shape must not reach orbax
@@ -176,18 +186,18 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
                                 f"{latest}, or start over with --overwrite")
-        return _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest)
+        if cfg.teacher_logits_dir:
+            check_teacher_dir(cfg, init_fingerprint, latest or 0)
+        return _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest,
+                    tokenizer_dir, batches)
     finally:
         ckpt.close()
 
 
-def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest) -> dict[str, Any]:
+def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest, tokenizer_dir,
+         batches) -> dict[str, Any]:
     step_fn, (state_sh, teacher_sh, batch_sh), (abstract_state, abstract_teacher, _) = jitted_step(
         cfg, mesh, model_config, sc, tx)
-    tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
-    if len(tokenizer) > model_config.vocab_size:
-        raise FlagError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab is {model_config.vocab_size}")
-    batches = prepare_data(cfg, tokenizer)
 
     base = teacher = None
     if latest is None or abstract_teacher is not None:

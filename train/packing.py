@@ -283,7 +283,7 @@ class PackedBatchIterator:
         self.config, self.tokenizer = config, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ds = open_dataset(config.documents)
-        spec = text_spec(config.documents, *columns_and_first(config.documents, ds))
+        spec = text_spec(config.documents, *columns_and_first(config.documents, ds), rows=ds)
         import datasets  # heavy, and only needed once a source is opened
 
         streamed = isinstance(ds, datasets.IterableDataset)

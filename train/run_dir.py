@@ -44,7 +44,12 @@ RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "sc
 KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "scorer_keys", "mlstm_dim", "mlstm_feature_map",
                "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
                "normalizer", "target_reduce", "target_lookahead")
-RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "retrofit")
+RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "demo_tasks",
+                     "retrofit")
+# Where the documents come from (train_config.json's `data` block) -> its flag. The data iterator's own
+# fingerprint counts documents, so another file with as many kept documents would pass without these.
+RESUME_DATA_FIELDS = {"data": "--data", "text_field": "--text_field", "split": "--data_split",
+                      "subset": "--data_subset"}
 # A DMS run (--retrofit=dms) also keeps the DMS fields that shape its gates or its eviction target.
 RESUME_DMS_FIELDS = ("window", "budget", "target_eviction", "gate_hidden", "logit_scale", "logit_offset")
 DMS_FLAGS = {"window": "--dms_window", "logit_scale": "--dms_logit_scale", "logit_offset": "--dms_logit_offset"}
@@ -117,6 +122,11 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
 
 
+def _same_path(value):
+    """One file or folder however it is spelled (relative, absolute, a trailing slash); other values as they are."""
+    return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
+
+
 def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Config, where: str,
                  init_fingerprint: str | None = None) -> None:
     """Refuses to resume a checkpoint (its meta: `saved`) under changed shape- or policy-relevant settings,
@@ -145,6 +155,12 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
         if field in old_run and old_run[field] != new_run[field]:
             name = "--data=demo:N" if field == "demo_examples" else f"--{field}"
             changes.append(f"{name} {old_run[field]!r} -> {new_run[field]!r}")
+    old_data, new_data = old_run.get("data") or {}, new_run.get("data") or {}
+    for field, name in RESUME_DATA_FIELDS.items():
+        if field in old_data and _same_path(old_data[field]) != _same_path(new_data.get(field)):
+            if field == "data" and "demo_examples" in old_run and old_run.get("demo_examples"):
+                continue  # generated demo data: its flags are compared above, its cached file's name follows them
+            changes.append(f"{name} {old_data[field]!r} -> {new_data.get(field)!r}")
     if saved.get("model_config"):
         old_arch = Qwen3Config.from_hf(saved["model_config"])
         for field in ARCH_FIELDS:
@@ -180,12 +196,9 @@ def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     # KVpop training knobs (its memory-matched budget is in its own block).
     skip = set(OPERATIONAL_FIELDS) | {"dms" if cfg.retrofit == "kvpop" else "kvpop"}
 
-    def same_path(value):  # one folder however it is spelled (relative, absolute, a trailing slash)
-        return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
-
-    new = {k: same_path(v) for k, v in flat({k: v for k, v in json.loads(json.dumps(cfg.to_json(), default=str)).items()
-                                             if k not in skip})}
-    old = {k: same_path(v) for k, v in flat({k: v for k, v in saved.items() if k not in skip})}
+    now = json.loads(json.dumps(cfg.to_json(), default=str))
+    new = {k: _same_path(v) for k, v in flat({k: v for k, v in now.items() if k not in skip})}
+    old = {k: _same_path(v) for k, v in flat({k: v for k, v in saved.items() if k not in skip})}
     return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
 
 

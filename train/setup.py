@@ -129,9 +129,20 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")
     try:
-        return PackedBatchIterator(data_config, tokenizer)
+        batches = PackedBatchIterator(data_config, tokenizer)
     except ValueError as e:  # no usable text, a bad line, an empty file: named, one line at the CLI
         raise FlagError(f"--data: {e}") from e
+    if batches.num_documents is not None:  # read up front: say what was left out, once
+        stats = batches.stats
+        dropped = {k: v for k, v in sorted(stats.items()) if k != "kept" and v}
+        if dropped:
+            why = {"too_long": f"longer than {data_config.length_limit} tokens (--max_length; --split_documents "
+                               "packs cut documents)",
+                   "too_short": f"under --min_length={data_config.min_length} tokens",
+                   "no_text": "no text in the field read"}
+            info(f"data: kept {stats.get('kept', 0)} of {sum(stats.values())} documents; left out "
+                 + "; ".join(f"{n} {why.get(k, k)}" for k, n in dropped.items()))
+    return batches
 
 
 def next_rows(batches: PackedBatchIterator) -> dict[str, np.ndarray]:

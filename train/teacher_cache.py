@@ -6,6 +6,8 @@ without holding the teacher. Each file also holds `row_hashes` uint64 [global ba
 every row's token ids: a run whose data differs from the one the file was written for (another
 --data, seed, seq_len or batch) stops with an error instead of distilling from the wrong rows.
 The demo recipe writes one such directory and shares it between its variants (`train.recipe`).
+`teacher.json` records the teacher's weights (`checkpoint_fingerprint` of --init_checkpoint): a run
+from other weights, or a write of another teacher's files into it, is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 
 import jax
@@ -21,13 +24,58 @@ from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
+from kvpop_jax.checkpoint import checkpoint_fingerprint
+from kvpop_jax.fileio import atomic_write_bytes
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config
 from train.setup import build_mesh, next_rows, prepare_data, prepare_init_checkpoint, run_tokenizer, step_config
 
 
+TEACHER_META = "teacher.json"  # {"init_fingerprint": ...}: the weights the files were computed with
+
+
 def teacher_file(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.npz")
+
+
+def _recorded_fingerprint(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, TEACHER_META)) as f:
+            return json.load(f).get("init_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def claim_teacher_dir(directory: str, init_fingerprint: str, init_checkpoint: str | None) -> None:
+    """Records which teacher writes into `directory`, or refuses one holding another teacher's top-k
+    (a run would then distill from the wrong model without a word)."""
+    recorded = _recorded_fingerprint(directory)
+    if recorded is not None and recorded != init_fingerprint:
+        raise FlagError(f"--teacher_logits_dir={directory} holds another teacher's top-k (other weights than "
+                        f"--init_checkpoint={init_checkpoint}); choose another directory or empty it")
+    if recorded is None:
+        os.makedirs(directory, exist_ok=True)
+        atomic_write_bytes(os.path.join(directory, TEACHER_META),
+                           json.dumps({"init_fingerprint": init_fingerprint}).encode())
+
+
+def check_teacher_dir(cfg: TrainConfig, init_fingerprint: str, start: int | None) -> None:
+    """Before a run distills from `--teacher_logits_dir`: the files were written by this run's teacher
+    (where the directory records it) and every step from `start` on has its file (None: not checked)."""
+    directory = cfg.teacher_logits_dir
+    recorded = _recorded_fingerprint(directory)
+    if recorded is not None and recorded != init_fingerprint:
+        raise FlagError(f"--teacher_logits_dir={directory} holds the top-k of another teacher than "
+                        f"--init_checkpoint={cfg.init_checkpoint}: rewrite it with --write_teacher_logits")
+    if start is None:
+        return
+    if not os.path.isdir(directory):
+        raise FlagError(f"--teacher_logits_dir={directory} does not exist; write it first with --write_teacher_logits")
+    missing = [step for step in range(start, cfg.steps) if not os.path.isfile(teacher_file(directory, step))]
+    if missing:
+        raise FlagError(f"--teacher_logits_dir={directory} lacks the files of {len(missing)} of steps {start}.."
+                        f"{cfg.steps - 1} (the first: {teacher_file(directory, missing[0])}); write them with "
+                        f"--write_teacher_logits --steps={cfg.steps}")
 
 
 def row_hashes(input_ids: np.ndarray) -> np.ndarray:
@@ -94,6 +142,7 @@ def write_teacher_logits(cfg: TrainConfig) -> int:
         with shd.activate(mesh):
             return st.teacher_topk_logits(teacher, p, ids, pos, cfg.kvpop.kl_topk, chunk)
 
+    claim_teacher_dir(cfg.teacher_logits_dir, checkpoint_fingerprint(init_dir), cfg.init_checkpoint)
     tokenizer, _ = run_tokenizer(cfg, init_dir)
     batches = prepare_data(cfg, tokenizer)
     b = cfg.micro_batch
