@@ -58,7 +58,9 @@ def test_a_finished_variant_trained_with_other_flags_is_not_reused(tmp_path, arc
     with open(os.path.join(old.run_dir, TRAIN_CONFIG_FILE), "w") as f:
         json.dump(json.loads(json.dumps(old.to_json(), default=str)), f)
     assert recipe.finished(old)
-    assert recipe.finished(variant(progress=True, checkpoint_every=5, micro_batch=4))  # how, not what, it trains
+    assert recipe.finished(variant(progress=True, checkpoint_every=5))  # how, not what, it trains
+    with pytest.raises(FlagError, match="micro_batch 2 -> 4"):  # per-micro-batch means and query samples: what
+        recipe.finished(variant(micro_batch=4))
     assert recipe.finished(variant(dms_window=8))  # the DMS flags do not shape a KVpop variant
     os.makedirs(tmp_path / "init")  # the same folders spelled another way: the same run
     respelled = dataclasses.replace(old, init_checkpoint=str(tmp_path) + "/./init/")

@@ -488,6 +488,17 @@ def test_missing_flag_exits_with_message(tmp_path):
     proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "--scorer=transformer"]), cwd=REPO,
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: flag --scorer=transformer: value should be one of")
+    proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "stray"]), cwd=REPO,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("error: unexpected arguments ['stray']: train.main takes "
+                                                             "only flags (--name=value)")
+    # A one-host run in an environment that looks multi-host (a SLURM allocation): the hint, not a traceback.
+    proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "--init_checkpoint=random:tiny", "--data=demo:4"]),
+                          cwd=REPO, env=dict(train_env(tmp_path), SLURM_NTASKS="2"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: --distributed=auto: jax.distributed.initialize() failed (")
+    assert "multi-host variables seen: ['SLURM_NTASKS=2']. On one host pass --distributed=off" in proc.stderr
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -15,6 +15,7 @@ RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recip
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags
@@ -35,12 +36,18 @@ define_flags(FLAGS)
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if len(argv) > 1:  # one line and exit 2, as a bad flag (absl's UsageError prints the whole docstring)
+        print(f"error: unexpected arguments {argv[1:]}: train.main takes only flags (--name=value)", file=sys.stderr)
+        sys.exit(2)
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file it writes at INFO
     cfg = None
     try:
-        shd.maybe_initialize_distributed(FLAGS.distributed)  # before anything touches a device
+        try:
+            shd.maybe_initialize_distributed(FLAGS.distributed)  # before anything touches a device
+        except (ValueError, RuntimeError) as e:  # no coordinator: a one-host run in a multi-host-looking env
+            seen = [f"{k}={os.environ[k]}" for k in shd.MULTI_HOST_ENV if os.environ.get(k)]
+            raise FlagError(f"--distributed={FLAGS.distributed}: jax.distributed.initialize() failed ({e}); "
+                            f"multi-host variables seen: {seen or 'none'}. On one host pass --distributed=off") from e
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
         # the flag as given: "auto" means float32 on CPU, an explicit bfloat16 means a GPU recipe
         reasons = gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len)

@@ -178,7 +178,8 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
 OPERATIONAL_FIELDS = ("run_dir", "export_dir", "checkpoint_every", "keep_checkpoints", "async_checkpointing",
                       "resume", "export", "log_every", "tensorboard", "progress", "dry_run", "variants", "evaluation",
                       "overwrite", "divergence_factor", "divergence_warmup", "mesh", "remat", "scan_layers", "loss_chunk",
-                      "micro_batch", "teacher_logits_dir", "write_teacher_logits")
+                      "teacher_logits_dir", "write_teacher_logits")
+# Not operational: --micro_batch (the KL is a mean of per-micro-batch means, each with its own query samples).
 
 
 def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
