@@ -206,7 +206,7 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Itera
         return TextSpec(fields, chat=False)
     sample = first[fields[0]]
     if sample is None and rows is not None:  # a null first row says nothing: the first row with a value does
-        for row in itertools.islice(rows, _SPEC_SCAN_ROWS):
+        for row in itertools.islice(checked_rows(config, rows), _SPEC_SCAN_ROWS):
             if row.get(fields[0]) is not None:
                 sample = row[fields[0]]
                 break

@@ -265,7 +265,8 @@ def test_demo_cli_prints_the_main_task_and_refuses_bad_values(capsys, tmp_path):
     assert "3 test examples, task reuse" in out and "prompt tokens 1024..1024" in out
     assert "CR 88% (B=123, s=4, w=32): oracle recovery" in out and len((tmp_path / "x.jsonl").read_text().splitlines()) == 3
     for argv, message in ((["--n", "0"], "need --n >= 1"), (["--seq_len", "10"],
-                                                                 "the shortest seq_len for task 'reuse', .* is 959"),
+                                                                 "the shortest seq_len for task 'reuse', "
+                                                                 "difficulty 'medium' is 959"),
                           (["--w", "5000"], "--w 5000 does not fit"), (["--out", str(tmp_path / "no" / "x.jsonl")],
                                                                         "does not exist")):
         with pytest.raises(SystemExit):

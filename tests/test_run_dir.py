@@ -98,8 +98,9 @@ def test_starting_over_an_existing_run_needs_overwrite(tmp_path, arch):
     prepare_run_dir(parse(tiny_flags(run, arch, resume=True)))  # resuming is what a rerun does: allowed
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False, overwrite=True)))
     left = sorted(os.listdir(run))
-    # the run's outputs are gone; its inputs (data, init, tokenizer) and the export stay until replaced
-    assert left == ["data", "export", "init", "run.lock", "tokenizer"], left
+    # the run's outputs are gone; its inputs and the export stay until replaced (the refused --noresume
+    # above prepared nothing: it is checked before any input is)
+    assert left == ["data", "export", "run.lock"], left
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # nothing left to lose
 
 
@@ -119,14 +120,18 @@ def test_overwrite_deletes_nothing_before_every_flag_and_input_is_checked(tmp_pa
     assert os.path.isdir(os.path.join(run, "checkpoints", "2"))
 
 
-def test_a_teacher_logits_dir_of_another_teacher_or_missing_steps_is_refused_before_training(tmp_path, arch):
+def test_a_teacher_logits_dir_of_another_teacher_or_missing_steps_is_refused_before_training(tmp_path, arch, capsys):
     from train.teacher_cache import TEACHER_META, check_teacher_dir, claim_teacher_dir, teacher_file
 
     logits = tmp_path / "teacher"
     logits.mkdir()
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(logits), steps=3))
+    open(teacher_file(str(logits), 0), "wb").close()  # a file from before teacher.json: adopted, with a word
     claim_teacher_dir(str(logits), "a" * 64, "initA")
-    claim_teacher_dir(str(logits), "a" * 64, "initA")  # the same teacher again (a rerun): fine
+    assert "holds 1 step files without teacher.json; they are taken as --init_checkpoint=initA's" in \
+        capsys.readouterr().err
+    claim_teacher_dir(str(logits), "a" * 64, "initA")  # the same teacher again (a rerun): fine, silently
+    assert capsys.readouterr().err == ""
     assert json.loads((logits / TEACHER_META).read_text()) == {"init_fingerprint": "a" * 64}
     with pytest.raises(FlagError, match="holds another teacher's top-k .*--init_checkpoint=initB"):
         claim_teacher_dir(str(logits), "b" * 64, "initB")
@@ -188,8 +193,16 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
         path.write_text('{"text": "hello"}\n')
     on_file = parse(tiny_flags(str(tmp_path / "run"), arch, data=str(first), demo_seq_len=None))
     file_saved = {"train_config": json.loads(json.dumps(on_file.to_json(), default=str))}
-    check_resume(file_saved, parse(tiny_flags(str(tmp_path / "run"), arch, data=str(tmp_path / "." / "a.jsonl"),
+    check_resume(file_saved, parse(tiny_flags(str(tmp_path / "run"), arch, data=f"{tmp_path}/./a.jsonl",
                                               demo_seq_len=None)), model, "ckpt/2")  # the same file, spelled apart
+    check_resume(file_saved, parse(tiny_flags(str(tmp_path / "run"), arch, data=str(first), demo_seq_len=None,
+                                              demo_tasks="reuse")), model, "ckpt/2")  # unused demo flags: no matter
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:  # a relative --data is recorded absolute: a resume from another folder compares the same file
+        assert parse(tiny_flags(str(tmp_path / "run"), arch, data="a.jsonl", demo_seq_len=None)).data.data == str(first)
+    finally:
+        os.chdir(cwd)
     for overrides, message in ((dict(data=str(second)), f"--data '{first}' -> '{second}'"),
                                (dict(data=str(first), text_field="body"), "--text_field 'auto' -> 'body'")):
         with pytest.raises(FlagError, match=f"cannot resume ckpt/2: {message}\\. A resumed run keeps"):

@@ -498,7 +498,7 @@ def test_missing_flag_exits_with_message(tmp_path):
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: --distributed=auto: jax.distributed.initialize() failed (")
-    assert "multi-host variables seen: ['SLURM_NTASKS=2']. On one host pass --distributed=off" in proc.stderr
+    assert "multi-host variables seen: ['SLURM_NTASKS=2']. If this is one host, pass --distributed=off" in proc.stderr
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -145,9 +145,11 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                                                   f"_seed{f.seed}.jsonl")
     elif not f.dry_run:
         try:
-            resolve_source(data_path)
+            source = resolve_source(data_path)
         except (FileNotFoundError, PermissionError, ValueError) as e:
             raise FlagError(f"--data: {e}") from e
+        if source.kind != "hub":  # recorded absolute: a resume from another folder compares the same file
+            data_path = os.path.abspath(os.path.expanduser(data_path))
     try:
         data = DataConfig(
             data=data_path, seq_len=f.seq_len, batch_size=f.global_batch, text_field=f.text_field,

@@ -158,9 +158,12 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.tensorboard and jax.process_index() == 0:
         summary_writer_class()  # a missing package fails here, not after minutes of loading
     check_export_dir(cfg.export_dir, cfg.init_checkpoint, cfg.checkpoint_dir)
+    prepare_run_dir(cfg, delete=False)  # --noresume over a run: refused before any input is prepared
     # Every flag and input is checked (mesh, model, tokenizer, data) before --overwrite deletes anything.
     mesh = build_mesh(cfg)
     init_dir = prepare_init_checkpoint(cfg)
+    if jax.process_count() > 1:  # process 0 builds RUN_DIR/init for random: models; the others read it
+        multihost_utils.sync_global_devices("init checkpoint ready")
     model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
     sc = step_config(cfg, model_config)
     kv_config = sc.model

@@ -47,7 +47,8 @@ def main(argv):
         except (ValueError, RuntimeError) as e:  # no coordinator: a one-host run in a multi-host-looking env
             seen = [f"{k}={os.environ[k]}" for k in shd.MULTI_HOST_ENV if os.environ.get(k)]
             raise FlagError(f"--distributed={FLAGS.distributed}: jax.distributed.initialize() failed ({e}); "
-                            f"multi-host variables seen: {seen or 'none'}. On one host pass --distributed=off") from e
+                            f"multi-host variables seen: {seen or 'none'}. If this is one host, pass "
+                            "--distributed=off") from e
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
         # the flag as given: "auto" means float32 on CPU, an explicit bfloat16 means a GPU recipe
         reasons = gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len)

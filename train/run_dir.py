@@ -152,6 +152,8 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
             changes.append(f"{DMS_FLAGS.get(field, f'dms.{field}')} {old_dms[field]!r} -> {new_dms[field]!r}")
     new_run = json.loads(json.dumps(cfg.to_json(), default=str))
     for field in RESUME_RUN_FIELDS:
+        if field.startswith("demo_") and field != "demo_examples" and not old_run.get("demo_examples"):
+            continue  # a run on its own data: the demo generator's flags do not shape it
         if field in old_run and old_run[field] != new_run[field]:
             name = "--data=demo:N" if field == "demo_examples" else f"--{field}"
             changes.append(f"{name} {old_run[field]!r} -> {new_run[field]!r}")

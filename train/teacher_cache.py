@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -54,6 +55,11 @@ def claim_teacher_dir(directory: str, init_fingerprint: str, init_checkpoint: st
         raise FlagError(f"--teacher_logits_dir={directory} holds another teacher's top-k (other weights than "
                         f"--init_checkpoint={init_checkpoint}); choose another directory or empty it")
     if recorded is None:
+        older = sorted(f for f in os.listdir(directory) if f.startswith("step_")) if os.path.isdir(directory) else []
+        if older:  # written before teacher.json was: nothing says by which teacher
+            print(f"warning: --teacher_logits_dir={directory} holds {len(older)} step files without {TEACHER_META}; "
+                  f"they are taken as --init_checkpoint={init_checkpoint}'s (empty the directory if not)",
+                  file=sys.stderr)
         os.makedirs(directory, exist_ok=True)
         atomic_write_bytes(os.path.join(directory, TEACHER_META),
                            json.dumps({"init_fingerprint": init_fingerprint}).encode())
