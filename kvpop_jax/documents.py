@@ -240,7 +240,7 @@ def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
         raise ValueError(f"text field {spec.fields[0]!r} holds chat messages in other rows but a "
                          f"{type(messages).__name__} here ({str(messages)[:60]!r}...)")
     # Arrow gives every message every key seen in the column; drop the absent (None) ones.
-    messages = [{k: v for k, v in m.items() if v is not None} for m in example[spec.fields[0]]]
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages)

@@ -165,27 +165,40 @@ def _eos_tuple(eos_ids, vocab_size: int) -> tuple[int, ...]:
         raise ValueError(f"eos_ids must be a token id or a sequence of them, got {eos_ids!r}") from None
     out = []
     for token in ids:
-        try:
-            index = None if isinstance(token, bool) else operator.index(token)
-        except TypeError:
-            index = None
+        index = _int_like(token)
         if index is None or not 0 <= index < vocab_size:
             raise ValueError(f"eos_ids holds {token!r}; expected token ids in [0, {vocab_size})")
         out.append(index)
     return tuple(out)
 
 
-def _count(value, name: str) -> int:
-    """A positive Python int from an int-like value (numpy or a concrete jax scalar); ValueError otherwise."""
-    if isinstance(value, bool) or isinstance(value, float):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _int_like(value) -> int | None:
+    """`value` as a Python int if it is an integer (Python, numpy, a concrete jax scalar), else None (bools too)."""
+    if isinstance(value, bool):
+        return None
     try:
-        count = operator.index(value)
+        return operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}") from None
+        return None
+
+
+def _count(value, name: str) -> int:
+    """A positive Python int from an int-like value; ValueError otherwise."""
+    count = _int_like(value)
+    if count is None:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if count < 1:
         raise ValueError(f"{name} must be >= 1, got {count}")
     return count
+
+
+def _checked_call(model: Qwen3ForCausalLM, max_new_tokens, sampling, eos_ids) -> tuple[int, tuple[int, ...]]:
+    """What `generate` and `compile_generate` both take: (max_new_tokens as an int, the EOS ids as a tuple)."""
+    max_new_tokens = _count(max_new_tokens, "max_new_tokens")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig (e.g. SamplingConfig.greedy()), got "
+                         f"{type(sampling).__name__}")
+    return max_new_tokens, _eos_tuple(eos_ids, model.config.vocab_size)
 
 
 def generate(
@@ -216,12 +229,8 @@ def generate(
       tokens int32 [B, max_new_tokens] (zeros after EOS) and lengths int32 [B] (through
       the first EOS).
     """
-    max_new_tokens = _count(max_new_tokens, "max_new_tokens")
-    if not isinstance(sampling, SamplingConfig):
-        raise ValueError(f"sampling must be a SamplingConfig (e.g. SamplingConfig.greedy()), got "
-                         f"{type(sampling).__name__}")
+    max_new_tokens, eos = _checked_call(model, max_new_tokens, sampling, eos_ids)
     prompt_ids = _as_prompt_array(prompt_ids, model.config.vocab_size)
-    eos = _eos_tuple(eos_ids, model.config.vocab_size)
     reach = prompt_ids.shape[1] + max_new_tokens
     if reach > model.config.max_position_embeddings:  # RoPE runs past it, but the model never trained there
         warnings.warn(f"the prompt plus max_new_tokens reach {reach} tokens, beyond the model's "
@@ -229,8 +238,8 @@ def generate(
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     if rng is None:
         rng = jax.random.key(0)
-    elif isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
-        rng = jax.random.key(rng)  # a seed
+    elif not isinstance(rng, jax.Array) and _int_like(rng) is not None:
+        rng = jax.random.key(_int_like(rng))  # a seed
     elif isinstance(rng, np.ndarray) and rng.dtype == np.uint32 and rng.shape == (2,):
         rng = jnp.asarray(rng)  # a raw jax.random.PRNGKey that went through numpy
     elif not isinstance(rng, jax.Array):
@@ -256,11 +265,8 @@ def compile_generate(
     arguments (any prompt ids, rng and EOS ids of the same count) reuses the compile from JAX's
     cache. Meant for a background thread: XLA compiles on one core, so the next program can
     compile while the current one decodes (`eval.accuracy.run_accuracy`)."""
-    max_new_tokens = _count(max_new_tokens, "max_new_tokens")
+    max_new_tokens, eos_ids = _checked_call(model, max_new_tokens, sampling, eos_ids)
     batch, prompt_len = _count(batch, "batch"), _count(prompt_len, "prompt_len")
-    if not isinstance(sampling, SamplingConfig):
-        raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    eos_ids = _eos_tuple(eos_ids, model.config.vocab_size)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the
     # avals and placements of a real call, so that call finds this compile.

@@ -189,7 +189,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                 raise FlagError(f"--steps={cfg.steps}, but {cfg.checkpoint_dir} already holds step {latest}: a resume "
                                 "cannot go back (its export would be of the later step). Pass --steps >= "
                                 f"{latest}, or start over with --overwrite")
-        if cfg.teacher_logits_dir:
+        if cfg.teacher_logits_dir and cfg.resume and not cfg.overwrite:  # the others were checked from 0 above
             check_teacher_dir(cfg, init_fingerprint, latest or 0)
         return _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest,
                     tokenizer_dir, batches)

@@ -151,17 +151,18 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
         if field in old_dms and old_dms[field] != new_dms[field]:
             changes.append(f"{DMS_FLAGS.get(field, f'dms.{field}')} {old_dms[field]!r} -> {new_dms[field]!r}")
     new_run = json.loads(json.dumps(cfg.to_json(), default=str))
+    on_demo = bool(old_run.get("demo_examples"))  # generated data: its flags say what it is, not its file's path
     for field in RESUME_RUN_FIELDS:
-        if field.startswith("demo_") and field != "demo_examples" and not old_run.get("demo_examples"):
+        if field.startswith("demo_") and field != "demo_examples" and not on_demo:
             continue  # a run on its own data: the demo generator's flags do not shape it
         if field in old_run and old_run[field] != new_run[field]:
             name = "--data=demo:N" if field == "demo_examples" else f"--{field}"
             changes.append(f"{name} {old_run[field]!r} -> {new_run[field]!r}")
     old_data, new_data = old_run.get("data") or {}, new_run.get("data") or {}
     for field, name in RESUME_DATA_FIELDS.items():
+        if field == "data" and on_demo:
+            continue
         if field in old_data and _same_path(old_data[field]) != _same_path(new_data.get(field)):
-            if field == "data" and "demo_examples" in old_run and old_run.get("demo_examples"):
-                continue  # generated demo data: its flags are compared above, its cached file's name follows them
             changes.append(f"{name} {old_data[field]!r} -> {new_data.get(field)!r}")
     if saved.get("model_config"):
         old_arch = Qwen3Config.from_hf(saved["model_config"])

@@ -47,14 +47,20 @@ def _recorded_fingerprint(directory: str) -> str | None:
         return None
 
 
+def _same_teacher(directory: str, init_fingerprint: str, refusal: str) -> str | None:
+    """The fingerprint `directory` records (None: none recorded); FlagError(refusal) if it is another teacher's."""
+    recorded = _recorded_fingerprint(directory)
+    if recorded is not None and recorded != init_fingerprint:
+        raise FlagError(refusal)
+    return recorded
+
+
 def claim_teacher_dir(directory: str, init_fingerprint: str, init_checkpoint: str | None) -> None:
     """Records which teacher writes into `directory`, or refuses one holding another teacher's top-k
     (a run would then distill from the wrong model without a word)."""
-    recorded = _recorded_fingerprint(directory)
-    if recorded is not None and recorded != init_fingerprint:
-        raise FlagError(f"--teacher_logits_dir={directory} holds another teacher's top-k (other weights than "
-                        f"--init_checkpoint={init_checkpoint}); choose another directory or empty it")
-    if recorded is None:
+    refusal = (f"--teacher_logits_dir={directory} holds another teacher's top-k (other weights than "
+               f"--init_checkpoint={init_checkpoint}); choose another directory or empty it")
+    if _same_teacher(directory, init_fingerprint, refusal) is None:
         older = sorted(f for f in os.listdir(directory) if f.startswith("step_")) if os.path.isdir(directory) else []
         if older:  # written before teacher.json was: nothing says by which teacher
             print(f"warning: --teacher_logits_dir={directory} holds {len(older)} step files without {TEACHER_META}; "
@@ -69,10 +75,8 @@ def check_teacher_dir(cfg: TrainConfig, init_fingerprint: str, start: int | None
     """Before a run distills from `--teacher_logits_dir`: the files were written by this run's teacher
     (where the directory records it) and every step from `start` on has its file (None: not checked)."""
     directory = cfg.teacher_logits_dir
-    recorded = _recorded_fingerprint(directory)
-    if recorded is not None and recorded != init_fingerprint:
-        raise FlagError(f"--teacher_logits_dir={directory} holds the top-k of another teacher than "
-                        f"--init_checkpoint={cfg.init_checkpoint}: rewrite it with --write_teacher_logits")
+    _same_teacher(directory, init_fingerprint, f"--teacher_logits_dir={directory} holds the top-k of another teacher "
+                  f"than --init_checkpoint={cfg.init_checkpoint}: rewrite it with --write_teacher_logits")
     if start is None:
         return
     if not os.path.isdir(directory):
