@@ -218,6 +218,7 @@ def retention_objective(
     cutoffs: jax.Array,
     q_idx: jax.Array,
     config: KVpopConfig,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
     """Retention loss of one layer (Eq. 7) against the future-attention target.
 
@@ -226,7 +227,10 @@ def retention_objective(
       lse [B, Hq, S]: the sparse pass's normalizers (used when config.normalizer == "sparse").
       scores [B, Hkv, S], log_gamma [Hkv]: the student's (these receive the gradient).
       ranks, cutoffs [B, Hkv, S]: the student's sparse policy (for the recall metric).
-      q_idx [B, Nq]: sampled saturated query positions.
+      q_idx [B, Nq]: sampled saturated query positions (−1: none, a row without a real one).
+      lengths [B] or None: the real tokens leading each row, the rest padding. Padding queries then
+        count for nothing in the target (`targets.future_attention_target`) nor, where the losses
+        draw their own, as queries.
 
     Returns:
       (loss scalar, metrics dict of scalars, extras dict: target [B, Hkv, S], teacher
@@ -238,7 +242,7 @@ def retention_objective(
         lse = targets.dense_lse(q, k)
     target = targets.future_attention_target(
         q, k, lse, window=c.window, eps=c.eps, aggregate=c.aggregate, normalize=c.count_normalize,
-        reduce=c.target_reduce, lookahead=c.target_lookahead,
+        reduce=c.target_reduce, lookahead=c.target_lookahead, lengths=lengths,
     )
     t_priority = policy.static_priority(target, jax.lax.stop_gradient(log_gamma))
     t_ranks = policy.ranks_from_priority(t_priority)
@@ -246,7 +250,8 @@ def retention_objective(
     boundary = policy.teacher_boundary(t_ranks, sinks=c.sinks, window=c.window, topk=c.topk, cutoffs=t_cutoffs)
     loss_q = q_idx
     if c.target_head_samples:
-        head_q = losses.target_head_queries(target, num=c.target_head_samples, min_q=c.budget, window=c.window)
+        head_q = losses.target_head_queries(target, num=c.target_head_samples, min_q=c.budget, window=c.window,
+                                            lengths=lengths)
         loss_q = jnp.concatenate([jnp.broadcast_to(q_idx[:, None], head_q.shape[:2] + q_idx.shape[1:]), head_q], -1)
     loss, metrics = losses.retention_loss(
         scores, log_gamma, target, boundary, loss_q,
@@ -279,7 +284,8 @@ def retention_objective(
         loss = loss + list_loss
         metrics.update(list_metrics)
     if c.regression_weight:
-        reg_loss, reg_metrics = losses.regression_loss(scores, target, sinks=c.sinks, window=c.window)
+        reg_loss, reg_metrics = losses.regression_loss(scores, target, sinks=c.sinks, window=c.window,
+                                                       lengths=lengths)
         loss = loss + c.regression_weight * reg_loss
         metrics.update(reg_metrics)
     metrics["teacher_recall"] = teacher_recall(
@@ -289,12 +295,13 @@ def retention_objective(
     return loss, metrics, extras
 
 
-def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_idx=None, return_policy=False):
+def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_idx=None, q_lengths=None,
+                          return_policy=False):
     """The KVpop attention of one layer.
 
     Returns (out [B, S, Hq, D], aux dict or None). aux holds the retention loss and metrics
-    when `q_idx` is given, and the policy arrays (scores, ranks, cutoffs) when
-    `return_policy`.
+    when `q_idx` is given (`q_lengths`: `retention_objective`'s lengths), and the policy arrays
+    (scores, ranks, cutoffs) when `return_policy`.
     """
     ranks, cutoffs = sparse_policy(scores, log_gamma, config)
     out, lse = attn_lib.kvpop_attention(q, k, v, ranks, cutoffs, sinks=config.sinks, window=config.window,
@@ -303,7 +310,8 @@ def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_
     if return_policy:
         aux.update(scores=scores, ranks=ranks, cutoffs=cutoffs, log_gamma=log_gamma, lse=lse)
     if q_idx is not None:
-        loss, metrics, extras = retention_objective(q, k, lse, scores, log_gamma, ranks, cutoffs, q_idx, config)
+        loss, metrics, extras = retention_objective(q, k, lse, scores, log_gamma, ranks, cutoffs, q_idx, config,
+                                                    lengths=q_lengths)
         aux.update(retention_loss=loss, metrics=metrics)
         if return_policy:
             aux.update(extras)

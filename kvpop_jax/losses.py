@@ -148,6 +148,8 @@ def retention_loss(
     y = _gather_q(boundary.y, q_idx).astype(jnp.float32)
     valid = _gather_q(boundary.valid, q_idx).astype(bool)
     valid &= (t_new >= 0) & (t_bnd >= 0)  # an invalid index never reaches the loss
+    q_real = q_idx >= 0  # −1: a row with no real saturated query (`sample_query_positions`)
+    valid &= q_real if q_idx.ndim == 3 else q_real[:, None]
     y = jnp.where(valid, y, 1.0)
     diff, target_diff = _decayed_diffs(scores, target_scores, log_gamma, t_new, t_bnd)
     weights = boundary_weights(
@@ -396,6 +398,7 @@ def regression_loss(
     *,
     sinks: int,
     window: int,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Squared error of the raw scores against the log-target, per token, up to a constant (not in the paper).
 
@@ -413,6 +416,8 @@ def regression_loss(
       scores, target_scores: float [B, H, S]; the loss covers every token that ever competes for
         the long-range budget, s <= t <= S - 1 - w (Eq. 4).
       sinks, window: s and w.
+      lengths: int [B] or None: row b's real tokens are its first `lengths[b]` (the rest padding), and
+        S is then lengths[b] in the range above.
 
     Returns:
       (loss, metrics): the float32 mean over (row, head, token) of ((r̂ - mean r̂) - (r - mean r))²,
@@ -420,12 +425,13 @@ def regression_loss(
     """
     seq_len = scores.shape[-1]
     t = jnp.arange(seq_len)
-    competes = (t >= sinks) & (t <= seq_len - 1 - window)
-    n = jnp.maximum(jnp.sum(competes).astype(jnp.float32), 1.0)
+    end = jnp.full((scores.shape[0], 1, 1), seq_len) if lengths is None else jnp.asarray(lengths)[:, None, None]
+    competes = (t >= sinks) & (t <= end - 1 - window)  # [B, 1, S]
+    n_row = jnp.sum(competes, -1, keepdims=True).astype(jnp.float32)  # [B, 1, 1]
     err = jnp.where(competes, scores.astype(jnp.float32) - jax.lax.stop_gradient(target_scores.astype(jnp.float32)),
                     0.0)
-    err = jnp.where(competes, err - jnp.sum(err, -1, keepdims=True) / n, 0.0)
-    loss = jnp.sum(err * err) / (n * err.shape[0] * err.shape[1])
+    err = jnp.where(competes, err - jnp.sum(err, -1, keepdims=True) / jnp.maximum(n_row, 1.0), 0.0)
+    loss = jnp.sum(err * err) / jnp.maximum(jnp.sum(n_row) * err.shape[1], 1.0)
     return loss, {"regression_rmse": jax.lax.stop_gradient(jnp.sqrt(loss))}
 
 
@@ -454,6 +460,7 @@ def sample_query_positions(
     num: int,
     min_q: int,
     late_bias_fraction: float,
+    lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Query positions for the retention loss (Appendix B.6), int32 [batch, num].
 
@@ -463,6 +470,12 @@ def sample_query_positions(
     `q = min_q + floor((seq_len − min_q) · sqrt(u))`, u ~ U[0, 1): P(q) ∝ 2(q − min_q) + 1,
     mean two thirds of the way into the saturated range, no scale to tune, never out of
     range. Positions may repeat. Deterministic in `rng`.
+
+    lengths: int [batch] or None. Row b's real tokens are its first `lengths[b]` and the rest is
+    padding (a packed row's tail): its samples then fall in `min_q <= q < lengths[b]` (the same
+    draws as above with seq_len = lengths[b]; a row without padding is sampled exactly as with
+    None), and a row with no real saturated position (`lengths[b] <= min_q`) gets −1 throughout,
+    which every retention loss and metric counts as no example.
     """
     if num < 1 or batch < 1:
         raise ValueError(f"batch and num must be >= 1, got batch={batch}, num={num}")
@@ -475,17 +488,25 @@ def sample_query_positions(
         )
     if not 0.0 <= late_bias_fraction <= 1.0:
         raise ValueError(f"late_bias_fraction must be in [0, 1], got {late_bias_fraction!r}")
-    span = seq_len - min_q
     num_late = int(round(num * late_bias_fraction))
     k_uniform, k_late = jax.random.split(rng)
-    uniform = jax.random.randint(k_uniform, (batch, num - num_late), min_q, seq_len, dtype=jnp.int32)
+    if lengths is None:
+        end = jnp.full((batch, 1), seq_len, jnp.int32)
+    else:
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"lengths must be int [batch] = [{batch}], got {lengths.dtype} {lengths.shape}")
+        end = jnp.clip(lengths.astype(jnp.int32), min_q + 1, seq_len)[:, None]  # [batch, 1]
+    uniform = jax.random.randint(k_uniform, (batch, num - num_late), min_q, end, dtype=jnp.int32)
     u = jax.random.uniform(k_late, (batch, num_late), jnp.float32)
-    late = min_q + jnp.floor(span * jnp.sqrt(u)).astype(jnp.int32)
-    late = jnp.clip(late, min_q, seq_len - 1)  # float rounding guard
-    return jnp.concatenate([uniform, late], axis=1)
+    late = min_q + jnp.floor((end - min_q) * jnp.sqrt(u)).astype(jnp.int32)
+    late = jnp.clip(late, min_q, end - 1)  # float rounding guard
+    q = jnp.concatenate([uniform, late], axis=1)
+    return q if lengths is None else jnp.where(lengths[:, None] > min_q, q, -1)
 
 
-def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int) -> jax.Array:
+def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int,
+                        lengths: jax.Array | None = None) -> jax.Array:
     """Per head, the query positions at which the target's `num` highest tokens become eligible.
 
     The uniform and late-biased samples (`sample_query_positions`) meet a token only when its own
@@ -500,9 +521,11 @@ def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int)
       target: float [B, H, S], the future-attention target (stop-gradient).
       num: samples per (row, head), 1 <= num <= S - max(min_q, w).
       min_q: s + w + k, the first saturated query position; window: w.
+      lengths: int [B] or None: row b's real tokens are its first `lengths[b]`; its queries are then
+        drawn below that, and where fewer than `num` real ones exist the rest are −1 (no example).
 
     Returns:
-      int32 [B, H, num], each in [max(min_q, w), S).
+      int32 [B, H, num], each in [max(min_q, w), S) or −1.
     """
     s = target.shape[-1]
     first = max(min_q, window)
@@ -510,10 +533,11 @@ def target_head_queries(target: jax.Array, *, num: int, min_q: int, window: int)
         raise ValueError(f"target_head_samples must be in [1, {s - first}] for S = {s}, min_q = {min_q}, "
                          f"w = {window}, got {num}")
     t = jnp.arange(s)
-    eligible = (t + window >= first) & (t + window < s)
+    end = s if lengths is None else jnp.asarray(lengths)[:, None, None]
+    eligible = (t + window >= first) & (t + window < end)  # [S] or [B, 1, S]
     masked = jnp.where(eligible, jax.lax.stop_gradient(target.astype(jnp.float32)), -jnp.inf)
-    _, top_t = jax.lax.top_k(masked, num)
-    return (top_t + window).astype(jnp.int32)
+    top, top_t = jax.lax.top_k(masked, num)
+    return jnp.where(top > -jnp.inf, top_t + window, -1).astype(jnp.int32)
 
 
 def teacher_topk(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

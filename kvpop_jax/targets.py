@@ -306,11 +306,30 @@ def future_attention_log_mass(q, k, lse, *, window: int, scale: float | None = N
                                      implementation=implementation)
 
 
-def future_query_count(seq_len: int, window: int, lookahead: int | None = None) -> jax.Array:
-    """N_t = max(1, S − (t + w)) (Eq. 2 / 16), clipped to L + 1 with a lookahead L (B.2); float32 [S]."""
+# The normalizer given to padding queries: ℓ(d, t) − LSE_d is then about −1e4, so exp() of it is 0 next to
+# any real query's term, and a key whose only future queries are padding gets log m̄ ≈ −1e4 (target log ε).
+# Finite, so that the kernels' running max (which starts at −1e30) never meets an inf − inf or, as it would
+# at −1e30 itself, counts a padding query as exp(0).
+PADDING_QUERY_LSE = 1e4
+
+
+def future_query_count(seq_len: int, window: int, lookahead: int | None = None,
+                       lengths: jax.Array | None = None) -> jax.Array:
+    """N_t = max(1, S − (t + w)) (Eq. 2 / 16), clipped to L + 1 with a lookahead L (B.2); float32 [S].
+
+    lengths: int [B], the real (non-padding) tokens leading each row; S is then each row's own length
+    and the result is [B, S]."""
     t = jnp.arange(seq_len, dtype=jnp.float32)
-    count = jnp.maximum(1.0, seq_len - (t + window))
+    end = float(seq_len) if lengths is None else jnp.minimum(lengths, seq_len).astype(jnp.float32)[:, None]
+    count = jnp.maximum(1.0, end - (t + window))
     return count if lookahead is None else jnp.minimum(count, lookahead + 1.0)
+
+
+def mask_padding_queries(lse: jax.Array, lengths: jax.Array) -> jax.Array:
+    """lse [B, Hq, S] with the queries at or past each row's length (int [B]) set to `PADDING_QUERY_LSE`:
+    every log-mass implementation then gives them no mass (module docstring)."""
+    pos = jnp.arange(lse.shape[-1])
+    return jnp.where(pos[None, None, :] >= lengths[:, None, None], PADDING_QUERY_LSE, lse.astype(jnp.float32))
 
 
 def future_attention_target(
@@ -326,6 +345,7 @@ def future_attention_target(
     log_mass_fn: LogMassFn | None = None,
     reduce: str = "sum",
     lookahead: int | None = None,
+    lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Future-utility target r_tgt per KV head (Eq. 2–3, DESIGN.md).
 
@@ -347,6 +367,9 @@ def future_attention_target(
         probability of key t (no count normalization: `normalize` is ignored). A key read
         once, decisively, then ranks above keys that collect small leaks from many queries.
       lookahead: L (App. B.2): only the queries t + w <= d <= t + w + L count, and N_t <= L + 1.
+      lengths: int [B] or None: row b's first `lengths[b]` tokens are real and the rest padding
+        (a packed row's tail, `train.packing`). Padding queries then count for nothing, in the
+        mass and in N_t: the target is the one row b would have on its own. None: every query counts.
 
     Returns:
       float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
@@ -360,12 +383,18 @@ def future_attention_target(
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
+    if lengths is not None:
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"lengths must be int [B] = [{b}], got {lengths.dtype} {lengths.shape}")
+        lse = mask_padding_queries(lse, lengths)
     q, k, lse = (jax.lax.stop_gradient(x) for x in (q, k, lse))
     log_mass_fn = future_attention_log_mass if log_mass_fn is None else log_mass_fn
     log_m = log_mass_fn(q, k, lse, window=window, scale=scale, reduce=reduce, lookahead=lookahead)
     log_m = log_m.astype(jnp.float32).reshape(b, hkv, g, s)
     if normalize and reduce == "sum":
-        log_m = log_m - jnp.log(future_query_count(s, window, lookahead))  # Eq. 2, B.2
+        count = future_query_count(s, window, lookahead, lengths)  # Eq. 2, B.2
+        log_m = log_m - jnp.log(count if lengths is None else count[:, None, None])
     if aggregate == "max":
         log_agg = log_m.max(axis=2)  # Eq. 14
     else:

@@ -4,12 +4,14 @@ host sharding. Local generated files and the demo tokenizer only (no network).""
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from demo.tokenizer import build_tokenizer, save_tokenizer
 from kvpop_jax.documents import DocumentSpec, load_documents, resolve_source
 from train.packing import DataConfig, PackedBatchIterator
+from train.step import real_lengths
 
 CHARS = list("abcdefghij0123456789 ")
 S, B = 32, 4
@@ -239,6 +241,7 @@ def test_packing_invariants(tmp_path, rng, split_documents, reset_attention):
             n_real = int((seg[r] > 0).sum())
             assert (seg[r, :n_real] > 0).all() and (seg[r, n_real:] == 0).all()  # padding only at the end
             assert (ids[r, n_real:] == tok.pad_token_id).all()
+            assert int(real_lengths(jnp.asarray(seg))[r]) == n_real  # what the train step keeps queries to
             assert (np.diff(seg[r, :n_real]) >= 0).all() and seg[r, 0] == 1 and np.all(np.diff(np.unique(seg[r, :n_real])) == 1)
             if split_documents:
                 assert n_real == S  # continuous stream: no padding

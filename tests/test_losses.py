@@ -234,6 +234,25 @@ def test_sampler_bounds_determinism_and_bias():
     assert np.all(edge == 7)  # a single saturated position
 
 
+def test_sampler_keeps_to_each_rows_real_tokens():
+    """With `lengths` a row's samples are the draws of a row of its own length; no padding, the draws of
+    `lengths=None` exactly; no real saturated position, −1 throughout (no example)."""
+    key = jax.random.PRNGKey(5)
+    kw = dict(batch=4, num=300, min_q=60, late_bias_fraction=0.5)
+    full = np.asarray(losses.sample_query_positions(key, seq_len=200, **kw))
+    same = np.asarray(losses.sample_query_positions(key, seq_len=200, lengths=jnp.full((4,), 200, jnp.int32), **kw))
+    np.testing.assert_array_equal(same, full)
+    cut = np.asarray(losses.sample_query_positions(key, seq_len=150, **kw))
+    mixed = np.asarray(losses.sample_query_positions(key, seq_len=200, lengths=jnp.array([150, 200, 60, 61]), **kw))
+    np.testing.assert_array_equal(mixed[0], cut[0])  # the row of 150 real tokens: as if S were 150
+    np.testing.assert_array_equal(mixed[1], full[1])
+    np.testing.assert_array_equal(mixed[2], -1)  # 60 real tokens, min_q 60: no saturated real query
+    np.testing.assert_array_equal(mixed[3], 60)  # one: every sample is it
+    assert cut[0].max() <= 149 and cut[0].min() >= 60
+    with pytest.raises(ValueError, match=r"lengths must be int \[batch\] = \[4\]"):
+        losses.sample_query_positions(key, seq_len=200, lengths=jnp.array([150, 200]), **kw)
+
+
 def test_sampler_rejects_sequences_within_budget():
     with pytest.raises(ValueError, match=r"min_q = s \+ w \+ k = 64 >= seq_len = 64"):
         losses.sample_query_positions(jax.random.PRNGKey(0), batch=1, seq_len=64, num=4, min_q=64,

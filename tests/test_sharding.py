@@ -121,7 +121,9 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
     params = jax.tree.map(np.asarray, modeling.retrofit_params(kv, base, jax.random.PRNGKey(1)))
     batch = {"input_ids": rng.integers(0, 128, (A, b, S)).astype(np.int32),
              "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (A, b, S)).copy(),
-             "loss_mask": (rng.random((A, b, S)) > 0.1).astype(np.float32)}
+             "loss_mask": (rng.random((A, b, S)) > 0.1).astype(np.float32),
+             # packed rows' padding tails of random lengths (a row's last 0..S/4 tokens)
+             "segment_ids": (np.arange(S) < S - rng.integers(0, S // 4 + 1, (A, b, 1))).astype(np.int32)}
     results = {}
     for name, mesh in (("single", shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])),
                        ("sharded", setup.build_mesh(cfg))):

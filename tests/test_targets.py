@@ -286,3 +286,42 @@ def test_banded_pass_is_the_dispatchers_choice_off_gpu(rng, monkeypatch, reduce,
     want = np.asarray(targets.future_attention_log_mass_reference(q, k, lse, **kw))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_sparse", "pallas_interpret", "dense"])
+@pytest.mark.parametrize("reduce, normalize, lookahead", [("sum", True, None), ("sum", False, None),
+                                                          ("max", True, None), ("sum", True, 6)])
+def test_padding_queries_count_for_nothing(rng, impl, reduce, normalize, lookahead):
+    """With `lengths`, each row's target is the one the row has alone, cut at its length (numpy, float64,
+    straight from Eq. 2–3 on the cut row); keys past it, or with only padding ahead, get log ε."""
+    s, hkv, g, window, eps = 41, 2, 2, 3, 1e-6
+    lengths = np.array([29, 41])  # row 0 has 12 padding tokens at its tail, row 1 none
+    q, k = _qk(rng, s, hkv, g)
+    lse = rng.normal(size=(B, hkv * g, s)).astype(np.float32) * 3.0
+    fn = (functools.partial(targets.future_attention_log_mass_dense) if impl == "dense" else
+          functools.partial(targets.future_attention_log_mass, implementation=impl))
+    got = np.asarray(targets.future_attention_target(
+        q, k, lse, window=window, eps=eps, aggregate="max", normalize=normalize, reduce=reduce,
+        lookahead=lookahead, log_mass_fn=fn, lengths=jnp.asarray(lengths, jnp.int32)))
+    for b, n in enumerate(lengths):
+        logits = _np_logits(q[b:b + 1, :n], k[b:b + 1, :n]) - lse[b:b + 1, :, :n, None].astype(np.float64)
+        d, t = np.arange(n)[:, None], np.arange(n)[None, :]
+        future = (d >= t + window) & (True if lookahead is None else d <= t + window + lookahead)
+        p = np.where(future, np.exp(logits), 0.0)  # [1, Hq, d, t]
+        mass = p.max(axis=2) if reduce == "max" else p.sum(axis=2)
+        n_t = np.maximum(1, n - (np.arange(n) + window))
+        if lookahead is not None:
+            n_t = np.minimum(n_t, lookahead + 1)
+        m = mass / n_t if normalize and reduce == "sum" else mass
+        want = np.log(eps + m.reshape(1, hkv, g, n).max(axis=2))[0]
+        np.testing.assert_allclose(got[b, :, :n], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(got[b, :, n:], np.float32(np.log(eps)))
+
+
+def test_padding_lengths_are_checked(rng):
+    q, k = _qk(rng, 8, 1, 1)
+    lse = np.zeros((B, 1, 8), np.float32) + rng.normal(size=(B, 1, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"lengths must be int \[B\] = \[2\]"):
+        targets.future_attention_target(q, k, lse, window=2, eps=1e-6, lengths=jnp.array([3.0, 4.0]))
+    with pytest.raises(ValueError, match=r"lengths must be int \[B\]"):
+        targets.future_attention_target(q, k, lse, window=2, eps=1e-6, lengths=jnp.array([3]))

@@ -274,7 +274,7 @@ def test_teacher_topk_files_round_trip(tmp_path, arch):
     ids = np.random.default_rng(2).integers(0, 128, (4, 128)).astype(np.int32)
     write_teacher_topk(str(tmp_path), 3, values, indices, ids)
     rows = {"input_ids": ids, "positions": np.zeros((4, 128), np.int32),
-            "loss_mask": np.ones((4, 128), np.float32)}
+            "loss_mask": np.ones((4, 128), np.float32), "segment_ids": np.ones((4, 128), np.int32)}
     batch = host_batch(cfg, rows, 3)
     assert batch["teacher_values"].shape == (2, 2, 128, 16)
     np.testing.assert_array_equal(batch["teacher_indices"].reshape(4, 128, 16), indices)

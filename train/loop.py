@@ -40,7 +40,7 @@ from train.teacher_cache import check_teacher_dir, read_teacher_topk
 CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
 # Not dms_loss: it starts at 0 and grows with its target by design, a "divergence" to a median guard.
 GUARDED_TERMS = ("kl", "retention_loss", "loss")
-BATCH_KEYS = ("input_ids", "positions", "loss_mask")
+BATCH_KEYS = ("input_ids", "positions", "loss_mask", "segment_ids")
 
 
 class TrainingAborted(RuntimeError):

@@ -49,7 +49,7 @@ def build_mesh(cfg: TrainConfig):
 def abstract_batch(cfg: TrainConfig, model_config: Qwen3Config) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
     out = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32), "positions": jax.ShapeDtypeStruct(shape, jnp.int32),
-           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32), "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
     if cfg.teacher_logits_dir:
         k = cfg.kvpop.kl_topk
         out["teacher_values"] = jax.ShapeDtypeStruct(shape + (k,), jnp.float32)

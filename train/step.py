@@ -8,7 +8,9 @@ updates once. Per micro-batch:
 
   teacher  dense Qwen3 with the *initial* base weights (frozen, bf16 on GPU): its top-K
            logits per token, `[b, S, K]` (or precomputed ones read from disk)
-  student  the KVpop model (`query_samples` drawn with `sample_query_positions`, min_q = B),
+  student  the KVpop model (`query_samples` drawn with `sample_query_positions`, min_q = B, on
+           each row's real tokens: a packed row's padding tail is neither a sampled query nor a
+           query of the retention target; segment_ids say where it starts),
            or the DMS model with its relaxed gates (logistic noise from the step's rng)
   loss     KL(teacher top-K || student) + retention_loss_weight * retention loss (KVpop), or
            + aux_loss_weight * relu(target(step) - eviction rate) (DMS, `kvpop_jax/dms.py`;
@@ -144,6 +146,14 @@ def build_models(sc: StepConfig) -> tuple[Model, Model]:
     return student, teacher
 
 
+def real_lengths(segment_ids: jax.Array) -> jax.Array:
+    """Per row, the real tokens before its padding: int32 [b] from segment_ids [b, S] (0 = padding).
+
+    Packing pads only a row's tail (`train.packing`), so this is the index after the last real token."""
+    pos = jnp.arange(1, segment_ids.shape[-1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(segment_ids > 0, pos, 0), axis=-1)
+
+
 def make_loss_fn(sc: StepConfig) -> Callable:
     """loss_fn(params, teacher_params, micro_batch, rng, step) -> (loss, metrics dict of scalars).
 
@@ -156,6 +166,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
 
     def loss_fn(params, teacher_params, mb, rng, step):
         ids, pos, mask = mb["input_ids"], mb["positions"], mb["loss_mask"]
+        lengths = real_lengths(mb["segment_ids"]) if "segment_ids" in mb else None
         if sc.optim.freeze_base:
             flat = traverse_util.flatten_dict(params)
             params = traverse_util.unflatten_dict(
@@ -169,10 +180,11 @@ def make_loss_fn(sc: StepConfig) -> Callable:
         if kv is not None and kv.topk > 0:
             q_samples = losses.sample_query_positions(
                 rng, batch=ids.shape[0], seq_len=ids.shape[1], num=kv.num_query_samples, min_q=kv.budget,
-                late_bias_fraction=kv.late_bias_fraction,
+                late_bias_fraction=kv.late_bias_fraction, lengths=lengths,
             )
         rngs = {modeling.DMS_RNG: jax.random.fold_in(rng, 1)} if dms is not None else {}
-        out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True, rngs=rngs)
+        out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True, rngs=rngs,
+                            query_lengths=lengths)
         x, aux = out.hidden, out.aux
         kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=distill.kl_temperature,
                         chunk=chunk)
@@ -206,7 +218,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
 def make_train_step(sc: StepConfig, tx: optax.GradientTransformation, mesh=None) -> Callable:
     """train_step(state, teacher_params, batch) -> (state, metrics).
 
-    batch: dict of arrays `[A, b, S]` (input_ids, positions, loss_mask; plus
+    batch: dict of arrays `[A, b, S]` (input_ids, positions, loss_mask, segment_ids; plus
     teacher_values / teacher_indices `[A, b, S, K]` when precomputed). Metrics are means
     over micro-batches (tokens: the sum), plus grad_norm (before clipping), the LRs
     applied at this step and state_finite (1.0 iff the updated params and optimizer state

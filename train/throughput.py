@@ -85,7 +85,7 @@ def _random_batch(cfg: TrainConfig, vocab: int, seed: int) -> dict[str, np.ndarr
     rng = np.random.default_rng(seed)
     return {"input_ids": rng.integers(0, vocab, shape, dtype=np.int32),
             "positions": np.broadcast_to(np.arange(cfg.seq_len, dtype=np.int32), shape).copy(),
-            "loss_mask": np.ones(shape, np.float32)}
+            "loss_mask": np.ones(shape, np.float32), "segment_ids": np.ones(shape, np.int32)}
 
 
 def random_state(cfg: TrainConfig, model_config: Qwen3Config, sc: st.StepConfig, tx, shardings):
