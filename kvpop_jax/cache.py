@@ -198,14 +198,17 @@ class DenseLayerCache:
                 q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)),
                 kv_valid=jnp.broadcast_to(slots < length + s, (b, t)),
             )
+        # Under jit an overflow is not caught above (the length is traced) and the write was clamped into
+        # the last slots: the output is then NaN, not silently wrong (like an out-of-vocabulary id's logits).
+        out = jnp.where(length + s <= t, out, jnp.asarray(jnp.nan, out.dtype))
         return out, DenseLayerCache(cache_k, cache_v)
 
 
 def _check_dense_room(slots: int, new: int, length) -> None:
     """A dense cache of `slots` slots holding `length` tokens takes `new` more, or a ValueError. The
-    length is checked where it is concrete (eager calls); under jit it is traced, and an overflowing
-    write would clamp into the last slots (`generate` sizes its cache to the prompt plus
-    max_new_tokens, so it never does)."""
+    length is checked where it is concrete (eager calls); under jit it is traced, an overflowing
+    write clamps into the last slots and `decode` returns NaN (`generate` sizes its cache to the
+    prompt plus max_new_tokens, so it never does)."""
     if new > slots:
         raise ValueError(f"{new} tokens do not fit a dense cache of {slots} slots (init_dense_cache max_len={slots})")
     try:

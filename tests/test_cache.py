@@ -260,6 +260,11 @@ def test_a_full_dense_cache_and_malformed_inputs_are_refused(rng):
     step = model.apply({"params": params}, ids[:, 8:9], cache=roomy.cache)
     np.testing.assert_allclose(step.logits[0, -1], model.apply({"params": params}, ids[:, :9]).logits[0, -1],
                                rtol=1e-4, atol=1e-4)
+    # Under jit the length is traced and cannot raise: the overflowing step's logits are NaN, the one with
+    # room is the eager step's.
+    jitted = jax.jit(lambda c, x: model.apply({"params": params}, x, cache=c).logits)
+    assert np.isnan(np.asarray(jitted(out.cache, ids[:, 8:9]))).all()
+    np.testing.assert_allclose(jitted(roomy.cache, ids[:, 8:9]), step.logits, rtol=1e-5, atol=1e-5)
     for batch, max_len in ((1, 0), (1, -1), (0, 8), (1, 8.0), (True, 8)):
         with pytest.raises(ValueError, match="init_dense_cache: .* expected a positive integer"):
             init_dense_cache(BASE, batch, max_len)
