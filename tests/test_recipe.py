@@ -91,6 +91,9 @@ def test_length_generalization_table():
     long_rows = [dict(method="dense", budget=None, abs=0.8), dict(method="kvpop-mlstm", budget=123, abs=0.6)]
     (row,) = length_generalization(rows, long_rows, {0.88: 123})
     assert row[:3] == ["kvpop-mlstm", 123, "88%"] and row[3:] == pytest.approx([0.9, 0.9, 0.6, 0.75, -0.15])
+    # --eval_methods without dense: the job crashed here (StopIteration) after its whole evaluation
+    (row,) = length_generalization(rows[1:], long_rows, {0.88: 123})
+    assert row[3:5] == [0.9, "—"] and row[5:7] == pytest.approx([0.6, 0.75]) and row[7] == "—"
 
 
 @pytest.mark.long
