@@ -17,6 +17,10 @@ Conventions (DESIGN.md wins over the paper where they differ):
   * A key with no future query (t + w >= S) has log m̄ = −inf exactly (the log of an
     empty sum); its target is then log(ε + 0) = log ε, finite. Inside the loops the
     running max starts at a finite −1e30 so that no inf − inf is ever formed.
+  * Padding (`lengths`): a packed row's tail of padding queries gets the normalizer
+    `PADDING_QUERY_LSE` = 1e4, so each of its terms is about exp(−1e4) = 0 next to any real
+    query's; a key whose only future queries are padding has log m̄ ≈ −1e4 (finite, not −inf)
+    and again the target log ε. N_t then counts the row's real queries.
   * `r_tgt = Agg_g log(ε + m^(g))` with `m = m̄ / N_t`, `N_t = max(1, S − (t + w))`
     (DESIGN.md; Eq. 2–3). Appendix B.2 instead puts ε before the count normalization,
     `log(ε + m̄) − log N_t`; we follow DESIGN.md. Max aggregation is
@@ -327,7 +331,7 @@ def future_query_count(seq_len: int, window: int, lookahead: int | None = None,
 
 def mask_padding_queries(lse: jax.Array, lengths: jax.Array) -> jax.Array:
     """lse [B, Hq, S] with the queries at or past each row's length (int [B]) set to `PADDING_QUERY_LSE`:
-    every log-mass implementation then gives them no mass (module docstring)."""
+    every log-mass implementation then gives them no mass (module docstring, "Padding")."""
     pos = jnp.arange(lse.shape[-1])
     return jnp.where(pos[None, None, :] >= lengths[:, None, None], PADDING_QUERY_LSE, lse.astype(jnp.float32))
 

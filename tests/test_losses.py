@@ -523,3 +523,34 @@ def test_regression_loss_matches_python_loop_and_fits_every_competing_token(rng)
     assert float(losses.regression_loss(target + 4.0, target, sinks=sinks, window=w)[0]) < 1e-10 < float(loss)
     nothing, _ = losses.regression_loss(scores, target, sinks=S, window=w)  # no token competes
     assert float(nothing) == 0.0
+
+
+def test_a_query_of_minus_one_is_no_example_in_any_loss(rng):
+    """−1, the sampler's mark of a row with no real saturated query: every loss and its metrics are those of the
+    other row alone (the gathers at −1 would wrap to the row's last position if a loss did not mask them)."""
+    scores, log_gamma, target, boundary, _ = _random_problem(rng, valid_frac=1.0)
+    q_idx = np.stack([rng.integers(10, S, size=NQ), np.full(NQ, -1)]).astype(np.int32)
+    one = lambda x: x[:1]  # noqa: E731
+    row0 = types.SimpleNamespace(**{k: one(v) for k, v in vars(boundary).items()})
+    kw = dict(margin_weighting=True, balance_weighting=True, **KNOBS)
+    both, m_both = losses.retention_loss(scores, log_gamma, target, boundary, q_idx, **kw)
+    alone, m_alone = losses.retention_loss(one(scores), log_gamma, one(target), row0, q_idx[:1], **kw)
+    np.testing.assert_allclose(float(both), float(alone), rtol=1e-6)
+    assert float(m_both["num_valid"]) == float(m_alone["num_valid"]) > 0
+    sk = dict(sinks=2, window=4)
+    partners = losses.sample_rank_partners(q_idx, num=3, **sk)
+    np.testing.assert_array_equal(np.asarray(partners[1]), -1)
+    k = rng.normal(size=(B, S, H, 8)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(losses.similar_rank_partners(k, q_idx, num=3, **sk)[1]), -1)
+    knobs = dict(temperature=0.7, margin_weighting=True, omega_min=0.1, tau_omega=0.5)
+    pair = losses.pairwise_rank_loss(scores, log_gamma, target, q_idx, partners, window=4, **knobs)[0]
+    pair1 = losses.pairwise_rank_loss(one(scores), log_gamma, one(target), q_idx[:1], partners[:1], window=4,
+                                      **knobs)[0]
+    np.testing.assert_allclose(float(pair), float(pair1), rtol=1e-6)
+    lw = losses.listwise_retention_loss(scores, log_gamma, target, q_idx, temperature=0.5, **sk)[0]
+    lw1 = losses.listwise_retention_loss(one(scores), log_gamma, one(target), q_idx[:1], temperature=0.5, **sk)[0]
+    np.testing.assert_allclose(float(lw), float(lw1), rtol=1e-6)
+    keep = rng.random((B, H, NQ, S)) < 0.3
+    ks = losses.keepset_loss(scores, log_gamma, keep, q_idx, topk=3, temperature=0.5, **sk)[0]
+    ks1 = losses.keepset_loss(one(scores), log_gamma, keep[:1], q_idx[:1], topk=3, temperature=0.5, **sk)[0]
+    np.testing.assert_allclose(float(ks), float(ks1), rtol=1e-6)

@@ -1,6 +1,6 @@
 """How much of the job's retention target came from a packed row's padding queries (stop 48).
 
-The job packs each ~1016-token demo trace into a 1024-token row and pads the tail (8 tokens). Until
+The job packs each 1017-token demo trace into a 1024-token row and pads the tail (7 tokens). Until
 stop 48 those padding queries counted in the future-attention target (its mass and N_t) and could be
 sampled as retention queries. Here, on the job's own training rows and the shipped export's queries
 and keys, the target per layer and KV head with and without `query_lengths`, for the paper's sum and
