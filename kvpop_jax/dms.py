@@ -209,14 +209,16 @@ def dms_attention(q, k, v, log_keep, *, window: int, scale: float | None = None,
     return out.reshape(b, s, hq, d), lse.reshape(b, hq, s)
 
 
-def dms_layer_attention(q, k, v, g, config: DMSConfig, *, noise=None, return_policy: bool = False):
+def dms_layer_attention(q, k, v, g, config: DMSConfig, *, noise=None, return_policy: bool = False,
+                        row_lengths=None):
     """The DMS attention of one layer from its gate logits g [B, Hkv, S].
 
     noise: logistic noise [B, Hkv, S] (training: the relaxed soft mask, and aux["dms_frac"] [B],
     the mean straight-through decision per sequence for the auxiliary loss) or None (inference:
     the hard mask). Returns (out [B, S, Hq, D], aux): aux["metrics"]["eviction_rate"] (share of
     tokens with a hard decision to evict), and with `return_policy` the decision logits `a` and
-    `evict` [B, Hkv, S].
+    `evict` [B, Hkv, S]. row_lengths: int [B] or None, the real tokens leading each row (the rest a
+    packed row's padding): `dms_frac` then averages the real tokens' decisions only.
     """
     a = decision_logits(g)
     decided = jnp.arange(a.shape[-1]) < a.shape[-1] - 1  # the last token has no decision yet
@@ -227,8 +229,10 @@ def dms_layer_attention(q, k, v, g, config: DMSConfig, *, noise=None, return_pol
     else:
         log_keep, decisions = relaxed_decisions(a, noise, config.temperature)
         evict = decisions > 0.5
-        count = jnp.maximum(jnp.sum(decided), 1)
-        aux["dms_frac"] = jnp.sum(jnp.where(decided, decisions, 0.0), axis=(1, 2)) / (count * a.shape[1])
+        real = decided if row_lengths is None else decided & (jnp.arange(a.shape[-1]) < row_lengths[:, None] - 1)
+        real = jnp.broadcast_to(real, (a.shape[0], a.shape[-1]))[:, None, :]  # [B, 1, S]
+        count = jnp.maximum(jnp.sum(real, axis=(1, 2)), 1)  # per row
+        aux["dms_frac"] = jnp.sum(jnp.where(real, decisions, 0.0), axis=(1, 2)) / (count * a.shape[1])
     out, lse = dms_attention(q, k, v, log_keep, window=config.window)
     rate = jnp.sum(evict & decided) / jnp.maximum(jnp.sum(decided) * a.shape[0] * a.shape[1], 1)
     aux["metrics"] = {"eviction_rate": rate.astype(jnp.float32)}

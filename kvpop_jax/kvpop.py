@@ -295,12 +295,12 @@ def retention_objective(
     return loss, metrics, extras
 
 
-def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_idx=None, q_lengths=None,
+def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_idx=None, row_lengths=None,
                           return_policy=False):
     """The KVpop attention of one layer.
 
     Returns (out [B, S, Hq, D], aux dict or None). aux holds the retention loss and metrics
-    when `q_idx` is given (`q_lengths`: `retention_objective`'s lengths), and the policy arrays
+    when `q_idx` is given (`row_lengths`: `retention_objective`'s lengths), and the policy arrays
     (scores, ranks, cutoffs) when `return_policy`.
     """
     ranks, cutoffs = sparse_policy(scores, log_gamma, config)
@@ -311,7 +311,7 @@ def kvpop_layer_attention(q, k, v, scores, log_gamma, config: KVpopConfig, *, q_
         aux.update(scores=scores, ranks=ranks, cutoffs=cutoffs, log_gamma=log_gamma, lse=lse)
     if q_idx is not None:
         loss, metrics, extras = retention_objective(q, k, lse, scores, log_gamma, ranks, cutoffs, q_idx, config,
-                                                    lengths=q_lengths)
+                                                    lengths=row_lengths)
         aux.update(retention_loss=loss, metrics=metrics)
         if return_policy:
             aux.update(extras)

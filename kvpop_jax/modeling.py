@@ -127,7 +127,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def __call__(self, x_BxSxE, positions, segment_ids=None, layer_cache=None, cache_length=None,
-                 decoding=False, query_samples=None, return_policy=False, query_lengths=None):
+                 decoding=False, query_samples=None, return_policy=False, row_lengths=None):
         """Returns (out [B, S, E], new layer cache or None, KVpop aux or None).
 
         With `layer_cache` (any `cache.LayerCache`): its `decode` when `decoding`, else its
@@ -152,12 +152,13 @@ class Attention(nn.Module):
         if c.dms is not None:
             g = policy(k, v)
             noise = jax.random.logistic(self.make_rng(DMS_RNG), g.shape) if self.has_rng(DMS_RNG) else None
-            out, aux = dms_layer_attention(q, k, v, g, c.dms, noise=noise, return_policy=return_policy)
+            out, aux = dms_layer_attention(q, k, v, g, c.dms, noise=noise, return_policy=return_policy,
+                                           row_lengths=row_lengths)
             return self.o_proj(out), None, aux
         if policy is not None:
             scores, log_gamma = policy(k, v, positions)
             out, aux = kvpop_layer_attention(
-                q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, q_lengths=query_lengths,
+                q, k, v, scores, log_gamma, self.config.kvpop, q_idx=query_samples, row_lengths=row_lengths,
                 return_policy=return_policy,
             )
             return self.o_proj(out), None, aux
@@ -195,7 +196,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxSxE, positions, segment_ids=None, layer_cache=None, cache_length=None,
-                 decoding=False, query_samples=None, return_policy=False, query_lengths=None):
+                 decoding=False, query_samples=None, return_policy=False, row_lengths=None):
         """x [B, S, E] -> (x [B, S, E], new layer cache or None, KVpop aux or None).
 
         The residual stream is pinned to (batch, length, act_embed) under an active mesh.
@@ -205,7 +206,7 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="input_layernorm")(x_BxSxE)
         h, new_cache, aux = Attention(c, self.dtype, self.param_dtype, name="self_attn")(
             h, positions, segment_ids, layer_cache, cache_length, decoding, query_samples, return_policy,
-            query_lengths,
+            row_lengths,
         )
         x_BxSxE = x_BxSxE + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype, name="post_attention_layernorm")(x_BxSxE)
@@ -248,9 +249,10 @@ class Qwen3ForCausalLM(nn.Module):
     auxiliary loss). With `config.kvpop` set, every layer attends through the KVpop mask of its scorer;
     `query_samples` (int [B, Nq], saturated positions) adds the retention loss and
     metrics to `aux`, and `return_policy=True` adds per-layer scores/ranks/cutoffs
-    (and targets/boundaries when `query_samples` is given). `query_lengths` (int [B], optional)
-    says that row b's real tokens are its first `query_lengths[b]` and the rest padding: the
-    retention targets then leave the padding queries out (`targets.future_attention_target`).
+    (and targets/boundaries when `query_samples` is given). `row_lengths` (int [B], optional)
+    says that row b's real tokens are its first `row_lengths[b]` and the rest padding: the
+    retention targets then leave the padding queries out (`targets.future_attention_target`), and
+    DMS's `dms_frac` counts only the real tokens' decisions.
     `positions` (int [B, S], default 0..S-1) and `segment_ids` (int [B, S], optional;
     attention is reset between segments) support packed sequences. With `cache`
     (a DenseCache), the new tokens are written at `cache.length` and attend to the whole
@@ -304,7 +306,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __call__(self, input_ids, positions=None, segment_ids=None, cache: Cache | None = None,
                  query_samples=None, return_policy: bool = False, return_hidden: bool = False,
-                 query_lengths=None):
+                 row_lengths=None):
         shape, dtype = getattr(input_ids, "shape", None), getattr(input_ids, "dtype", None)
         if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
             raise ValueError(f"input_ids: expected an integer array [batch, seq]; got {type(input_ids).__name__} "
@@ -314,8 +316,8 @@ class Qwen3ForCausalLM(nn.Module):
             if value is not None and tuple(np.shape(value)) != (b, s):
                 raise ValueError(f"{name} has shape {tuple(np.shape(value))}; input_ids is {(b, s)} and {name} "
                                  "must match it")
-        if query_lengths is not None and tuple(np.shape(query_lengths)) != (b,):
-            raise ValueError(f"query_lengths has shape {tuple(np.shape(query_lengths))}; expected one length per "
+        if row_lengths is not None and tuple(np.shape(row_lengths)) != (b,):
+            raise ValueError(f"row_lengths has shape {tuple(np.shape(row_lengths))}; expected one length per "
                              f"row, ({b},)")
         check_token_ids(input_ids, self.config.vocab_size)  # eager calls only; see check_token_ids
         self._check_retrofit_params()
@@ -334,11 +336,11 @@ class Qwen3ForCausalLM(nn.Module):
         layer_aux, new_layers = [], []
         scanned = self._scans(cache)
         if scanned:
-            x, layer_aux = self._scan_layers(x, positions, segment_ids, query_samples, return_policy, query_lengths)
+            x, layer_aux = self._scan_layers(x, positions, segment_ids, query_samples, return_policy, row_lengths)
         for i, layer in enumerate(() if scanned else self.layers):
             x, lc, aux = layer(x, positions, segment_ids, None if cache is None else cache.layers[i],
                                None if cache is None else cache.length, decoding, query_samples, return_policy,
-                               query_lengths)
+                               row_lengths)
             layer_aux.append(aux)
             new_layers.append(lc)
         x = self.norm(x)
@@ -368,7 +370,7 @@ class Qwen3ForCausalLM(nn.Module):
         return (self.scan_layers and cache is None and self.config.num_hidden_layers > 1
                 and not self.is_initializing() and not self.is_mutable_collection("intermediates"))
 
-    def _scan_layers(self, x, positions, segment_ids, query_samples, return_policy, query_lengths=None):
+    def _scan_layers(self, x, positions, segment_ids, query_samples, return_policy, row_lengths=None):
         """The decoder layers as one `lax.scan` over their stacked parameters: XLA compiles one
         layer, not L (Qwen3-8B's 36). The parameter tree stays per layer (`layers_{i}`, as HF
         import/export and checkpoints have it); the stack is taken inside the step: one more copy of
@@ -387,7 +389,7 @@ class Qwen3ForCausalLM(nn.Module):
             p, key = xs
             rngs = {DMS_RNG: key} if key is not None else None
             x, _, aux = layer.apply({"params": p}, x, positions, segment_ids, None, None, False, query_samples,
-                                    return_policy, query_lengths, rngs=rngs)
+                                    return_policy, row_lengths, rngs=rngs)
             return x, aux
 
         if self.remat_policy != "none":

@@ -253,6 +253,23 @@ def test_training_forward_reports_the_rate_and_trains_the_gate(rng):
     assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
 
 
+def test_aux_fraction_counts_a_rows_real_tokens_only(rng):
+    """With `row_lengths`, dms_frac is the mean relaxed decision over each row's real tokens that have one (all
+    but its last real token), the padding tail left out; without, over every token but the row's last."""
+    b, h, s, d = 2, 2, 12, 8
+    q = jnp.asarray(rng.normal(size=(b, s, 2 * h, d)).astype(np.float32))
+    k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)).astype(np.float32)) for _ in range(2))
+    g = jnp.asarray(rng.normal(size=(b, h, s)).astype(np.float32))
+    noise = jax.random.logistic(jax.random.key(3), (b, h, s))
+    cfg = DMSConfig(window=3, budget=8, gate_hidden=8)
+    _, dec = dms_lib.relaxed_decisions(dms_lib.decision_logits(g), noise, cfg.temperature)
+    dec = np.asarray(dec, np.float64)
+    _, full = dms_lib.dms_layer_attention(q, k, v, g, cfg, noise=noise)
+    _, cut = dms_lib.dms_layer_attention(q, k, v, g, cfg, noise=noise, row_lengths=jnp.array([7, 12]))
+    np.testing.assert_allclose(np.asarray(full["dms_frac"]), dec[:, :, :s - 1].mean(axis=(1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(cut["dms_frac"]), [dec[0, :, :6].mean(), dec[1, :, :11].mean()], rtol=1e-5)
+
+
 def test_export_round_trip_and_generate(tmp_path, rng):
     d = DMSConfig(window=4, budget=10, gate_hidden=8, target_eviction=0.5)
     model, params = dms_model(d, rng)

@@ -197,7 +197,7 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
     dict(target_reduce="max", normalizer="dense"),
 ])
 def test_padding_tail_is_neither_query_nor_target(rng, options):
-    """A row padded past its `query_lengths` trains as the row cut at that length: every layer's retention
+    """A row padded past its `row_lengths` trains as the row cut at that length: every layer's retention
     loss and metrics are equal (every loss option: each sees padding queries only through the target
     and its own queries). A row with no real saturated query (the sampler's −1s) adds nothing."""
     s, n = 48, 37
@@ -207,22 +207,22 @@ def test_padding_tail_is_neither_query_nor_target(rng, options):
     ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
     q_idx = jnp.asarray(rng.integers(kv.budget, n, size=(1, 8)))
     cut = model.apply({"params": params}, ids[:1, :n], query_samples=q_idx)
-    padded = model.apply({"params": params}, ids[:1], query_samples=q_idx, query_lengths=jnp.array([n]))
+    padded = model.apply({"params": params}, ids[:1], query_samples=q_idx, row_lengths=jnp.array([n]))
     # A second row with no real saturated query: its samples are −1 (random rank partners are drawn
     # from all the batch's samples, so there the draws differ and only the first comparison holds).
     lengths = jnp.array([n, kv.budget - 3], jnp.int32)
     both = jnp.concatenate([q_idx, jnp.full_like(q_idx, -1)])
-    two = model.apply({"params": params}, ids, query_samples=both, query_lengths=lengths)
+    two = model.apply({"params": params}, ids, query_samples=both, row_lengths=lengths)
     unmasked = model.apply({"params": params}, ids[:1], query_samples=q_idx)
     for out in (padded, two) if not kv.rank_pairs or kv.rank_partners == "similar" else (padded,):
         np.testing.assert_allclose(float(out.aux["retention_loss"]), float(cut.aux["retention_loss"]), rtol=2e-5)
         for name, value in cut.aux["metrics"].items():
             np.testing.assert_allclose(float(out.aux["metrics"][name]), float(value), rtol=2e-5, atol=1e-6,
                                        err_msg=name)
-    # the padding did count before: the same row without query_lengths trains on another target
+    # the padding did count before: the same row without row_lengths trains on another target
     assert float(unmasked.aux["retention_loss"]) != pytest.approx(float(cut.aux["retention_loss"]), rel=1e-4)
-    with pytest.raises(ValueError, match=r"query_lengths has shape \(1,\); expected one length per row, \(2,\)"):
-        model.apply({"params": params}, ids, query_samples=both, query_lengths=lengths[:1])
+    with pytest.raises(ValueError, match=r"row_lengths has shape \(1,\); expected one length per row, \(2,\)"):
+        model.apply({"params": params}, ids, query_samples=both, row_lengths=lengths[:1])
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -184,7 +184,7 @@ def make_loss_fn(sc: StepConfig) -> Callable:
             )
         rngs = {modeling.DMS_RNG: jax.random.fold_in(rng, 1)} if dms is not None else {}
         out = student.apply({"params": params}, ids, pos, query_samples=q_samples, return_hidden=True, rngs=rngs,
-                            query_lengths=lengths)
+                            row_lengths=lengths)
         x, aux = out.hidden, out.aux
         kl = chunked_kl(student, params, x, t_values, t_indices, mask, temperature=distill.kl_temperature,
                         chunk=chunk)

@@ -3,7 +3,7 @@
 The job packs each 1017-token demo trace into a 1024-token row and pads the tail (7 tokens). Until
 stop 48 those padding queries counted in the future-attention target (its mass and N_t) and could be
 sampled as retention queries. Here, on the job's own training rows and the shipped export's queries
-and keys, the target per layer and KV head with and without `query_lengths`, for the paper's sum and
+and keys, the target per layer and KV head with and without `row_lengths`, for the paper's sum and
 for the max over future reads:
 
 - the share of competing tokens (s <= t, t + w < the row's real length) whose log-target moves by
@@ -66,7 +66,7 @@ def main() -> None:
     for reduce in ("sum", "max"):
         cfg = dataclasses.replace(config, kvpop=dataclasses.replace(kv, target_reduce=reduce))
         model = Qwen3ForCausalLM(cfg)
-        outs = [model.apply({"params": params}, ids, query_samples=q_idx, return_policy=True, query_lengths=lens)
+        outs = [model.apply({"params": params}, ids, query_samples=q_idx, return_policy=True, row_lengths=lens)
                 for lens in (None, lengths)]
         for layer, (old, new) in enumerate(zip(outs[0].aux["layers"], outs[1].aux["layers"])):
             t = np.arange(ids.shape[1])
