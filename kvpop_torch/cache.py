@@ -26,6 +26,7 @@ constant: N slots per head and the mLSTM state.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -86,9 +87,7 @@ class KVpopLayer(CacheLayerMixin):
         if kwargs is None:
             raise ValueError("KVpopCache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
                              "kwargs=kwargs), as transformers' Qwen3 attention passes them)")
-        if self._pending is not None and not self._pending.consumed:
-            raise RuntimeError(f"the attention did not apply the KVpop mask: load the model with "
-                               f"attn_implementation={ATTENTION_NAME!r} (kvpop_torch.load does)")
+        require_mask_applied(self._pending)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = key_states.shape[2]
@@ -268,7 +267,16 @@ class KVpopCache(Cache):
 
     def __init__(self, settings: KVpopSettings, heads: Sequence[KVpopHead]):
         self.settings = settings
+        self.warned_positions = False  # past max_position_embeddings (`check_new_tokens`)
         super().__init__(layers=[KVpopLayer(settings, head) for head in heads])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Each layer's update first checks that the layer below attended under its KVpop mask, so a model
+        loaded with another attention fails within its first forward (a one-call generation included), not
+        at the next call. A cache built without `from_pretrained(d, model)` skips the up-front check."""
+        if 0 < layer_idx <= len(self.layers):
+            require_mask_applied(self.layers[layer_idx - 1]._pending)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model=None, *, device=None) -> "KVpopCache":
@@ -292,6 +300,13 @@ class KVpopCache(Cache):
         return [layer.pos for layer in self.layers]
 
 
+def require_mask_applied(pending: KVpopMask | None) -> None:
+    """The mask a layer's update handed to its attention was applied, or a RuntimeError naming the fix."""
+    if pending is not None and not pending.consumed:
+        raise RuntimeError(f"the attention did not apply the KVpop mask: load the model with "
+                           f"attn_implementation={ATTENTION_NAME!r} (kvpop_torch.load does)")
+
+
 def check_attention(model) -> None:
     """A KVpop cache is only correct under the "kvpop" attention (others ignore its mask)."""
     impl = getattr(model.config, "_attn_implementation", None)
@@ -311,13 +326,30 @@ def guard_new_tokens(model) -> None:
 def check_new_tokens(module, args, kwargs):
     """A forward with no new tokens, named: an empty prompt, or (what `generate` makes of it) a
     KVpopCache passed again after it served a generation. Otherwise torch fails deep inside the
-    attention ("cannot reshape tensor of 0 elements")."""
+    attention ("cannot reshape tensor of 0 elements"). Also named: a padding `attention_mask` (the
+    KVpop attention does not read it, and padding would take sink and long-range slots) and
+    `use_cache=False` with a KVpopCache (generate would resend the whole sequence every step)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if isinstance(cache, KVpopCache):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+            raise ValueError("KVpopCache needs unpadded prompts of equal length: this attention_mask has zeros "
+                             "(padding), which the KVpop attention does not read; decode ragged prompts one at "
+                             "a time")
+        if kwargs.get("use_cache") is False:
+            raise ValueError("use_cache=False with a KVpopCache: the bounded cache is filled one call at a time "
+                             "(a prompt, then one token per call); pass use_cache=True or leave it out")
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    if ids is not None and isinstance(cache, KVpopCache) and limit and not cache.warned_positions \
+            and cache.get_seq_length() + ids.shape[1] > limit:
+        cache.warned_positions = True  # once per generation, as kvpop_jax.generate warns once per call
+        warnings.warn(f"decoding past the model's max_position_embeddings ({limit}): positions it was not "
+                      f"trained at (this call reaches {cache.get_seq_length() + ids.shape[1]} tokens)", stacklevel=2)
     if ids is None or ids.shape[1] > 0:
         return None
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
     held = cache.get_seq_length() if isinstance(cache, KVpopCache) else 0
     if held:
         raise ValueError(f"this KVpopCache already holds a generation ({held} tokens): a cache serves one "

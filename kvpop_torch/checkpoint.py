@@ -72,6 +72,12 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
                 raise ValueError(f"{os.fspath(directory)!r}: kvpop.scorer_keys='unrotated' undoes plain RoPE, but "
                                  f"config.json's {key} has rope_type {kind!r}")
     files = weight_files(directory)
+    prefixes = tuple(KVPOP_PREFIX.format(i=i) for i in range(config["num_hidden_layers"]))
+    stray = sorted(n for n in files if ".self_attn.kvpop." in n and not n.startswith(prefixes))
+    if stray:  # tensors of layers the config does not have: a truncated config or another model's files
+        more = ", ..." if len(stray) > 3 else ""
+        raise ValueError(f"{os.fspath(directory)!r}: KVpop tensors of layers its config.json does not have "
+                         f"(num_hidden_layers={config['num_hidden_layers']}): {stray[:3]}{more}")
     heads = []
     for i in range(config["num_hidden_layers"]):
         prefix = KVPOP_PREFIX.format(i=i)

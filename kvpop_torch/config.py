@@ -60,10 +60,19 @@ class KVpopSettings:
         for f in dataclasses.fields(self):  # a string "false" is truthy
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"kvpop.{f.name} must be true or false, got {getattr(self, f.name)!r}")
-        for name in ("sinks", "window", "topk"):
+        for name, minimum in (("sinks", 0), ("window", 0), ("topk", 0), ("scorer_hidden", 1), ("mlstm_chunk", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"kvpop.{name} must be an int >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"kvpop.{name} must be an int >= {minimum}, got {value!r}")
+        if self.mlstm_dim is not None and (not isinstance(self.mlstm_dim, int) or isinstance(self.mlstm_dim, bool)
+                                           or self.mlstm_dim < 1):
+            raise ValueError(f"kvpop.mlstm_dim must be null or an int >= 1, got {self.mlstm_dim!r}")
+        for name in ("gamma_min", "gamma_max", "mlstm_gate_softcap"):  # a hand-edited "0.999" or null
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"kvpop.{name} must be a finite number, got {value!r}")
+        if self.mlstm_gate_softcap < 0:
+            raise ValueError(f"kvpop.mlstm_gate_softcap must be >= 0 (0: off), got {self.mlstm_gate_softcap!r}")
         if self.window < 1:
             raise ValueError(f"kvpop.window must be >= 1, got {self.window}")
         for name, allowed in (("scorer", SCORERS), ("mlstm_feature_map", FEATURE_MAPS),

@@ -171,6 +171,14 @@ def test_an_export_that_lost_its_settings_or_holds_nan_scorers_is_refused(tmp_pa
     for load in (kvpop_torch.load, load_heads):
         with pytest.raises(ValueError, match=rf"KVpop tensor '{name}' holds NaN"):
             load(tmp_path)
+    # A scorer tensor of a layer the config does not have (2 layers here) was dropped without a word.
+    tensors[name] = torch.ones_like(tensors[name])
+    tensors[name.replace("layers.0.", "layers.5.").replace("layers.1.", "layers.5.")] = tensors[name].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for load in (kvpop_torch.load, load_heads):
+        with pytest.raises(ValueError, match=r"KVpop tensors of layers its config.json does not have "
+                                             r"\(num_hidden_layers=2\): \['model.layers.5.self_attn.kvpop"):
+            load(tmp_path)
 
 
 def test_a_corrupt_weights_file_is_named(tmp_path, rng):
@@ -201,10 +209,26 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         with pytest.raises(ValueError, match="needs a KVpopCache"):
             model(ids, use_cache=False)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
         with pytest.raises(ValueError, match="unpadded prompts"):
-            mask = torch.ones_like(ids)
-            mask[0, :3] = 0
             model.generate(ids, attention_mask=mask, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        # The KVpop attention does not read the mask: a direct forward, or generate given position_ids, ran on
+        # the padding as tokens (logits identical to the unmasked run's).
+        with pytest.raises(ValueError, match="this attention_mask has zeros"):
+            model(ids, attention_mask=mask, cache=KVpopCache.from_pretrained(tmp_path, model))
+        with pytest.raises(ValueError, match="this attention_mask has zeros"):
+            model.generate(ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None].expand(2, -1),
+                           cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        model(ids, attention_mask=torch.ones_like(ids), cache=KVpopCache.from_pretrained(tmp_path, model))  # fine
+        limit, model.config.max_position_embeddings = model.config.max_position_embeddings, 14
+        with pytest.warns(UserWarning, match=r"past the model's max_position_embeddings \(14\).*reaches 15 tokens") \
+                as caught:
+            model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        assert sum("max_position_embeddings" in str(w.message) for w in caught) == 1  # once, not per token
+        model.config.max_position_embeddings = limit
+        with pytest.raises(ValueError, match="use_cache=False with a KVpopCache"):  # was "already holds 12 tokens"
+            model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), use_cache=False, **greedy)
         cache = KVpopCache.from_pretrained(tmp_path, model)
         model(ids, cache=cache)
         with pytest.raises(NotImplementedError, match="one token per call"):
@@ -222,10 +246,9 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
         model.set_attn_implementation("sdpa")
         with pytest.raises(ValueError, match="ignores the KVpop mask"):
             KVpopCache.from_pretrained(tmp_path, model)
-        cache = KVpopCache.from_pretrained(tmp_path)
-        model(ids, cache=cache)
+        cache = KVpopCache.from_pretrained(tmp_path)  # no model to check: the first forward names it
         with pytest.raises(RuntimeError, match="did not apply the KVpop mask"):
-            model(ids[:, :1], cache=cache)
+            model(ids, cache=cache)
 
 
 @pytest.mark.parametrize("name", ["demo-kvpop-mlstm", "demo-teacher"])

@@ -42,6 +42,17 @@ def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
     for field in ("delayed_readout", "mlstm_skip", "mlstm_norm"):  # "false" is truthy: refused, as kvpop_jax does
         with pytest.raises(ValueError, match=f"kvpop.{field} must be true or false, got 'false'"):
             KVpopSettings.from_dict({**kv.to_dict(), field: "false"})
+    # Hand edits that crashed later with bare TypeErrors or ZeroDivisionError (gamma "0.999" or null, chunk 0):
+    for field, value, message in (("gamma_min", "0.999", "gamma_min must be a finite number, got '0.999'"),
+                                  ("gamma_max", None, "gamma_max must be a finite number, got None"),
+                                  ("mlstm_gate_softcap", "15", "mlstm_gate_softcap must be a finite number"),
+                                  ("mlstm_gate_softcap", -1.0, "mlstm_gate_softcap must be >= 0"),
+                                  ("mlstm_chunk", 0, "mlstm_chunk must be an int >= 1, got 0"),
+                                  ("mlstm_chunk", 1.5, "mlstm_chunk must be an int >= 1, got 1.5"),
+                                  ("scorer_hidden", -1, "scorer_hidden must be an int >= 1, got -1"),
+                                  ("mlstm_dim", 0, "mlstm_dim must be null or an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=f"kvpop.{message}"):
+            KVpopSettings.from_dict({**kv.to_dict(), field: value})
     assert torch_config.TRAINING_ONLY == KVpopConfig.TRAINING_ONLY
     with pytest.raises(ValueError, match=r"fields this kvpop_torch does not know: \['mlstm_dims', 'new_knob'\]"):
         KVpopSettings.from_dict({**kv.to_dict(), "mlstm_dims": 8, "new_knob": 1})  # was silently ignored
