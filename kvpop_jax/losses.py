@@ -490,9 +490,8 @@ def sample_query_positions(
         raise ValueError(f"late_bias_fraction must be in [0, 1], got {late_bias_fraction!r}")
     num_late = int(round(num * late_bias_fraction))
     k_uniform, k_late = jax.random.split(rng)
-    if lengths is None:
-        end = jnp.full((batch, 1), seq_len, jnp.int32)
-    else:
+    end = seq_len
+    if lengths is not None:
         lengths = jnp.asarray(lengths)
         if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"lengths must be int [batch] = [{batch}], got {lengths.dtype} {lengths.shape}")

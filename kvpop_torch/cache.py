@@ -332,7 +332,10 @@ def check_new_tokens(module, args, kwargs):
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if isinstance(cache, KVpopCache):
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+        # At the prompt only: a decode step's mask extends it with ones, and reading it every step would
+        # sync a GPU with the host once per token.
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and cache.get_seq_length() == 0 \
+                and not bool(mask.bool().all()):
             raise ValueError("KVpopCache needs unpadded prompts of equal length: this attention_mask has zeros "
                              "(padding), which the KVpop attention does not read; decode ragged prompts one at "
                              "a time")
@@ -343,11 +346,12 @@ def check_new_tokens(module, args, kwargs):
     if ids is None:
         ids = kwargs.get("inputs_embeds")
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    if ids is not None and isinstance(cache, KVpopCache) and limit and not cache.warned_positions \
-            and cache.get_seq_length() + ids.shape[1] > limit:
-        cache.warned_positions = True  # once per generation, as kvpop_jax.generate warns once per call
-        warnings.warn(f"decoding past the model's max_position_embeddings ({limit}): positions it was not "
-                      f"trained at (this call reaches {cache.get_seq_length() + ids.shape[1]} tokens)", stacklevel=2)
+    if ids is not None and isinstance(cache, KVpopCache) and limit and not cache.warned_positions:
+        reach = cache.get_seq_length() + ids.shape[1]
+        if reach > limit:
+            cache.warned_positions = True  # once per generation, as kvpop_jax.generate warns once per call
+            warnings.warn(f"decoding past the model's max_position_embeddings ({limit}): positions it was not "
+                          f"trained at (this call reaches {reach} tokens)", stacklevel=2)
     if ids is None or ids.shape[1] > 0:
         return None
     held = cache.get_seq_length() if isinstance(cache, KVpopCache) else 0
