@@ -73,6 +73,10 @@ class KVpopLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         n = self.num_slots
         self.dtype, self.device, self.batch_size = key_states.dtype, key_states.device, b
+        # The scorer follows its layer: with a device_map that splits the layers over GPUs (or offloads them),
+        # the keys arrive on the layer's device, wherever the scorers were loaded.
+        if self.head.decay_alpha.device != self.device:
+            self.head.to(self.device)
         self.keys = key_states.new_zeros(b, h, n, d)
         self.values = value_states.new_zeros(b, h, n, value_states.shape[-1])
         self.pos = torch.full((b, h, n), -1, dtype=torch.long, device=self.device)
@@ -282,7 +286,8 @@ class KVpopCache(Cache):
     def from_pretrained(cls, directory: str | os.PathLike, model=None, *, device=None) -> "KVpopCache":
         """The cache for the KVpop export in `directory` (config.json "kvpop" block and its safetensors).
 
-        With `model`, checks that it attends through "kvpop" and puts the scorers on its device.
+        With `model`, checks that it attends through "kvpop" and puts the scorers on its device. Each layer's
+        scorer then follows its layer's keys at the first update, so a `device_map` over several GPUs works.
         """
         if model is not None:
             check_attention(model)

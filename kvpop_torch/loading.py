@@ -14,14 +14,19 @@ from kvpop_torch.checkpoint import check_weights, load_heads
 from kvpop_torch.config import read_config
 
 
-def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None):
+def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None, device_map=None):
     """(model, make_cache) for an export: `model.generate(ids, cache=make_cache(), ...)`.
+
+    `device` puts the whole model on one device; `device_map` (e.g. "auto", needs `accelerate`) is
+    passed to `from_pretrained` to split it, and each layer's scorer then runs on its layer's device.
 
     A KVpop export loads with the "kvpop" attention and `make_cache()` returns a fresh
     `KVpopCache` (the scorers are loaded once and shared); a dense export loads with "sdpa"
     and `make_cache()` returns a `DynamicCache`. A DMS export is refused (its gates are not
     implemented here).
     """
+    if device is not None and device_map is not None:
+        raise ValueError(f"give device ({device!r}) or device_map ({device_map!r}), not both")
     config = read_config(directory)
     check_weights(directory)  # a corrupt file named here, not as a bare SafetensorError from transformers
     kvpop = bool(config.get("kvpop"))
@@ -31,7 +36,7 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             os.fspath(directory), dtype=dtype, attn_implementation=ATTENTION_NAME if kvpop else "sdpa",
-            output_loading_info=True)
+            output_loading_info=True, **({} if device_map is None else {"device_map": device_map}))
     finally:
         hf_logging.set_verbosity(verbosity)
     unexpected = sorted(k for k in info["unexpected_keys"] if ".self_attn.kvpop." not in k)

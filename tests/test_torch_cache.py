@@ -98,6 +98,25 @@ def test_teacher_forced_decode_and_kept_slots_equal_kvpop_jax(tmp_path, rng, bas
         assert (layer.pos >= 0).all()
 
 
+def test_each_layers_scorer_follows_its_keys_device(tmp_path, rng):
+    """With a device_map that splits the layers over GPUs (or offloads them), each layer's keys arrive on
+    that layer's device; its scorer moves there at the cache's first update, wherever it was loaded (before,
+    every scorer stayed on the first device and the second GPU's layers failed). This box has no second
+    device, so the meta device stands in for one: keys there, scorer loaded on the CPU."""
+    from kvpop_torch.checkpoint import load_heads
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlstm", sinks=1, window=3, topk=4), rng)
+    settings, heads = load_heads(tmp_path)
+    cache = KVpopCache(settings, heads)
+    shape = (2, BASE.num_key_value_heads, 5, BASE.head_dim)
+    cache.layers[1].lazy_initialization(torch.zeros(shape, device="meta"), torch.zeros(shape, device="meta"))
+    assert {p.device.type for p in heads[1].parameters()} == {"meta"}
+    assert cache.layers[1].state.C.device.type == "meta" and cache.layers[1].pos.device.type == "meta"
+    assert {p.device.type for p in heads[0].parameters()} == {"cpu"}  # the other layer stays where it is
+    cache.layers[0].lazy_initialization(torch.zeros(shape), torch.zeros(shape))
+    assert {p.device.type for p in heads[0].parameters()} == {"cpu"}
+
+
 def test_unrotated_keys_refuse_scaled_rope(tmp_path, rng):
     """An unrotated-key export undoes plain RoPE with config.json's rope_theta; a config whose RoPE is
     scaled (edited by hand: kvpop_jax never writes one) is refused by name, not decoded wrongly."""
