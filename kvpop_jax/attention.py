@@ -23,7 +23,7 @@ from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
 from kvpop_jax.gathered_attention import keys_per_query, kvpop_attention_gathered
 from kvpop_jax.tiled_attention import dense_attention_tiled
-from pallas_kernels.common import NEG_INF, check_attention_args
+from pallas_kernels.common import NEG_INF, check_attention_args, check_dense_args, check_int
 from pallas_kernels.compacted_attention import compacted_is_cheaper, kvpop_attention_pallas_compacted
 from pallas_kernels.compat import mosaic_gpu_interpret_unavailable
 from pallas_kernels.mosaic_attention import kvpop_attention_mosaic, mosaic_rejects
@@ -124,6 +124,8 @@ def dense_attention_blockwise(q, k, v, *, q_positions, kv_positions, q_segment_i
     Memory is O(block_q * T) per head instead of O(S * T), in autodiff too (each block is
     rematerialized). S need not be a multiple of `block_q`.
     """
+    check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid, scale)
+    check_int("block_q", block_q, 1)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -156,6 +158,7 @@ def dense_attention_reference(q, k, v, *, q_positions, kv_positions, q_segment_i
     Returns:
       out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log).
     """
+    check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid, scale)
     b, s, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
     mask = _dense_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid)
@@ -174,7 +177,10 @@ def dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, k
     "tiled" (`tiled_attention.dense_attention_tiled`: online softmax over key blocks, skipping
     those no query of the block can see, with its own backward). None: tiled from
     `DENSE_TILED_MIN_QUERIES` queries on, the reference below (a decode step, short prompts).
+    Shapes, dtypes and positions are checked by name first (`common.check_dense_args`); values in
+    empty (`kv_valid=False`) slots must be finite (the caches zero them).
     """
+    check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid, scale)
     if impl is None:
         impl = "tiled" if q.shape[1] >= DENSE_TILED_MIN_QUERIES else "reference"
     fns = {"reference": dense_attention_reference, "blockwise": dense_attention_blockwise,
@@ -222,8 +228,8 @@ def kvpop_attention_reference(q, k, v, ranks, cutoffs, *, sinks: int, window: in
       out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log over kept keys).
       Differentiable in q, k, v (both outputs) by plain autodiff.
     """
-    del topk
-    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk, scale)
+    check_int("block_q", block_q, 1)
     b, s, hq, d = q.shape
     scale = d**-0.5 if scale is None else scale
     k_pos = jnp.arange(s, dtype=jnp.int32)
@@ -269,12 +275,17 @@ def _gathered_preferred(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, t
 
 
 def _pallas(kernel, interpret: bool, with_topk: bool) -> Callable:
-    """A masked-attention kernel under the dispatcher's signature, in shard_map under a mesh."""
+    """A masked-attention kernel under the dispatcher's signature, in shard_map under a mesh.
+
+    q, k and v of different float dtypes run in their common dtype, as the XLA reference computes
+    (Triton's dots take one element type); out comes back in q's dtype, each gradient in its input's."""
 
     def run(q, k, v, ranks, cutoffs, *, sinks, window, scale=None, topk=None):
         kw = dict(sinks=sinks, window=window, scale=scale, interpret=interpret, **({"topk": topk} if with_topk else {}))
         fn = shd.shard_kernel(functools.partial(kernel, **kw), ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"))
-        return fn(q, k, v, ranks, cutoffs)
+        dtype = jnp.result_type(q, k, v)
+        out, lse = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), ranks, cutoffs)
+        return out.astype(q.dtype), lse
 
     return run
 
@@ -357,6 +368,12 @@ def kvpop_attention(q, k, v, ranks, cutoffs, *, sinks: int, window: int, scale: 
     block-skipping kernel; elsewhere "xla_sparse" where it scores fewer than
     `GATHERED_MARGIN` x S keys per query, else the reference. Under an active mesh the kernels
     run in shard_map over batch and heads.
+
+    The arguments are checked by name before any back end runs (`common.check_attention_args`):
+    float q, k, v (of any mix of dtypes: the kernels run in their common dtype), int budgets, a
+    static scale. v must be finite everywhere, masked keys included: a masked value is multiplied
+    by 0, and 0 · inf is NaN (as in any fused attention). The gradients are reverse mode only.
     """
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk, scale)  # before any back end casts
     return KVPOP_ATTENTION(q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, topk=topk,
                            implementation=implementation)

@@ -72,10 +72,11 @@ class Op:
 
     def select(self, implementation: str | None, *args, **kwargs) -> str:
         """The back-end name a call with these arguments runs on."""
-        requested = implementation or os.environ.get(self.env_var) or None
+        # An empty $VAR counts as unset (shell convention); implementation="" is a mistake, named below.
+        requested = implementation if implementation is not None else os.environ.get(self.env_var) or None
         if requested is not None:
             if requested not in self.backends:
-                source = "implementation" if implementation else f"${self.env_var}"
+                source = "implementation" if implementation is not None else f"${self.env_var}"
                 raise ValueError(f"{self.name}: {source} must be one of {self.implementations}, got {requested!r}")
             reason = self.backends[requested].rejects(*args, **kwargs)
             if reason is not None:

@@ -201,9 +201,10 @@ def kvpop_attention_gathered(q, k, v, ranks, cutoffs, *, sinks: int, window: int
         a list of length S instead (no fallback needed, no savings).
 
     Returns:
-      out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32; differentiable in q, k, v.
+      out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32; differentiable in q, k, v (custom VJP:
+      reverse mode, first order; no jvp).
     """
-    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk, scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv

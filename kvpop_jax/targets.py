@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
-from pallas_kernels.common import NEG_INF, check_log_mass_args
+from pallas_kernels.common import NEG_INF, check_log_mass_args, check_qkv, check_scale
 from pallas_kernels.future_lse import future_attention_log_mass_pallas
 
 LogMassFn = Callable[..., jax.Array]
@@ -73,8 +73,8 @@ def _fold_query_block(carry, k_b, q_b, lse_b, t_pos, d_pos, *, s, window, horizo
 def _finish_log_mass(m, l, reduce):
     """log m̄ (or the max logit) from the running (max, sum); −inf for keys with no future query."""
     if reduce == "max":
-        return jnp.where(m > NEG_INF, m, -jnp.inf)
-    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        return jnp.where(m <= NEG_INF, -jnp.inf, m)  # a NaN input stays NaN, as in the kernels
+    return jnp.where(l <= 0, -jnp.inf, m + jnp.log(jnp.where(l <= 0, 1.0, l)))
 
 
 def future_attention_log_mass_reference(
@@ -104,7 +104,7 @@ def future_attention_log_mass_reference(
       float32 [B, Hq, S]: log m̄_t^(h,g) per query head and key position; −inf for keys
       with no future query (t + w >= S). Not differentiated (inputs are stop-gradient).
     """
-    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead, scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -152,7 +152,7 @@ def future_attention_log_mass_banded(
     work without a lookahead (the future triangle, not the square) and O(S · (L + 2 · block))
     with one. The masks are evaluated exactly as in the reference.
     """
-    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead, scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -203,7 +203,7 @@ def future_attention_log_mass_dense(
     Same signature and result; `block_size` is accepted and ignored.
     """
     del block_size
-    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead, scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -239,7 +239,10 @@ def dense_lse(
     Returns:
       float32 [B, Hq, S], finite (every query sees at least key 0). Stop-gradient.
     """
-    check_log_mass_args(q, k, None, None)
+    check_qkv(q, k, None)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in sequence length")
+    check_scale(scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -379,7 +382,7 @@ def future_attention_target(
       float32 [B, Hkv, S], finite; keys without future queries get log ε. A constant:
       no gradient flows to q, k or lse.
     """
-    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead, scale)
     if aggregate not in ("max", "mean"):
         raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
     if not eps > 0:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import NEG_INF
+from pallas_kernels.common import NEG_INF, check_dense_args, check_int
 
 BIG_POS = 2**30  # position of a padded or invalid key: after every query
 
@@ -175,12 +175,14 @@ def dense_attention_tiled(q, k, v, *, q_positions, kv_positions, q_segment_ids=N
     `attention.dense_attention_reference` (any positions, segments, empty slots).
 
     block_q, block_k: queries and keys per tile (cut to S and T when shorter). S and T need not
-    be multiples. Differentiable in q, k, v (out and lse) by its own blockwise backward.
+    be multiples. Differentiable in q, k, v (out and lse) by its own blockwise backward (custom VJP:
+    reverse mode, first order; no jvp).
     """
+    check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid, scale)
+    check_int("block_q", block_q, 1)
+    check_int("block_k", block_k, 1)
     b, s, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     bq, bk = min(block_q, s), min(block_k, t)
     sp, tp = -(-s // bq) * bq, -(-t // bk) * bk
     tiles = _Tiles(float(d**-0.5 if scale is None else scale), bq, bk)

@@ -11,6 +11,7 @@ power of 2 (>= 16) before `pallas_call`, and slices the padding off afterwards.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -84,36 +85,100 @@ def check_ranks(ranks) -> jax.Array:
     return ranks.astype(jnp.int32)
 
 
-def check_attention_args(q, k, v, ranks, cutoffs, sinks, window) -> None:
-    """The masked attention's inputs: q [B, S, Hq, D], k/v [B, S, Hkv, D], ranks/cutoffs int [B, Hkv, S]."""
+def check_array(name: str, x, ndim: int, what: str) -> None:
+    """x is an array of `ndim` axes (`what` spells them, e.g. "[B, S, H, D]")."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"{name} must be an array {what}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+
+
+def check_float_inputs(**arrays) -> None:
+    """Each named array holds floats: integer attention inputs would be truncated, not attended."""
+    for name, x in arrays.items():
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
+
+
+def check_scale(scale) -> None:
+    """None (D ** -0.5) or a finite number known when tracing: the kernels bake it in."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite Python number (static, not a traced array), got {scale!r}")
+
+
+def check_qkv(q, k, v) -> None:
+    """q [B, S, Hq, D] and k, v [B, T, Hkv, D] floats (v may be None), B, S >= 1, Hq a multiple of Hkv."""
+    check_array("q", q, 4, "[B, S, Hq, D]")
+    for name, x in (("k", k), ("v", v)):
+        if x is not None:
+            check_array(name, x, 4, "[B, T, Hkv, D]")
+    check_float_inputs(q=q, k=k, **({} if v is None else {"v": v}))
+    b, s, hq, d = q.shape
+    if b < 1 or s < 1 or k.shape[1] < 1:
+        raise ValueError(f"need at least one row, query and key: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if k.shape[0] != b or k.shape[3] != d or (v is not None and v.shape[:3] != k.shape[:3]):
+        more = "" if v is None else f", v {tuple(v.shape)}"
+        raise ValueError(f"k{'' if v is None else ' and v'} must be [B, T, Hkv, D] matching q {tuple(q.shape)} in "
+                         f"B and D, got k {tuple(k.shape)}{more}")
+    if k.shape[2] < 1 or hq % k.shape[2]:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {k.shape[2]}")
+
+
+def check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk=None, scale=None) -> None:
+    """The masked attention's inputs: q [B, S, Hq, D], k/v [B, S, Hkv, D] floats, ranks/cutoffs int
+    [B, Hkv, S], s >= 0, w >= 1, k >= 0 (when given), a static scale."""
+    check_qkv(q, k, v)
     b, s, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}, got {k.shape}, {v.shape}")
+        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     hkv = k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
     for name, x in (("ranks", ranks), ("cutoffs", cutoffs)):
+        check_array(name, x, 3, "int [B, Hkv, S]")
         if x.shape != (b, hkv, s) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be int [B, Hkv, S] = {(b, hkv, s)}, got {x.dtype}{x.shape}")
-    if sinks < 0 or window < 1:
-        raise ValueError(f"need sinks >= 0 and window >= 1 (query q always sees t = q), got {sinks}, {window}")
+            raise ValueError(f"{name} must be int [B, Hkv, S] = {(b, hkv, s)}, got {x.dtype}{tuple(x.shape)}")
+    check_budget(sinks, window, topk)
+    check_scale(scale)
 
 
-def check_log_mass_args(q, k, lse, window, reduce: str = "sum", lookahead=None) -> None:
-    """The future log-mass inputs: q [B, S, Hq, D], k [B, S, Hkv, D], lse [B, Hq, S] (or None), w >= 0,
-    lookahead None or >= 0."""
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must be [B, S, H, D], got q {q.shape} and k {k.shape}")
+def check_log_mass_args(q, k, lse, window, reduce: str = "sum", lookahead=None, scale=None) -> None:
+    """The future log-mass inputs: q [B, S, Hq, D], k [B, S, Hkv, D] floats, lse float [B, Hq, S], w >= 0,
+    lookahead None or >= 0, a static scale."""
+    check_qkv(q, k, None)
     b, s, hq, d = q.shape
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
-        raise ValueError(f"k {k.shape} does not match q {q.shape} in batch, sequence or head_dim")
-    if hq % k.shape[2]:
-        raise ValueError(f"query heads {hq} must be a multiple of KV heads {k.shape[2]}")
-    if lse is not None and lse.shape != (b, hq, s):
-        raise ValueError(f"lse must be [B, Hq, S] = {(b, hq, s)}, got {lse.shape}")
-    if window is not None and (not isinstance(window, int) or window < 0):
-        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if k.shape[1] != s:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in sequence length")
+    check_array("lse", lse, 3, "float [B, Hq, S]")
+    if lse.shape != (b, hq, s) or not jnp.issubdtype(lse.dtype, jnp.floating):
+        raise ValueError(f"lse must be float [B, Hq, S] = {(b, hq, s)}, got {lse.dtype}{tuple(lse.shape)}")
+    check_int("window", window, 0)
+    check_scale(scale)
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if lookahead is not None:
         check_int("lookahead", lookahead, 0)
+
+
+def check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, kv_valid=None,
+                     scale=None) -> None:
+    """Dense attention's inputs: q [B, S, Hq, D], k/v [B, T, Hkv, D] floats, int positions [B, S] / [B, T],
+    int segment ids of the same shapes (both or neither), bool kv_valid [B, T], a static scale."""
+    check_qkv(q, k, v)
+    b, s = q.shape[:2]
+    t = k.shape[1]
+    arrays = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                  kv_segment_ids=kv_segment_ids, kv_valid=kv_valid)
+    for name, x in arrays.items():
+        if x is None and name.endswith("positions"):
+            raise ValueError(f"{name} is required (int [B, {'S' if name.startswith('q_') else 'T'}])")
+        if x is None:
+            continue
+        kind, axis = ("bool" if name == "kv_valid" else "int"), ("S" if name.startswith("q_") else "T")
+        shape = (b, s if axis == "S" else t)
+        check_array(name, x, 2, f"{kind} [B, {axis}] = {shape}")
+        if tuple(x.shape) != shape or not jnp.issubdtype(x.dtype, jnp.bool_ if kind == "bool" else jnp.integer):
+            raise ValueError(f"{name} must be {kind} [B, {axis}] = {shape}, got {x.dtype}{tuple(x.shape)}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give q_segment_ids and kv_segment_ids together, or neither")
+    check_scale(scale)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LOG2E, round_up
+from pallas_kernels.common import LOG2E, check_int, round_up
 from pallas_kernels.sparse_attention import (
     StaticArgs,
     dkdv_call,
@@ -233,6 +233,8 @@ def kvpop_attention_pallas_compacted(q, k, v, ranks, cutoffs, *, sinks: int, win
       block-skipping kernel instead, so the result is exact either way. None: list of length
       S (exact, no savings). block_q/block_k serve the forward and dQ; the *_bwd blocks dK/dV.
     """
+    if topk is not None:
+        check_int("topk", topk, 0)
     st, padded = prepare_inputs(
         q, k, v, ranks, cutoffs, sinks=sinks, window=window, scale=scale, interpret=interpret,
         blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=num_warps, num_stages=num_stages,

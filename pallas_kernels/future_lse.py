@@ -74,7 +74,7 @@ def _future_lse_kernel(k_ref, q_ref, lse_ref, out_ref, *, st: _Static):
     num_q_blocks = lax.div(last_needed, bq) + 1  # blocks of padding (or beyond the lookahead) are never read
     init = (jnp.full((bk,), NEG_INF, jnp.float32), jnp.zeros((bk,), jnp.float32))
     m, l = lax.fori_loop(first_q_block, num_q_blocks, body, init)
-    has_future = l > 0.0  # l >= 1 as soon as one query is in the future of t
+    has_future = ~(l <= 0.0)  # l >= 1 as soon as one query is in the future of t; a NaN stays NaN
     log_mass = (m if st.reduce == "max" else m + jnp.log2(jnp.where(has_future, l, 1.0))) * LN2
     out_ref[...] = jnp.where(has_future, log_mass, -jnp.inf)
 
@@ -122,7 +122,7 @@ def future_attention_log_mass_pallas(q, k, lse, *, window: int, scale: float | N
     S is padded to a multiple of the blocks and D to a power of 2 >= 16 inside; padded
     queries are masked and padded keys dropped.
     """
-    check_log_mass_args(q, k, lse, window, reduce, lookahead)
+    check_log_mass_args(q, k, lse, window, reduce, lookahead, scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     blocks = [fit_block(x, s) for x in (block_k, block_q)]

@@ -239,7 +239,7 @@ def kvpop_attention_mosaic(q, k, v, ranks, cutoffs, *, sinks: int, window: int, 
     reason = mosaic_rejects(q, block_q=block_q, block_k=block_k)
     if reason:
         raise ValueError(f"kvpop_attention_mosaic: {reason}")
-    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window, scale=scale)
     b, s, hq, d = q.shape
     st = StaticArgs(scale=float(d**-0.5 if scale is None else scale), sinks=int(sinks), window=int(window),
                     groups=hq // k.shape[2], block_q=block_q, block_k=block_k, interpret=interpret)

@@ -147,7 +147,7 @@ def online_softmax_step(carry, q, k, v, mask, scale: float):
 def online_softmax_finish(carry, o_ref, lse_ref):
     """Writes out = acc / l and the natural-log LSE; rows with no key (padding) get 0 and NEG_INF."""
     acc, m, l = carry
-    has_keys = l > 0.0  # False only for padded queries (window >= 1 keeps t = q)
+    has_keys = ~(l <= 0.0)  # False only for padded queries (window >= 1 keeps t = q); NaN stays NaN
     l_safe = jnp.where(has_keys, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has_keys, (m + jnp.log2(l_safe)) * LN2, NEG_INF)
@@ -362,7 +362,8 @@ def kvpop_attention_pallas(q, k, v, ranks, cutoffs, *, sinks: int, window: int, 
 
     Returns:
       out [B, S, Hq, D] in q's dtype and lse [B, Hq, S] float32 (natural log over kept
-      keys). Differentiable in q, k, v through both outputs (custom VJP).
+      keys). Differentiable in q, k, v through both outputs (custom VJP: reverse mode, first
+      order; no jvp).
 
     S is padded to a multiple of the blocks and D to a power of 2 >= 16 inside; padded
     keys are masked, padded queries are dropped.
@@ -381,7 +382,7 @@ def prepare_inputs(
 ) -> tuple[StaticArgs, tuple[jax.Array, ...]]:
     """Validates, fixes the static arguments and pads: S to a multiple of every block (padded
     keys get rank BIG_RANK, padded queries cutoff −1), D to a power of 2 >= 16 (zeros)."""
-    check_attention_args(q, k, v, ranks, cutoffs, sinks, window)
+    check_attention_args(q, k, v, ranks, cutoffs, sinks, window, scale=scale)
     b, s, hq, d = q.shape
     blocks = [fit_block(x, s) for x in blocks]
     s_pad = round_up(s, max(blocks))

@@ -1,5 +1,7 @@
 """KVpop-masked attention (XLA reference and dispatcher) against a numpy brute force."""
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -192,3 +194,105 @@ def test_rejects_bad_arguments(rng):
     with pytest.raises(ValueError, match="multiple"):
         q3, k2, v2 = q[:, :, :1].repeat(3, 2), k.repeat(2, 2), v.repeat(2, 2)
         kvpop_attention_reference(q3, k2, v2, ranks, ranks, sinks=1, window=2)
+
+
+def test_mixed_dtypes_agree_across_back_ends(rng):
+    """bf16 q with float32 k, v (and float32 q, k with bf16 v): every back end computes in the common
+    dtype, as the reference does, returns out in q's dtype and each gradient in its input's."""
+    b, seq, hq, hkv, d, sinks, window, topk = 1, 40, 4, 2, 16, 2, 5, 6
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = jnp.asarray(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))
+    ranks = jnp.asarray(ranks)
+    for dtypes in [(jnp.bfloat16, jnp.float32, jnp.float32), (jnp.float32, jnp.float32, jnp.bfloat16)]:
+        args = [x.astype(dt) for x, dt in zip((q, k, v), dtypes)]
+
+        def loss(q, k, v, implementation):
+            out, lse = kvpop_attention(q, k, v, ranks, cut, sinks=sinks, window=window, topk=topk,
+                                       implementation=implementation)
+            return (out.astype(jnp.float32) ** 2).sum() + lse.sum(), out
+
+        results = {}
+        for impl in ("xla", "xla_sparse", "pallas_interpret", "pallas_compacted_interpret"):
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*args, impl)
+            assert out.dtype == dtypes[0] and [g.dtype for g in grads] == list(dtypes), impl
+            results[impl] = (out, grads)
+        want_out, want_grads = results["xla"]
+        for impl, (out, grads) in results.items():
+            np.testing.assert_allclose(np.float32(out), np.float32(want_out), rtol=2e-2, atol=2e-2, err_msg=impl)
+            for g, w in zip(grads, want_grads):
+                np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=5e-2, atol=5e-2, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_sparse", "pallas_interpret", "pallas_compacted_interpret"])
+def test_a_nan_key_gives_nan_not_the_empty_row_sentinel(rng, impl):
+    """A NaN in a key makes the LSE of every query that reads it NaN on every back end. The kernels
+    turned it into -1e30 (the "no key" sentinel), which the sparse normalizer of the target would
+    have read as a real value, hiding the NaN."""
+    b, seq, hq, hkv, d, sinks, window, topk = 1, 24, 2, 1, 16, 1, 4, 4
+    q, k, v = random_qkv(rng, b, seq, hq, hkv, d)
+    k = k.at[0, 5, 0, 0].set(jnp.nan)
+    ranks = random_ranks(rng, b, hkv, seq)
+    cut = jnp.asarray(running_cutoffs_np(ranks, sinks=sinks, window=window, topk=topk))
+    mask = kvpop_mask_np(ranks, cut, sinks=sinks, window=window)  # [B, Hkv, S, S]
+    _, lse = kvpop_attention(q, k, v, jnp.asarray(ranks), cut, sinks=sinks, window=window, topk=topk,
+                             implementation=impl)
+    reads = np.repeat(mask[:, :, :, 5], hq // hkv, axis=1)  # [B, Hq, S]: query reads key 5
+    assert reads.any() and (~reads).any()
+    np.testing.assert_array_equal(np.isnan(lse), reads)
+
+
+def test_rejects_nonsense_by_name(rng):
+    """What a notebook user gets wrong is refused by name, on every back end alike (before, non-int
+    budgets gave back ends different answers or unrelated errors, and integer inputs were truncated)."""
+    q, k, v = random_qkv(rng, 1, 16, 2, 1, 16)
+    ranks = jnp.asarray(random_ranks(rng, 1, 1, 16))
+    cut = jnp.asarray(running_cutoffs_np(np.asarray(ranks), sinks=1, window=2, topk=3))
+    kw = dict(sinks=1, window=2, topk=3)
+    bad = [
+        (dict(sinks=2.5), "sinks must be an int >= 0, got 2.5"),
+        (dict(window=4.0), "window must be an int >= 1, got 4.0"),
+        (dict(topk=-200), "topk must be an int >= 0, got -200"),
+        (dict(scale=jnp.float32(0.3) + jnp.zeros(())), "scale must be None or a finite Python number"),
+        (dict(scale=float("nan")), "scale must be None or a finite Python number"),
+        (dict(implementation=""), "implementation must be one of"),
+    ]
+    for impl in ("xla", "xla_sparse", "pallas_interpret", "pallas_compacted_interpret"):
+        for change, message in bad:
+            args = {**kw, "implementation": impl, **change}
+            with pytest.raises(ValueError, match=re.escape(message)):
+                kvpop_attention(q, k, v, ranks, cut, **args)
+    calls = [
+        ((q[0], k, v, ranks, cut), "q must be [B, S, Hq, D], got shape (16, 2, 16)"),
+        ((q.astype(jnp.int32), k, v, ranks, cut), "q must be a float array, got dtype int32"),
+        ((q, k, v, np.asarray(ranks).tolist(), cut), "ranks must be an array int [B, Hkv, S], got list"),
+        ((q[:, :0], k[:, :0], v[:, :0], ranks[..., :0], cut[..., :0]), "need at least one row, query and key"),
+    ]
+    for args, message in calls:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            kvpop_attention(*args, **kw)
+    with pytest.raises(ValueError, match="block_q must be an int >= 1, got 0"):
+        kvpop_attention_reference(q, k, v, ranks, cut, sinks=1, window=2, block_q=0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "tiled"])
+def test_dense_attention_refuses_mismatched_inputs(rng, impl):
+    """Every dense implementation refuses what the reference refused: the tiled one padded a short v
+    with zeros, and dropped the keys a short kv_positions left out, silently."""
+    seq = 64
+    q, k, v = random_qkv(rng, 1, seq, 2, 2, 16)
+    pos = jnp.arange(seq)[None]
+    kw = dict(q_positions=pos, kv_positions=pos, impl=impl)
+    bad = [
+        ((q, k, v[:, :40]), {}, "k and v must be [B, T, Hkv, D] matching q"),
+        ((q, k, v), dict(kv_positions=pos[:, :40]), "kv_positions must be int [B, T] = (1, 64), got int32(1, 40)"),
+        ((q, k, v), dict(q_positions=pos[0]), "q_positions must be int [B, S] = (1, 64), got shape (64,)"),
+        ((q, k, v), dict(kv_positions=pos.astype(jnp.float32)), "kv_positions must be int [B, T]"),
+        ((q, k, v), dict(kv_valid=jnp.ones((1, seq), jnp.int32)), "kv_valid must be bool [B, T]"),
+        ((q, k, v), dict(q_segment_ids=pos), "give q_segment_ids and kv_segment_ids together"),
+        ((q[:, :, :1].repeat(3, 2), k, v), {}, "query heads 3 must be a multiple of KV heads 2"),
+        ((q.astype(jnp.int32), k, v), {}, "q must be a float array"),
+    ]
+    for args, change, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dense_attention(*args, **{**kw, **change})

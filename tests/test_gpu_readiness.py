@@ -80,3 +80,26 @@ def test_gpu_compiler_catches_overflows(blocks, spills, error):
     fn = functools.partial(kvpop_attention_pallas, sinks=4, window=32, **blocks)
     with open(H100_TARGET_CONFIG) as f, pytest.raises(Exception, match=error):
         compile_for_gpu(fn, *args, target_config=f.read(), fail_on_register_spill=spills)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "pallas_compacted"])
+def test_mixed_dtypes_lower_forward_and_backward(implementation):
+    """q, k and v of different dtypes reach the Triton kernels in their common dtype: before, Triton's
+    lowering failed ("a and b must have the same element type, but got: bf16 and f32") on GPU only,
+    for the forward when q and k differed and for the backward when v did. CPU and interpret mode
+    accepted the same call."""
+    from kvpop_jax.attention import kvpop_attention
+
+    spec = jax.ShapeDtypeStruct
+    f = functools.partial(kvpop_attention, sinks=1, window=4, topk=8, implementation=implementation)
+    ints = (spec((1, 1, 128), jnp.int32), spec((1, 1, 128), jnp.int32))
+    for dtypes in [(jnp.bfloat16, jnp.float32, jnp.float32), (jnp.float32, jnp.float32, jnp.bfloat16)]:
+        qkv = tuple(spec(shape, dt) for shape, dt in zip([(1, 128, 2, 64)] + [(1, 128, 1, 64)] * 2, dtypes))
+        assert export_for_cuda(f, *qkv, *ints).out_avals[0].dtype == dtypes[0]
+
+        def loss(q, k, v, ranks, cutoffs):
+            out, lse = f(q, k, v, ranks, cutoffs)
+            return out.astype(jnp.float32).sum() + lse.sum()
+
+        grads = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *qkv, *ints).out_avals
+        assert [g.dtype for g in grads] == list(dtypes)

@@ -216,6 +216,34 @@ def test_bad_inputs_raise(rng):
         targets.future_attention_log_mass(q, k, lse, window=-1)
     with pytest.raises(ValueError, match="multiple"):
         targets.dense_lse(q[:, :, :3], k)
+    # Named, not a bare TypeError / AttributeError from inside the pass.
+    with pytest.raises(ValueError, match=r"window must be an int >= 0, got None"):
+        targets.future_attention_log_mass(q, k, lse, window=None)
+    with pytest.raises(ValueError, match=r"lse must be an array float \[B, Hq, S\], got NoneType"):
+        targets.future_attention_log_mass(q, k, None, window=2)
+    with pytest.raises(ValueError, match=r"scale must be None or a finite Python number"):
+        targets.future_attention_log_mass(q, k, lse, window=2, scale=jnp.ones(()))
+    # A numpy int is an int (it was refused as "must be an int >= 0, got np.int64(2)").
+    np.testing.assert_array_equal(targets.future_attention_log_mass(q, k, lse, window=np.int64(2)),
+                                  targets.future_attention_log_mass(q, k, lse, window=2))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_a_nan_query_reaches_exactly_the_keys_it_reads(rng, reduce):
+    """A NaN in query d makes log m̄_t NaN for the keys it is a future query of (t + w <= d), on every
+    implementation, and nowhere else. Before, every implementation read the NaN sum as "no future
+    query" and returned −inf, hiding it."""
+    s, window = 20, 3
+    q, k = _qk(rng, s, 2, 2)
+    q[1, 12, 3, 0] = np.nan  # row 1, query head 3 (KV head 1)
+    lse = np.asarray(targets.dense_lse(jnp.asarray(np.nan_to_num(q)), k))
+    want = np.zeros((B, 4, s), bool)
+    want[1, 3, : 12 - window + 1] = True
+    for impl in ("xla", "xla_sparse", "pallas_interpret"):
+        got = targets.future_attention_log_mass(q, k, lse, window=window, reduce=reduce, implementation=impl)
+        np.testing.assert_array_equal(np.isnan(np.asarray(got)), want, err_msg=impl)
+    got = targets.future_attention_log_mass_dense(q, k, lse, window=window, reduce=reduce)
+    np.testing.assert_array_equal(np.isnan(np.asarray(got)), want, err_msg="dense")
 
 
 @pytest.mark.parametrize("s, block, window", [(37, 8, 3), (12, 4, 12), (16, 16, 1)])
