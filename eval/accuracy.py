@@ -48,7 +48,7 @@ from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
-from kvpop_jax.checkpoint import check_checkpoint, load_tokenizer
+from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
@@ -90,14 +90,34 @@ def method_setup(method: str, checkpoint_config, params, budget: int | None, *, 
     return Qwen3ForCausalLM(config, dtype=dtype), params, cache
 
 
-def _load_tokenizer(tokenizer, checkpoint: str):
+def _tokenizer_key(tok) -> tuple:
+    """What decides how prompts encode and completions decode: the vocabulary and the special ids."""
+    return (tuple(sorted(tok.get_vocab().items())), tok.bos_token_id, tok.eos_token_id)
+
+
+def _shared_tokenizer(tokenizer, paths: Sequence[str]):
+    """The one tokenizer every checkpoint is run with: `tokenizer` (object or path) when given, else
+    the checkpoints' own, which must agree (prompts are encoded once, for every method); a
+    checkpoint that ships none takes the others' with a warning."""
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
-    path = os.fspath(tokenizer or checkpoint)
-    try:
-        return load_tokenizer(path)
-    except ValueError as e:
-        raise ValueError(f"{e}; pass tokenizer=") from e
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    own = {path: checkpoint_tokenizer(path) for path in paths}
+    have = [path for path in paths if own[path] is not None]
+    if not have:
+        raise ValueError(f"no checkpoint holds a tokenizer ({', '.join(map(repr, paths))}): copy the tokenizer "
+                         "files into one (e.g. from the model it was retrofitted from), or pass tokenizer=")
+    first = have[0]
+    for path in have[1:]:
+        if _tokenizer_key(own[path]) != _tokenizer_key(own[first]):
+            raise ValueError(f"checkpoints {first!r} and {path!r} have different tokenizers (vocabulary or "
+                             "BOS/EOS ids): every method is given the same encoded prompts, so compare "
+                             "checkpoints that share one (or pass tokenizer= to choose it)")
+    for path in paths:
+        if own[path] is None:
+            print(f"warning: {path!r} holds no tokenizer files; it runs with {first!r}'s", file=sys.stderr)
+    return own[first]
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -221,8 +241,14 @@ def run_accuracy(
                              "samples and records are keyed by: rename one of the files")
         named[name] = source
         benchmarks[name] = load_benchmark(source, split=split, limit=limit)
-    tok = _load_tokenizer(tokenizer, _checkpoint_for(checkpoints, *settings[0]))
+    tok = _shared_tokenizer(tokenizer, list(configs))
     encoded = {b: [_encode(tok, p["prompt"], chat_template) for p in probs] for b, probs in benchmarks.items()}
+    top = max(max(ids, default=0) for enc in encoded.values() for ids in enc)
+    for path, config in configs.items():
+        if top >= config.vocab_size:
+            users = sorted({m for m, cr in settings if _checkpoint_for(checkpoints, m, cr) == path})
+            raise ValueError(f"the prompts encode to token id {top}, outside the vocabulary [0, {config.vocab_size}) "
+                             f"of {path!r} (methods {users}): its tokenizer is not the one it was trained with")
     longest = max(len(ids) for enc in encoded.values() for ids in enc) + max_new_tokens
     for cr, budget in budgets.items():
         if budget >= longest and any(m != "dense" for m in methods):
@@ -235,7 +261,11 @@ def run_accuracy(
                   f"max_position_embeddings {config.max_position_embeddings} of {path!r}", file=sys.stderr)
     batch = batch_size or n_rollouts
 
+    # Every checkpoint's weights are read (and checked finite) now, not when its turn comes; the run
+    # holds them all by its end anyway.
     loaded: dict[str, tuple] = {}
+    for path in tqdm(configs, desc="loading checkpoints", disable=not progress or len(configs) < 2):
+        loaded[path] = load_pretrained(path, dtype=dtype)
     # The shape of each setting's first call: the first problem group of the first benchmark.
     first = next(iter(benchmarks))
     first_group = _problem_groups(encoded[first], problem_batch if n_rollouts == 1 else 1)[0]

@@ -79,15 +79,18 @@ def tiny_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads:
     )
 
 
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """"1k,2k,32768" -> (1024, 2048, 32768) (k = 1024)."""
+def parse_lengths(text: str, flag: str = "lengths") -> tuple[int, ...]:
+    """"1k,2k,32768" -> (1024, 2048, 32768) (k = 1024); a ValueError naming `flag` otherwise."""
     out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if part:
-            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+    try:
+        for part in text.split(","):
+            part = part.strip().lower()
+            if part:
+                out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+    except ValueError:
+        out = []
     if not out or min(out) < 1:
-        raise ValueError(f"lengths must be positive ints like '1k,2k,4096', got {text!r}")
+        raise ValueError(f"--{flag} must be positive ints like '1k,2k,4096', got {text!r}")
     return tuple(out)
 
 
@@ -436,11 +439,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k")
     ap.add_argument("--methods", default="dense,kvpop", help=f"comma-separated subset of {METHODS}")
     ap.add_argument("--out_dir", default="outputs/bench_decode", type=out_dir_arg)
-    ap.add_argument("--benchmarks_md", default="BENCHMARKS.md", help="'' to skip the append")
+    ap.add_argument("--benchmarks_md", default=None,
+                    help="append the results to this markdown file (e.g. BENCHMARKS.md); default: none")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "sinks", "window",
                  "topk"):
         ap.add_argument(f"--{name}", type=int, default=d[name].default,

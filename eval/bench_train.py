@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "sinks",
                                            "window", "topk")}
-    seq_lens, steps, warmup, kl_topk, samples = (parse_lengths(args.seq_lens), args.steps, args.warmup,
+    seq_lens, steps, warmup, kl_topk, samples = (parse_lengths(args.seq_lens, "seq_lens"), args.steps, args.warmup,
                                                  args.kl_topk, args.num_query_samples)
     if args.dry:
         sizes = dict(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=8)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.outputs import staged_outputs
-from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
-from eval.recall import load_rows
+from eval.plots import check_counts, load_model, markdown_table, plt, save_figure, timestamp, write_text
+from eval.recall import check_rows, load_rows
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.dms import eviction_stats
 from kvpop_jax.modeling import Qwen3ForCausalLM
@@ -74,7 +74,7 @@ def _evictions(model: Qwen3ForCausalLM, params, ids_BxS) -> jax.Array:
 
 def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int | None = None,
                      out_dir: str | os.PathLike, batch: int = 4, dtype=jnp.float32,
-                     rows: str = "stream") -> DMSPatternsResult:
+                     rows: str = "stream", text_field: str = "auto") -> DMSPatternsResult:
     """Eviction ratio and occupancy per layer and KV head of a DMS export.
 
     Args:
@@ -85,12 +85,16 @@ def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int |
       rows: how a dataset's documents become rows (`eval.recall.load_rows`): "stream" (concatenated,
         cut into rows of seq_len) or "documents" (one row per document, its first seq_len tokens: the
         demo's prompts as they are run).
+      text_field: a text dataset's column (`load_rows`; "auto" finds it).
     """
+    check_counts(num_sequences=num_sequences, batch=batch, seq_len=1 if seq_len is None else seq_len)
     config, params = load_model(checkpoint, dtype=dtype)
     if config.dms is None:
         raise ValueError("this analysis needs a DMS export (config.json with a 'dms' entry)")
     ids, _ = load_rows(data, seq_len=seq_len, num_sequences=num_sequences,
-                       tokenizer=checkpoint_tokenizer(checkpoint), rows=rows)
+                       tokenizer=checkpoint_tokenizer(checkpoint), rows=rows, text_field=text_field)
+    check_rows(ids, config, asked=num_sequences if isinstance(data, (str, os.PathLike)) else None, rows=rows,
+               what="DMS patterns")
     window = config.dms.window
     if ids.shape[1] <= window:
         raise ValueError(f"rows of {ids.shape[1]} tokens never leave the DMS window w = {window}")

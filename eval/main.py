@@ -45,8 +45,9 @@ def cmd_generate(argv: Sequence[str]) -> None:
     """Samples a continuation of a prompt from a HF-format checkpoint (dense or KVpop)."""
     parser = argparse.ArgumentParser(prog="python -m eval.main generate", description=cmd_generate.__doc__)
     parser.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory")
-    parser.add_argument("--prompt", default="", help="prompt text (uses the checkpoint's tokenizer)")
-    parser.add_argument("--prompt_ids", default=None, help="comma-separated token ids (no tokenizer needed)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", default=None, help="prompt text (uses the checkpoint's tokenizer)")
+    prompt.add_argument("--prompt_ids", default=None, help="comma-separated token ids (no tokenizer needed)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=0.95)
@@ -56,7 +57,7 @@ def cmd_generate(argv: Sequence[str]) -> None:
     args = parser.parse_args(argv)
     config = Qwen3Config.from_hf(args.checkpoint)  # cheap: bad ids fail before the weights load
     tokenizer = None
-    if args.prompt_ids:
+    if args.prompt_ids is not None:
         ids = parse_token_ids(args.prompt_ids, "--prompt_ids")
         check_token_ids(ids, config.vocab_size, f"--prompt_ids (for {args.checkpoint})")
     else:
@@ -76,7 +77,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
         sampling=sampling, eos_ids=eos_ids, rng=jax.random.key(args.seed),
     )
     out = np.asarray(tokens[0, : int(lengths[0])]).tolist()
-    kind = ("KVpop (bounded cache, B = %d)" % config.kvpop.budget if config.kvpop else
+    kind = (f"KVpop (bounded cache: s + w + k = {config.kvpop.budget} slots, memory B = "
+            f"{config.kvpop.memory(config.head_dim)} entries per KV head)" if config.kvpop else
             "DMS (bounded pool, %d entries per KV head)" % config.dms.budget if config.dms else "dense")
     print(f"model: {kind}")
     print("prompt ids:", ids)
@@ -151,6 +153,10 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     print(open(f"{args.out_dir}/accuracy.md").read())
 
 
+TEXT_FIELD_HELP = ("the text column of a dataset of texts (auto: text, content, ... or chat messages); "
+                   "token-id JSONL needs none")
+
+
 def cmd_recall(argv: Sequence[str]) -> None:
     """Teacher top-k retention recall per layer/head, plus token accuracy."""
     parser = argparse.ArgumentParser(prog="python -m eval.main recall", description=cmd_recall.__doc__)
@@ -158,7 +164,7 @@ def cmd_recall(argv: Sequence[str]) -> None:
     parser.add_argument("--data", required=True, help="JSONL of texts or token ids")
     parser.add_argument("--teacher", default=None, help="dense checkpoint for argmax agreement")
     parser.add_argument("--num_sequences", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=None, help="default 2 x budget")
+    parser.add_argument("--seq_len", type=int, default=None, help="default 2 x (s + w + k)")
     parser.add_argument("--num_queries", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=int, default=None,
@@ -168,11 +174,12 @@ def cmd_recall(argv: Sequence[str]) -> None:
                         help="stream: documents concatenated and cut into rows (long text, as training packs it); "
                              "documents: one row per document of >= seq_len tokens, its first seq_len (problems, "
                              "as they are run)")
+    parser.add_argument("--text_field", default="auto", help=TEXT_FIELD_HELP)
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     run_recall(args.checkpoint, args.data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                num_queries=args.num_queries, out_dir=args.out_dir, teacher=args.teacher, seed=args.seed,
-               budget=args.budget, rows=args.rows)
+               budget=args.budget, rows=args.rows, text_field=args.text_field)
     print(open(f"{args.out_dir}/recall.md").read())
 
 
@@ -191,6 +198,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     parser.add_argument("--rows", default="stream", choices=ROWS,
                         help="--data: stream (documents concatenated and cut into rows) or documents (one row per "
                              "document of >= seq_len tokens, its first seq_len: problems as they are run)")
+    parser.add_argument("--text_field", default="auto", help="--data: " + TEXT_FIELD_HELP)
     parser.add_argument("--last_n", type=int, default=112)
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
@@ -208,7 +216,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
             text = _read_text(args.text_file) if args.text_file else args.text
             data = np.asarray([tokenizer(text)["input_ids"]])
         run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
-                         out_dir=args.out_dir, rows=args.rows)
+                         out_dir=args.out_dir, rows=args.rows, text_field=args.text_field)
         print(open(f"{args.out_dir}/dms_patterns.md").read())
         return
     if args.data:
@@ -272,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # reports are staged: one being rewritten is left as it was
+        print(f"\ninterrupted: eval.main {argv[0]} stopped; reports it had not finished were not written",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

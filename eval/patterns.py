@@ -30,7 +30,7 @@ import numpy as np
 from eval.outputs import staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
-from eval.recall import policy_arrays
+from eval.recall import check_rows, memory_note, policy_arrays
 from kvpop_jax.kvpop import kept_long_range
 from kvpop_jax.modeling import Qwen3ForCausalLM
 
@@ -105,8 +105,7 @@ def run_patterns(
     if hi_e < lo_e:
         raise ValueError(f"a sequence of {s_len} tokens has no evictable token (needs > s + w = "
                          f"{kv.sinks + kv.window} tokens)")
-    if ids.min() < 0 or ids.max() >= config.vocab_size:
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    check_rows(ids[None], config, what="patterns")
     arrays = policy_arrays(Qwen3ForCausalLM(config, dtype=dtype), params, jnp.asarray(ids[None]))
     q_1x1 = jnp.full((1, 1), q, jnp.int32)
     kept = np.stack([np.asarray(kept_long_range(r, c, q_1x1, sinks=kv.sinks, window=kv.window))[0, :, 0]
@@ -126,7 +125,7 @@ def run_patterns(
     settings = dict(
         checkpoint=str(checkpoint) if not isinstance(checkpoint, tuple) else "<in memory>",
         seq_len=s_len, query=q, last_n=len(positions), sinks=kv.sinks, window=kv.window, topk=kv.topk,
-        budget=kv.budget, scorer=kv.scorer, num_kv_heads=config.num_key_value_heads,
+        budget=kv.budget, memory=kv.memory(config.head_dim), scorer=kv.scorer, num_kv_heads=config.num_key_value_heads,
         evictable=hi_e - lo_e + 1, saturated=bool(hi_e - lo_e + 1 > kv.topk), date=timestamp(),
     )
     result = PatternsResult(kept=kept, counts=counts, positions=positions, labels=labels, mean_age=mean_age,
@@ -185,7 +184,8 @@ def patterns_markdown(result: PatternsResult) -> str:
     lines = [
         "# Eviction patterns\n",
         f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['seq_len']} tokens, final query q = {st['query']} · "
-        f"s={st['sinks']}, w={st['window']}, k={st['topk']} (B={st['budget']}), scorer {st['scorer']}, "
+        f"s={st['sinks']}, w={st['window']}, k={st['topk']}: {st['budget']} slots{memory_note(st)}, "
+        f"scorer {st['scorer']}, "
         f"{h} KV heads per layer · {st['evictable']} evictable tokens at q\n",
     ]
     if not st["saturated"]:

@@ -97,12 +97,31 @@ def _read_jsonl_ids(path: str) -> list[list[int]] | None:
             if isinstance(rec, dict):
                 field = next((k for k in _ID_FIELDS if k in rec), None)
                 rec = rec[field] if field is not None else None
+            if isinstance(rec, list) and rec and all(isinstance(x, (int, float)) for x in rec):
+                bad = next((x for x in rec if isinstance(x, bool) or not isinstance(x, int)), None)
+                if bad is not None:  # numpy/pandas write 1.0; datasets would read such lines as text
+                    raise ValueError(f"{path} line {number}: token ids must be JSON integers, got {bad!r} "
+                                     "(write them as ints, e.g. ids.astype(int).tolist())")
             if not (isinstance(rec, list) and rec and all(isinstance(x, int) for x in rec)):
                 if docs:
                     raise ValueError(f"{path}: a line holds no token ids after lines that did: {line[:80]!r}")
                 return None
             docs.append(rec)
     return docs
+
+
+def check_rows(ids: np.ndarray, config, *, asked: int | None = None, rows: str = "stream", what: str = "the data"):
+    """The rows an analysis reads fit the model: token ids inside its vocabulary (ValueError), and a
+    warning for rows longer than `max_position_embeddings` (RoPE runs past it, the model never
+    trained there) and for fewer rows than `asked`."""
+    if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+        raise ValueError(f"{what}: token ids must lie in [0, {config.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    if ids.shape[-1] > config.max_position_embeddings:
+        print(f"warning: {what}: rows of {ids.shape[-1]} tokens run past the model's max_position_embeddings "
+              f"{config.max_position_embeddings}", file=sys.stderr)
+    if asked is not None and len(ids) < asked:  # the report says so too; a terminal reader should see it
+        print(f"warning: {what}: {len(ids)} rows read, not the {asked} asked for: the data holds no more "
+              f"(rows={rows!r}, seq_len={ids.shape[-1]})", file=sys.stderr)
 
 
 ROWS = ("stream", "documents")
@@ -310,11 +329,7 @@ def run_recall(
     ids, mask = load_rows(data, seq_len=seq_len, num_sequences=num_sequences, tokenizer=tokenizer,
                           text_field=text_field, rows=rows)
     n, s = ids.shape
-    if n < num_sequences:  # the report says so too; a reader of the terminal should not have to find it there
-        print(f"warning: recall reads {n} rows, not the {num_sequences} asked for: the data holds no more "
-              f"(rows={rows!r}, seq_len={s})", file=sys.stderr)
-    if ids.max() >= config.vocab_size or ids.min() < 0:
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    check_rows(ids, config, asked=num_sequences, rows=rows, what="recall")
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=budget, num=num_queries)
 
     model = Qwen3ForCausalLM(config, dtype=dtype)
@@ -361,8 +376,8 @@ def run_recall(
         data=str(data) if isinstance(data, (str, os.PathLike)) else f"<array {ids.shape}>",
         teacher=None if teacher is None else (str(teacher) if not isinstance(teacher, tuple) else "<in memory>"),
         num_sequences=n, seq_len=s, rows=rows, num_queries=int(q_idx.shape[1]), seed=seed,
-        sinks=kv.sinks, window=kv.window, topk=kv.topk, budget=budget, scorer=kv.scorer,
-        date=timestamp(),
+        sinks=kv.sinks, window=kv.window, topk=kv.topk, budget=budget, memory=kv.memory(config.head_dim),
+        scorer=kv.scorer, date=timestamp(),
     )
     result = RecallResult(recall=recall, hits=hits, totals=totals, query_positions=q_idx,
                           token_accuracy=token_accuracy, teacher=teacher_stats, settings=settings, files={})
@@ -398,6 +413,12 @@ def plot_recall(recall_LxH: np.ndarray, path: str, title: str = "Teacher top-k r
     return save_figure(fig, path)
 
 
+def memory_note(st: dict) -> str:
+    """", memory B = M entries per KV head" where the scorer's state adds to the slots (`--budget` is that B)."""
+    memory = st.get("memory", st["budget"])
+    return "" if memory == st["budget"] else f" + the scorer's state = memory B {memory} entries per KV head"
+
+
 def recall_markdown(result: RecallResult) -> str:
     st = result.settings
     r = result.recall
@@ -405,8 +426,8 @@ def recall_markdown(result: RecallResult) -> str:
         "# Teacher top-k recall\n",
         f"{st['date']} · checkpoint `{st['checkpoint']}` · data `{st['data']}` · "
         f"{st['num_sequences']} sequences x {st['seq_len']} tokens · {st['num_queries']} saturated queries per "
-        f"sequence (uniform in [B, S), seed {st['seed']}) · s={st['sinks']}, w={st['window']}, k={st['topk']} "
-        f"(B={st['budget']}), scorer {st['scorer']}\n",
+        f"sequence (uniform in [s + w + k, S), seed {st['seed']}) · s={st['sinks']}, w={st['window']}, "
+        f"k={st['topk']}: {st['budget']} slots{memory_note(st)}, scorer {st['scorer']}\n",
         "Recall = |student ∩ teacher| / |teacher| over the long-range keep sets (the k slots) at each query; "
         "teacher = ranks of the future-attention target under the same decay γ.\n",
         f"**Global mean recall: {result.global_mean:.3f}**\n",
@@ -420,7 +441,7 @@ def recall_markdown(result: RecallResult) -> str:
                       result.teacher["accuracy"]["saturated"]],
                      ["KVpop agrees with teacher", result.teacher["agreement"]["all"],
                       result.teacher["agreement"]["saturated"]]]
-    lines.append(markdown_table(["", "all positions", f"positions >= B ({st['budget']})"], acc_rows))
+    lines.append(markdown_table(["", "all positions", f"positions >= s + w + k ({st['budget']})"], acc_rows))
     lines.append("\n## Recall per layer and KV head\n")
     lines.append(markdown_table(["layer"] + [f"h{h}" for h in range(r.shape[1])],
                                 [[i] + [float(x) for x in row] for i, row in enumerate(r)]))

@@ -193,7 +193,7 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Itera
         found = [f for f in _AUTO_FIELDS if all(p in columns for p in f.split("+"))]
         if not found:
             raise ValueError(f"data={config.data}: none of the text fields {list(_AUTO_FIELDS)} is present; "
-                             f"available columns: {columns}; set text_field")
+                             f"available columns: {columns}; set text_field (--text_field)")
         field = found[0]
     else:
         field = config.text_field

@@ -163,7 +163,8 @@ def check_log_mass_args(q, k, lse, window, reduce: str = "sum", lookahead=None, 
 def check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, kv_valid=None,
                      scale=None) -> None:
     """Dense attention's inputs: q [B, S, Hq, D], k/v [B, T, Hkv, D] floats, int positions [B, S] / [B, T],
-    int segment ids of the same shapes (both or neither), bool kv_valid [B, T], a static scale."""
+    int segment ids of the same shapes (both or neither), bool kv_valid [B, T], a static scale. The
+    per-token arrays may have a batch axis of 1 (shared by every row)."""
     check_qkv(q, k, v)
     b, s = q.shape[:2]
     t = k.shape[1]
@@ -177,7 +178,8 @@ def check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_
         kind, axis = ("bool" if name == "kv_valid" else "int"), ("S" if name.startswith("q_") else "T")
         shape = (b, s if axis == "S" else t)
         check_array(name, x, 2, f"{kind} [B, {axis}] = {shape}")
-        if tuple(x.shape) != shape or not jnp.issubdtype(x.dtype, jnp.bool_ if kind == "bool" else jnp.integer):
+        if x.shape[0] not in (1, b) or x.shape[1] != shape[1] or \
+                not jnp.issubdtype(x.dtype, jnp.bool_ if kind == "bool" else jnp.integer):
             raise ValueError(f"{name} must be {kind} [B, {axis}] = {shape}, got {x.dtype}{tuple(x.shape)}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("give q_segment_ids and kv_segment_ids together, or neither")

@@ -296,3 +296,21 @@ def test_dense_attention_refuses_mismatched_inputs(rng, impl):
     for args, change, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             dense_attention(*args, **{**kw, **change})
+
+
+def test_dense_attention_takes_positions_shared_by_every_row(rng):
+    """Positions (and segment ids, kv_valid) with a batch axis of 1 serve every row on every impl, equal to
+    the same arrays broadcast (what `modeling.layer_qkv` passes)."""
+    seq = 70  # the tiled impl from 64 queries on
+    q, k, v = random_qkv(rng, 2, seq, 2, 1, 16)
+    pos = jnp.asarray(rng.permutation(seq))[None]
+    seg = jnp.asarray(np.repeat([0, 1], [30, seq - 30]))[None]
+    valid = jnp.asarray(rng.random(seq) > 0.2)[None]
+    full = lambda x: jnp.broadcast_to(x, (2, seq))  # noqa: E731
+    for impl in ("reference", "blockwise", "tiled"):
+        got = dense_attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+                              kv_valid=valid, impl=impl)
+        want = dense_attention(q, k, v, q_positions=full(pos), kv_positions=full(pos), q_segment_ids=full(seg),
+                               kv_segment_ids=full(seg), kv_valid=full(valid), impl="reference")
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=impl)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -209,9 +210,9 @@ def _dense_checkpoint(path, **overrides):
     from demo.atoms import VOCAB
     from demo.tokenizer import save_tokenizer
 
-    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=VOCAB["<eos>"],
-                         **overrides)
+    config = Qwen3Config(**{**dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   eos_token_id=VOCAB["<eos>"]), **overrides})
     rng = np.random.default_rng(0)  # random weights without an (eager, slow) init pass
     save_pretrained(config, jax.tree.map(lambda x: (0.1 * rng.normal(size=x.shape)).astype(x.dtype),
                                          abstract_params(config)), path)
@@ -389,6 +390,22 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
                 main([*argv, "--out_dir", out_dir])
             assert exit_info.value.code == 2
             assert f"argument --out_dir: {message}" in capsys.readouterr().err
+    # --prompt and --prompt_ids together: --prompt was dropped without a word; neither: a prompt of nothing
+    for argv, message in ((["--prompt", "x3", "--prompt_ids", "1,5"], "argument --prompt_ids: not allowed with "
+                                                                      "argument --prompt"),
+                          ([], "one of the arguments --prompt --prompt_ids is required"),
+                          (["--prompt_ids", ""], "error: --prompt_ids: '' is not an integer token id")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--checkpoint", dense, *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    for argv, message in ((["--dtype", "float33"], "argument --dtype: invalid choice: 'float33'"),
+                          (["--lengths", "abc"], "error: --lengths must be positive ints like '1k,2k,4096', "
+                                                 "got 'abc'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "decode", *argv, "--out_dir", str(tmp_path / "bd")])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
     bare = tmp_path / "bare"  # weights and config, no tokenizer files
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -447,8 +464,37 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"mismatch' does not match the config: missing tensors \[.*kvpop"):
         run(["dense", "tova", "x"], {"dense": dense, "x": str(mismatch)})
     # an export without tokenizer files: said so, not an empty tokenizer that encodes every prompt to nothing
-    with pytest.raises(ValueError, match=r"no tokenizer in .*/kv: none of \['tokenizer.json'.*; pass tokenizer="):
+    with pytest.raises(ValueError, match=r"no checkpoint holds a tokenizer \('.*/kv'\): copy the tokenizer files"):
         run(["dense"], {"dense": str(tmp_path / "kv")})
+    # Checkpoints with different tokenizers: every method would have been run with the first one's, silently
+    # (a self-consistent model with its ids permuted scored 1.00 alone and 0.00 after dense).
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from demo.tokenizer import save_tokenizer
+
+    other_tok = tmp_path / "other_tok"
+    shutil.copytree(tmp_path / "kv", other_tok)
+    tok = AutoTokenizer.from_pretrained(dense)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other_tok)
+    with pytest.raises(ValueError, match=r"checkpoints '.*dense' and '.*other_tok' have different tokenizers"):
+        run(["dense", "kv"], {"dense": dense, "kv": str(other_tok)}, compression_ratios=(0.2,))
+    # A later checkpoint whose vocabulary the prompts do not fit, or whose weights hold a NaN: refused before
+    # the first decode (both surfaced only when that method's turn came, losing the earlier methods' results).
+    small, _ = _dense_checkpoint(tmp_path / "small", vocab_size=6)
+    with pytest.raises(ValueError, match=r"the prompts encode to token id \d+, outside the vocabulary \[0, 6\) of "
+                                         r"'.*small' \(methods \['dense', 'tova'\]\)"):
+        run(["dense", "tova"], {"dense": small})
+    nan = tmp_path / "nan"
+    shutil.copytree(tmp_path / "kv", nan)
+    save_tokenizer(nan)  # dense's
+    tensors = load_file(nan / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name].flat[0] = np.nan
+    save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="NaN"):
+        run(["dense", "tova", "kv"], {"dense": dense, "kv": str(nan)}, compression_ratios=(0.2,))
     with pytest.raises(ValueError, match=r"method 'streaming' at CR 0.5 \(B 8 .*sinks 8 leave StreamingLLM no recent "
                                          r"window at B 8"):
         run(["dense", "streaming"], sinks=8)  # was silently cut to B - 1
@@ -500,3 +546,18 @@ def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
     cli.main(base)
     cli.main(base + ["--no_compile_ahead"])
     assert seen == [True, False]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C in any eval.main command: one line, exit 130 (it printed a KeyboardInterrupt traceback)."""
+    import eval.main as eval_main
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(eval_main.COMMANDS, "recall", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main.main(["recall"])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "interrupted: eval.main recall stopped; reports it had not finished were not written", err

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from flax import traverse_util
 from eval.bench_decode import parse_lengths, run_bench_decode, tiny_config
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
-from eval.recall import load_rows, policy_arrays, run_recall
+from eval.recall import load_rows, memory_note, policy_arrays, run_recall
 from kvpop_jax import KVpopConfig, Qwen3Config, dms_cache, load_pretrained, policy, save_pretrained
 from kvpop_jax.config import DMSConfig
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
@@ -193,7 +194,7 @@ def test_document_rows_start_where_their_documents_start(checkpoint, tmp_path, c
     capsys.readouterr()
     by_rows = run_recall(checkpoint, first, num_queries=8, out_dir=tmp_path / "out2", batch_size=2, progress=False)
     np.testing.assert_array_equal(result.hits, by_rows.hits)
-    assert "warning: recall reads 2 rows, not the 8 asked for" in capsys.readouterr().err  # default num_sequences
+    assert "warning: recall: 2 rows read, not the 8 asked for" in capsys.readouterr().err  # default num_sequences
     short_file = tmp_path / "short.jsonl"  # a source of short documents is not read to its end
     short_file.write_text("\n".join(json.dumps({"text": f"a{i % 10}"}) for i in range(250)) + "\n")
     with pytest.raises(ValueError, match=r"none of the 100 documents read holds seq_len=40"):
@@ -251,8 +252,9 @@ def test_bench_decode_kvpop_flat_dense_growing(tmp_path):
 
 def test_parse_lengths():
     assert parse_lengths("1k, 2k,4096") == (1024, 2048, 4096)
-    with pytest.raises(ValueError):
-        parse_lengths("0")
+    for text in ("0", "abc", "1k,x"):
+        with pytest.raises(ValueError, match=f"--lengths must be positive ints like '1k,2k,4096', got '{text}'"):
+            parse_lengths(text)
 
 
 def test_a_failed_patterns_rerun_leaves_the_previous_report_whole(checkpoint, tmp_path, monkeypatch):
@@ -382,3 +384,50 @@ def test_a_text_file_that_is_not_utf8_is_named(tmp_path, capsys):
                    "--out_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--text_file '{bad}' is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_dms_patterns_check_the_rows_like_recall(dms_checkpoint, tmp_path, capsys):
+    """DMS patterns refuse ids outside the vocabulary and bad row counts, and warn on fewer rows or rows past
+    max_position_embeddings, as recall does (before, an id of 500 in a vocabulary of 61 gave a normal-looking
+    report, num_sequences=-1 silently dropped the last document, and 0 blamed the data)."""
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(0, BASE.vocab_size, size=SEQ + 3).tolist() for _ in range(3)]
+    id_file = tmp_path / "ids.jsonl"
+    id_file.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    kw = dict(seq_len=SEQ, rows="documents", out_dir=tmp_path / "out")
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f"num_sequences must be an integer >= 1, got {n}"):
+            run_dms_patterns(dms_checkpoint, str(id_file), num_sequences=n, **kw)
+    bad = tmp_path / "oov.jsonl"
+    bad.write_text("\n".join(json.dumps(d[:5] + [v] + d[6:]) for d, v in zip(docs, (500, 1, -1))) + "\n")
+    with pytest.raises(ValueError, match=rf"DMS patterns: token ids must lie in \[0, {BASE.vocab_size}\), got "
+                                         r"\[-1, 500\]"):
+        run_dms_patterns(dms_checkpoint, str(bad), num_sequences=3, **kw)
+    capsys.readouterr()
+    run_dms_patterns(dms_checkpoint, str(id_file), num_sequences=5, **kw)
+    assert "warning: DMS patterns: 3 rows read, not the 5 asked for" in capsys.readouterr().err
+    short = tmp_path / "short_positions"  # the same export, trained (it says) to SEQ - 8 positions
+    shutil.copytree(dms_checkpoint, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": SEQ - 8}))
+    run_dms_patterns(str(short), str(id_file), num_sequences=3, **kw)
+    assert f"rows of {SEQ} tokens run past the model's max_position_embeddings {SEQ - 8}" in capsys.readouterr().err
+
+
+def test_float_or_boolean_token_ids_are_named_not_read_as_text(tmp_path):
+    """numpy/pandas write ids as 1.0: such lines were read as text (one line) or refused as 'not a JSON
+    object' / 'no text field'; booleans were read as ids 1 and 0."""
+    for i, (record, bad) in enumerate([([1.0, 5.0, 9.0], "1.0"), ({"input_ids": [3, 4.5]}, "4.5"),
+                                       ([True, False, 3], "True")]):
+        path = tmp_path / f"ids{i}.jsonl"
+        path.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+        with pytest.raises(ValueError, match=rf"line 1: token ids must be JSON integers, got {bad}"):
+            load_rows(str(path), seq_len=2, num_sequences=1)
+
+
+def test_recall_names_the_slots_and_the_memory(recall_run):
+    """`--budget` is memory B (slots + the scorer's state); the reports said "B=" of the slots alone."""
+    text = open(recall_run[1].files["md"]).read()
+    assert f"k={KV.topk}: {KV.budget} slots, scorer mlp" in text  # a stateless scorer: the slots are B
+    assert f"positions >= s + w + k ({KV.budget})" in text
+    assert memory_note({"budget": 106, "memory": 123}) == " + the scorer's state = memory B 123 entries per KV head"
