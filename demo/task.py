@@ -127,6 +127,8 @@ class DemoTaskConfig:
     final_gap: float = 0.27
 
     def __post_init__(self):
+        if not isinstance(self.cot, bool):  # "False" as a string would be truthy
+            raise ValueError(f"cot must be True or False, got {self.cot!r}")
         if not 1 <= self.n_query <= self.n_marked <= 8:
             raise ValueError(f"need 1 <= n_query <= n_marked <= 8, got {self.n_query}, {self.n_marked}")
         if not 0.0 <= self.p_scratch < 1.0:
@@ -142,9 +144,14 @@ class DemoTaskConfig:
             raise ValueError(f"scratch_reach must be >= 4, got {self.scratch_reach}")
         if self.answer_format not in ("boxed", "hash"):
             raise ValueError(f"answer_format must be 'boxed' or 'hash', got {self.answer_format!r}")
-        zone_tokens = (hi - lo) * (self.seq_len - 1 - self.question_tokens)
+        body = self.seq_len - 1 - self.question_tokens
+        zone_tokens = (hi - lo) * body
         if zone_tokens < self.n_marked * self._marked_spacing:
             raise ValueError(f"seq_len={self.seq_len} is too short for {self.n_marked} marked bindings")
+        if body - int(hi * body) < self._after_zone:  # the last marked binding, its delay lines and `keep`
+            raise ValueError(f"seq_len={self.seq_len} is too short: the marked zone ends {body - int(hi * body)} "
+                             f"tokens before the question, and its last marked binding may need "
+                             f"{self._after_zone} (marked_zone={self.marked_zone})")
         if self.n_reuse < 0 or not 0.0 <= self.reuse_gap < 1.0 or not 0.0 <= self.final_gap < 1.0:
             raise ValueError(f"need n_reuse >= 0 and gaps in [0, 1), got {self.n_reuse}, {self.reuse_gap}, "
                              f"{self.final_gap}")
@@ -179,6 +186,12 @@ class DemoTaskConfig:
     @property
     def _marked_spacing(self) -> int:
         return self.max_mark_gap + self.max_line_tokens + 1
+
+    @property
+    def _after_zone(self) -> int:
+        """Tokens a marked binding placed at the end of the zone may still take: the line running over the
+        zone's end, its own line, `max_mark_delay` lines and its `keep` line."""
+        return (self.max_line_tokens - 1) + self.max_line_tokens * (1 + self.max_mark_delay) + 4
 
     @property
     def _reuse_room(self) -> int:
@@ -243,11 +256,40 @@ def min_seq_len(task: str | None = None, difficulty: str | None = None, *, up_to
     return last_bad + 1
 
 
+SEED_LIMIT = 2**32  # numpy's SeedSequence splits larger ints into 32-bit words: they would alias other splits
+
+
+def _check_seed_part(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"{name} must be an int in [0, 2**32), got {value!r}")
+
+
 def example_seed(seed: int, split: str, index: int) -> tuple[int, int, int]:
-    """The entropy of example `index` of `split`: splits never share a seed."""
+    """The entropy of example `index` of `split`: splits never share a seed (seed and index are
+    ints in [0, 2**32), so each is one word of the three)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    _check_seed_part("seed", seed)
+    _check_seed_part("index", index)
     return (int(seed), SPLITS[split], int(index))
+
+
+def _check_example_seed(seed) -> None:
+    """A Generator, or a tuple of ints in [0, 2**32); a bare int is refused: numpy reads int s as the
+    tuple (s, 0, 0), which is `example_seed(s, "train", 0)`, a training problem."""
+    if seed is None:
+        raise ValueError("seed=None would draw a different trace every call: pass example_seed(seed, split, "
+                         "index), a tuple of ints, or an np.random.Generator")
+    if isinstance(seed, np.random.Generator):
+        return
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        raise ValueError(f"seed={seed!r}: a bare int seed is the train split's example 0 of that seed "
+                         f"(example_seed({seed}, 'train', 0)); pass example_seed(seed, split, index) to name the split")
+    if not isinstance(seed, (tuple, list)) or not seed:
+        raise ValueError(f"seed must be example_seed(seed, split, index), a tuple of ints or an np.random.Generator, "
+                         f"got {seed!r}")
+    for i, part in enumerate(seed):
+        _check_seed_part(f"seed[{i}]", part)
 
 
 def _answer_atoms(value: int, answer_format: str) -> list[str]:
@@ -257,7 +299,8 @@ def _answer_atoms(value: int, answer_format: str) -> list[str]:
 def generate_example(seed, *, difficulty: str | None = None, task: str | None = None,
                      config: DemoTaskConfig | None = None, resample: tuple[int, int] | None = None,
                      replan: bool = False, **overrides) -> dict:
-    """One trace. `seed`: int, tuple of ints (see `example_seed`) or np.random.Generator.
+    """One trace. `seed`: `example_seed(seed, split, index)` (or another tuple of ints in [0, 2**32)) or
+    an np.random.Generator; a bare int is refused (it would be the train split's example 0).
 
     `resample=(position, future_seed)`: the same trace up to `position`, then a fresh future. Every
     line that starts before token `position` is the trace's own, so its first `position` tokens are
@@ -281,9 +324,11 @@ def generate_example(seed, *, difficulty: str | None = None, task: str | None = 
         the LM loss towards these helps a small dense model find the lookups;
       n_prompt_tokens, n_text_tokens, max_mark_gap.
     """
-    if seed is None:
-        raise ValueError("seed=None would draw a different trace every call: pass an int, a tuple of ints "
-                         "(example_seed) or an np.random.Generator")
+    _check_example_seed(seed)
+    if config is not None and (difficulty is not None or task is not None or overrides):
+        given = [k for k, v in dict(difficulty=difficulty, task=task).items() if v is not None] + sorted(overrides)
+        raise ValueError(f"config= fixes the task already; {given} would be ignored: pass them to make_config "
+                         "instead")
     cfg = config or make_config(difficulty, task, **overrides)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     names = [NAMES[i] for i in rng.permutation(cfg.n_names)]
@@ -433,6 +478,10 @@ def generate_dataset(n: int, seed: int = 0, split: str = "train", *, start: int 
     """Examples start..start+n-1 of `split`; kw as for generate_example. Each gets an `id`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    for name, value in (("n", n), ("start", start)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _check_seed_part("seed", seed)
     out = []
     for i in range(start, start + n):
         ex = generate_example(example_seed(seed, split, i), **kw)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from demo import atoms, oracles
+from demo.atoms import atomize
 from demo import task as dt
 from demo.tokenizer import build_tokenizer, save_tokenizer
 
@@ -123,6 +124,42 @@ def test_config_validation():
         with pytest.raises(ValueError, match=message):
             call()
     assert dt.min_seq_len("reuse") > 500 and dt.make_config(task="reuse", seq_len=dt.min_seq_len("reuse"))
+    # Seeds a notebook passes: a bare int was the train split's example 0 of that seed (a test set of
+    # generate_example(i) overlapped training), and seeds >= 2**32 aliased other splits.
+    assert dt.generate_example((5, 0, 0)) == dt.generate_example(dt.example_seed(5, "train", 0))
+    seeds = [(lambda: dt.generate_example(2), r"seed=2: a bare int seed is the train split's example 0"),
+             (lambda: dt.generate_example(np.int64(2)), r"a bare int seed"),
+             (lambda: dt.generate_example((2.5, 0, 1)), r"seed\[0\] must be an int in \[0, 2\*\*32\), got 2.5"),
+             (lambda: dt.example_seed(2**33, "train", 0), r"seed must be an int in \[0, 2\*\*32\), got 8589934592"),
+             (lambda: dt.example_seed(-1, "test", 0), r"seed must be an int in \[0, 2\*\*32\), got -1"),
+             (lambda: dt.generate_dataset(1, 1.7, "test"), r"seed must be an int in \[0, 2\*\*32\), got 1.7"),
+             (lambda: dt.generate_dataset(1, True, "test"), r"seed must be an int"),
+             (lambda: dt.generate_dataset(-5, 0, "test"), r"n must be an int >= 0, got -5"),
+             (lambda: dt.generate_dataset(1, 0, "test", start=-1), r"start must be an int >= 0, got -1"),
+             # config= with other settings: they were dropped silently
+             (lambda: dt.generate_example((0, 2, 0), config=dt.make_config(seq_len=512), seq_len=2048, task="reuse"),
+              r"config= fixes the task already; \['task', 'seq_len'\] would be ignored")]
+    for call, message in seeds:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_every_valid_length_gives_a_prompt_of_exactly_that_length():
+    """At and just above each task's shortest length, and for a marked zone reaching the prompt's end, every
+    trace has exactly seq_len prompt tokens. Before, 1-2% of read_once/easy traces at 77-85 tokens ran
+    over seq_len or hit the generator's own AssertionError, and a zone ending at 0.95 or 1.0 passed
+    validation, then overflowed in a tenth of the traces: there was no room left after the zone for
+    the last marked binding's delay lines and `keep` line."""
+    for task, difficulty in [("read_once", d) for d in ("easy", "medium", "hard")] + [("reuse", "medium")]:
+        shortest = dt.min_seq_len(task, difficulty)
+        for length in (shortest, shortest + 1, shortest + 7):
+            cfg = dt.make_config(difficulty, task, seq_len=length)
+            for i in range(40 if task == "read_once" else 6):
+                ex = dt.generate_example(dt.example_seed(0, "train", i), config=cfg)
+                assert ex["meta"]["n_prompt_tokens"] == length == 1 + len(atomize(ex["prompt"])), (task, length, i)
+    for zone, length in (((0.5, 1.0), 512), ((0.5, 0.95), 256)):
+        with pytest.raises(ValueError, match=r"the marked zone ends \d+ tokens before the question"):
+            dt.make_config(seq_len=length, marked_zone=zone)
     one = dt.generate_mixture(2, tasks="reuse")  # a task name alone, not its letters
     assert [e["id"] for e in one] == [e["id"] for e in dt.generate_dataset(2, task="reuse")]
 
@@ -140,10 +177,10 @@ def test_extract_answer_and_score():
     assert dt.score("\\boxed{07}", "7") == 1.0 and dt.score("#### 7", 7) == 1.0
     assert dt.score("\\boxed{8}", "7") == 0.0 and dt.score("7", "7") == 0.0
     assert dt.score("\\boxed{}", "") == 0.0 and dt.score("\\boxed{ }", " ") == 0.0  # an empty answer matches nothing
-    ex = dt.generate_example(11, answer_format="hash")
+    ex = dt.generate_example(dt.example_seed(11, "train", 0), answer_format="hash")
     completion = ex["text"][len(ex["prompt"]):]
     assert "\\boxed" not in completion and dt.score(completion, ex["answer"]) == 1.0
-    ex = dt.generate_example(11, cot=False)
+    ex = dt.generate_example(dt.example_seed(11, "train", 0), cot=False)
     assert ex["text"] == ex["prompt"] + "\\boxed{" + ex["answer"] + "}"
 
 

@@ -4,6 +4,7 @@ down, checkpoint, resume, export) and the teacher shipped in checkpoints/demo-te
 import dataclasses
 import json
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -442,3 +443,78 @@ def test_phase_park_weight_runs_the_parking_step_only_in_its_phase(tmp_path):
     for bad in ("park=-1", "park=x"):
         with pytest.raises(ValueError, match="park="):
             tiny_config(tmp_path, phases=parse_curriculum(f"128:4:2:{bad}", 4))
+
+
+def _main(argv, capsys):
+    """train.pretrain's main on fresh flag values: (exit code or None, stderr)."""
+    from train.demo_teacher import main as pretrain_main
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["pretrain", *argv])
+    code = None
+    with mock.patch.object(pretrain_main, "FLAGS", fv), mock.patch.object(pretrain_main, "run") as run:
+        try:
+            pretrain_main.main(["pretrain"])
+        except SystemExit as e:
+            code = e.code
+    return code, capsys.readouterr().err, run
+
+
+def test_cli_refuses_before_any_work(tmp_path, capsys):
+    """What the probe found train.pretrain doing: overwriting the shipped teacher by default, ignoring shape
+    flags under --init_from, crashing after training on counts of 0, skipping lengths silently."""
+    tiny = ["--hidden_size=32", "--intermediate_size=64", "--num_layers=1", "--num_heads=2", "--num_kv_heads=1",
+            "--head_dim=16", "--curriculum=128:2:2", f"--run_dir={tmp_path / 'run'}"]
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "config.json").write_text("{}")
+    bad = [
+        ([f"--out_dir={held}"], f"--out_dir={held} already holds a model (config.json): pass --overwrite_out_dir"),
+        (["--final_eval_examples=0"], "final_eval_examples must be an int >= 1, got 0"),
+        (["--log_every=0"], "log_every must be an int >= 1, got 0"),
+        (["--eval_every=2", "--eval_examples=0"], "eval_examples >= 1 when it evaluates"),
+        (["--seed=-1"], "seed must be in [0, 2**32), got -1"),
+        (["--curriculum="], "--curriculum='' needs at least one phase"),
+        (["--offset_heads=a"], "--offset_heads='a' must be comma-separated integers"),
+        (["--final_eval_lens=100,-5"], "final_eval_lens holds 100: seq_len=100 is too short"),
+        (["--curriculum=128:1:4:drill=abc"], "drill='abc' must be a share of the batch in [0, 1]"),
+        (["--curriculum=128:1:4:reuse=2"], "reuse=2 must be a share of the batch in [0, 1]"),
+        (["--curriculum=128:1:4:drill=0.8/lookup=0.8"], "drill, lookup and recall rows take all 4 rows"),
+        (["--curriculum=128:1:4:seq_len=200"], "seq_len is the phase's LEN, not an override"),
+        ([f"--out_dir={tmp_path / 'f' / 'x'}"], "--out_dir"),
+    ]
+    (tmp_path / "f").write_text("a file")
+    for argv, message in bad:
+        code, err, run = _main([*tiny, *argv], capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+        run.assert_not_called()
+    config = Qwen3Config.from_hf(TEACHER)
+    code, err, run = _main(["--init_from=" + TEACHER, "--hidden_size=64", "--curriculum=1024:2:2",
+                            f"--run_dir={tmp_path / 'run'}", f"--out_dir={tmp_path / 'out'}"], capsys)
+    assert code == 2 and f"fixes the model's shape; drop --hidden_size=64 (the checkpoint's {config.hidden_size})" \
+        in err, err
+    code, err, run = _main([*tiny, f"--out_dir={held}", "--overwrite_out_dir"], capsys)
+    assert code is None and run.called  # replacing it is a choice
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["pretrain", "--curriculum=128:1:4:cot=False"])
+    assert dict(config_from_flags(fv).phases[0].task)["cot"] is False  # the string "False" was truthy
+    # --eval_only does not need --init_from to exist (the shipped flagfiles' eval command crashed on it)
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["pretrain", f"--flagfile={os.path.join(REPO, 'configs', 'tiny_teacher_park_all.flags')}", "--eval_only",
+        "--init_from=/nonexistent"])
+    assert config_from_flags(fv).init_from == "/nonexistent"
+
+
+def test_a_resume_logs_each_step_once(tmp_path):
+    """Killed after logging steps it had not saved, a resumed run logged them again (6-8 twice)."""
+    cfg = tiny_config(tmp_path, checkpoint_every=4, log_every=1)
+    train(cfg, progress=False, stop_at=10)  # saves at 4, 8 and 10 (the stop)
+    path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    with open(path, "a") as f:  # as if killed at 11 after logging it, with the last save at 10
+        f.write(json.dumps(dict(step=11, loss=1.0)) + "\n")
+    train(cfg, progress=False)
+    steps = [json.loads(line)["step"] for line in open(path) if "loss" in line]
+    assert steps == list(range(1, cfg.total_steps + 1)), steps

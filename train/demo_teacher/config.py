@@ -50,9 +50,28 @@ class PretrainConfig:
     def __post_init__(self):
         if not self.phases:
             raise ValueError("the curriculum needs at least one phase")
+        for name in ("eval_batch", "final_eval_examples", "log_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.eval_every < 0 or (self.eval_every and self.eval_examples < 1):
+            raise ValueError(f"eval_every={self.eval_every}, eval_examples={self.eval_examples}: need eval_every >= 0 "
+                             "(0: never) and eval_examples >= 1 when it evaluates")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         for p in self.phases:
             if p.steps < 1 or not 1 <= p.batch <= MAX_BATCH:
                 raise ValueError(f"phase {p}: need steps >= 1 and 1 <= batch <= {MAX_BATCH}")
+            shares = {k: v for k, v in p.task if k in ("drill", "lookup", "recall", "reuse")}
+            for k, v in shares.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                    raise ValueError(f"phase {p}: {k}={v!r} must be a share of the batch in [0, 1]")
+            drills = sum(round(shares.get(k, 0.0) * p.batch) for k in ("drill", "lookup", "recall"))
+            if drills >= p.batch:  # completion metrics would be 0/0
+                raise ValueError(f"phase {p}: drill, lookup and recall rows take all {p.batch} rows; leave some for "
+                                 "the task")
+            if "seq_len" in dict(p.task):
+                raise ValueError(f"phase {p}: seq_len is the phase's LEN, not an override")
             park = dict(p.task).get("park", 0.0)  # park_weight_of's override, checked before step 0
             if not isinstance(park, (int, float)) or park < 0:
                 raise ValueError(f"phase {p}: park={park!r} must be a parking-loss weight >= 0")
@@ -63,6 +82,11 @@ class PretrainConfig:
                 raise ValueError(f"phase {p}: reuse rows at {p.prompt_len} tokens: {e}") from None
         if self.difficulty not in demo_task.DIFFICULTY:
             raise ValueError(f"difficulty must be one of {sorted(demo_task.DIFFICULTY)}, got {self.difficulty!r}")
+        for length in self.final_eval_lens:  # read_once at every length; reuse where it fits (said in the card)
+            try:
+                demo_task.make_config(self.difficulty, seq_len=length)
+            except ValueError as e:
+                raise ValueError(f"final_eval_lens holds {length}: {e}") from None
         if self.model.vocab_size < len(VOCAB):
             raise ValueError(f"vocab_size={self.model.vocab_size} < the demo tokenizer's {len(VOCAB)}")
         if self.export_dtype not in ("float32", "bfloat16"):

@@ -31,6 +31,8 @@ class Phase:
 
 
 def _parse_value(text: str):
+    if text.lower() in ("true", "false"):  # "False" as a string is truthy
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)

@@ -83,8 +83,9 @@ def final_eval(cfg: PretrainConfig, params, sampling: SamplingConfig | None = No
         for length in cfg.final_eval_lens:
             try:
                 task = demo_task.make_config(cfg.difficulty, task_name, seq_len=length)
-            except ValueError:
-                continue  # too short for this task
+            except ValueError as e:  # reuse at a length too short for it (read_once is checked up front)
+                print(f"test accuracy on {task_name} at prompt length {length}: not measured ({e})")
+                continue
             r = evaluate(model, params, cfg, task, cfg.final_eval_examples, split="test", batch=cfg.eval_batch,
                          sampling=sampling)
             r["task"] = task_name

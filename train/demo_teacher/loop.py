@@ -187,6 +187,15 @@ def save_state(cfg: PretrainConfig, state: TrainState, elapsed_s: float = 0.0) -
 def restore_state(cfg: PretrainConfig, target: TrainState) -> tuple[TrainState, float] | None:
     """(state, training seconds so far) of this run, or None if nothing is saved; refuses a state
     saved with other settings."""
+    payload = check_saved_run(cfg)
+    if payload is None:
+        return None
+    return flax.serialization.from_state_dict(target, payload["state"]), float(payload.get("elapsed_s", 0.0))
+
+
+def check_saved_run(cfg: PretrainConfig) -> dict | None:
+    """The state RUN_DIR holds (its msgpack payload), None if none; ValueError naming the settings that
+    differ from `cfg`'s (checked before any work, and again on restoring)."""
     path = os.path.join(cfg.run_dir, STATE_FILE)
     if not os.path.isfile(path):
         return None
@@ -198,8 +207,32 @@ def restore_state(cfg: PretrainConfig, target: TrainState) -> tuple[TrainState, 
         diff = sorted(k for k in saved.keys() | cfg.resume_key().keys() if saved.get(k) != cfg.resume_key().get(k))
         raise ValueError(f"{path} was saved with different settings ({', '.join(diff)}); "
                          "use another --run_dir or delete it")
-    return flax.serialization.from_state_dict(target, payload["state"]), float(payload.get("elapsed_s", 0.0))
+    return payload
 
+
+def saved_elapsed(cfg: PretrainConfig) -> float | None:
+    """Training seconds of the state RUN_DIR holds (across resumes), None if none is saved."""
+    payload = check_saved_run(cfg)
+    return None if payload is None else float(payload.get("elapsed_s", 0.0))
+
+
+def _trim_metrics(cfg: PretrainConfig, step: int) -> None:
+    """Drops the log records past `step` (the state resumed from): a run killed after logging steps it had
+    not saved logs them again, and each step should appear once."""
+    path = os.path.join(cfg.run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+        except json.JSONDecodeError:  # a torn last line of a killed write
+            continue
+    if len(keep) != len(lines):
+        atomic_write_bytes(path, "".join(keep).encode())
 
 
 
@@ -231,6 +264,7 @@ def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = N
     if restored is not None:
         state, elapsed = restored
     start = int(state.step)
+    _trim_metrics(cfg, start)
     clock = time.perf_counter() - elapsed  # elapsed = time.perf_counter() - clock, across resumes
     records: list[dict] = []
     pool = concurrent.futures.ThreadPoolExecutor(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import jax
@@ -16,7 +17,8 @@ from kvpop_jax.sampling import SamplingConfig
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import BOS_ID, EOS_ID, parse_curriculum
 from train.demo_teacher.evaluate import export, final_eval
-from train.demo_teacher.loop import train
+from train.config import FlagError, check_output_dir
+from train.demo_teacher.loop import check_saved_run, saved_elapsed, train
 
 FLAGS = flags.FLAGS
 
@@ -24,7 +26,10 @@ FLAGS = flags.FLAGS
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d = dict(flag_values=fv)
     flags.DEFINE_string("run_dir", "runs/demo_teacher", "Training state, metrics log (resumes from here).", **d)
-    flags.DEFINE_string("out_dir", "checkpoints/demo-teacher", "Exported HF-format teacher + tokenizer.", **d)
+    flags.DEFINE_string("out_dir", "runs/demo_teacher/export", "Exported HF-format teacher + tokenizer (a folder "
+                        "that already holds a model is refused unless --overwrite_out_dir).", **d)
+    flags.DEFINE_bool("overwrite_out_dir", False, "Replace the model an existing --out_dir holds (e.g. the shipped "
+                      "checkpoints/demo-teacher, which configs/tiny_teacher_park_all.flags writes).", **d)
     flags.DEFINE_integer("hidden_size", 192, "Model width.", **d)
     flags.DEFINE_integer("intermediate_size", 512, "SwiGLU width.", **d)
     flags.DEFINE_integer("num_layers", 3, "Decoder layers.", **d)
@@ -39,7 +44,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
                       "reuse task's until stop 33; "
                       "train/demo_teacher/init.py); needs --lookup_circuit.", **d)
     flags.DEFINE_string("init_from", "", "Start from this exported teacher (HF dir) instead of a fresh init, "
-                        "e.g. a reuse phase on top of checkpoints/demo-teacher (configs/tiny_teacher_reuse.flags).", **d)
+                        "e.g. stage 2 on top of stage 1's runs/demo_teacher/export (configs/tiny_teacher_reuse.flags); "
+                        "the model's shape is the checkpoint's.", **d)
     flags.DEFINE_bool("lookup_circuit", False, "Plant the lookup circuit at init (train/demo_teacher/init.py); "
                       "needs offset_heads=1,...", **d)
     flags.DEFINE_string("difficulty", "medium", "Demo task difficulty (easy|medium|hard).", **d)
@@ -78,17 +84,37 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"], "Dtype of the exported weights.", **d)
 
 
+SHAPE_FLAGS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+               "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "rope_theta": "rope_theta",
+               "max_position_embeddings": "max_position_embeddings"}
+
+
+def _int_list(f: flags.FlagValues, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in getattr(f, name).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name}={getattr(f, name)!r} must be comma-separated integers") from None
+
+
 def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
-    offsets = tuple(int(x) for x in f.offset_heads.split(",") if x.strip())
+    offsets = _int_list(f, "offset_heads")
     model = Qwen3Config(
         vocab_size=len(VOCAB), hidden_size=f.hidden_size, intermediate_size=f.intermediate_size,
         num_hidden_layers=f.num_layers, num_attention_heads=f.num_heads, num_key_value_heads=f.num_kv_heads,
         head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True, attention_bias=bool(offsets),
         max_position_embeddings=f.max_position_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-    if f.init_from:  # the model is the checkpoint's; the shape flags describe a fresh init only
+    if f.init_from and not f.eval_only:  # the model is the checkpoint's; the shape flags describe a fresh init
         model = Qwen3Config.from_hf(f.init_from)
+        given = [f"--{flag}={getattr(f, flag)} (the checkpoint's {getattr(model, field)})"
+                 for flag, field in SHAPE_FLAGS.items()
+                 if f[flag].present and getattr(f, flag) != getattr(model, field)]
+        if given:  # they were ignored without a word
+            raise ValueError(f"--init_from={f.init_from!r} fixes the model's shape; drop {', '.join(given)}")
     phases = parse_curriculum(f.curriculum, f.batch)
-    lens = tuple(int(x) for x in f.final_eval_lens.split(",") if x.strip()) or (phases[-1].prompt_len,)
+    if not phases:
+        raise ValueError(f"--curriculum={f.curriculum!r} needs at least one phase LEN:STEPS[:BATCH][:KEY=VALUE/...]")
+    lens = _int_list(f, "final_eval_lens") or (phases[-1].prompt_len,)
     return PretrainConfig(
         model=model, phases=phases, run_dir=f.run_dir, out_dir=f.out_dir, difficulty=f.difficulty, seed=f.seed,
         lr=f.lr, final_lr=f.final_lr, warmup_steps=f.warmup_steps, weight_decay=f.weight_decay, b1=f.b1, b2=f.b2,
@@ -101,9 +127,38 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         park_queries=f.park_queries, park_lookups=f.park_lookups)
 
 
+def check_outputs(cfg: PretrainConfig, overwrite: bool) -> None:
+    """Before any step: both folders can be written, and the export would not silently replace a model."""
+    check_output_dir(cfg.run_dir, "--run_dir")
+    check_output_dir(cfg.out_dir, "--out_dir")
+    held = [n for n in ("config.json", "model.safetensors") if os.path.isfile(os.path.join(cfg.out_dir, n))]
+    if held and not overwrite:
+        raise FlagError(f"--out_dir={cfg.out_dir} already holds a model ({', '.join(held)}): pass --overwrite_out_dir "
+                        "to replace it, or another --out_dir")
+
+
 def main(argv):
-    del argv
-    cfg = config_from_flags()
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}: train.pretrain takes only flags (--name=value)",
+              file=sys.stderr)
+        sys.exit(2)
+    try:  # a bad flag or input: one line, before any work
+        cfg = config_from_flags(FLAGS)
+        if not FLAGS.eval_only:
+            check_outputs(cfg, FLAGS.overwrite_out_dir)
+            check_saved_run(cfg)  # a resume with other settings
+    except (ValueError, FileNotFoundError, FlagError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run(cfg)
+    except KeyboardInterrupt:  # state.msgpack is replaced atomically: the last one saved is whole
+        print(f"\ninterrupted; rerun the same command to resume from the last state saved in {cfg.run_dir}",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+def run(cfg: PretrainConfig) -> None:
     if FLAGS.eval_only:
         model_config, params = load_pretrained(cfg.out_dir)
         sampling = None if FLAGS.eval_temperature == 0 else SamplingConfig(FLAGS.eval_temperature, 0.95, 20, 0.0)
@@ -113,6 +168,8 @@ def main(argv):
     print(f"demo teacher: {n_params:,} params, {cfg.total_steps} steps in {len(cfg.phases)} phases")
     state, records = train(cfg)
     train_seconds = next((r["elapsed_s"] for r in reversed(records) if "elapsed_s" in r), None)
+    if train_seconds is None:  # nothing left to train (a rerun of a finished run): the saved run's time
+        train_seconds = saved_elapsed(cfg)
     results = final_eval(cfg, state.params)
     command = "python -m train.pretrain " + " ".join(sys.argv[1:])
     export(cfg, state.params, results, command, train_seconds)
