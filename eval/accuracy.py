@@ -183,7 +183,8 @@ def run_accuracy(
     or several (JSONL path, data file or hub name). n_rollouts samples per problem, in
     batches of `batch_size` (default n_rollouts) copies of the prompt; rollout r of problem
     i uses the same seed for every method. context_len defines CR = 1 - B / context_len.
-    tokenizer: object or path (default: the tokenizer saved with the first checkpoint).
+    tokenizer: object or path; default: the checkpoints' own, which must agree (checkpoints whose
+    tokenizers differ are refused; one without a tokenizer runs with the others', with a warning).
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
     instruction. sampling: a SamplingConfig (default: the paper's 0.6 / 0.95 / 20 / 0).
     problem_batch: with n_rollouts = 1, decode up to this many consecutive problems of equal

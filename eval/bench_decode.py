@@ -45,6 +45,7 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Sequence
 
@@ -346,6 +347,7 @@ def run_bench_decode(
     if benchmarks_md is not None:
         append_benchmarks(benchmarks_md, bench_markdown(rows, info, png, os.path.dirname(os.path.abspath(
             os.fspath(benchmarks_md))), heading="##"))
+        print(f"appended the results to {os.path.abspath(os.fspath(benchmarks_md))}", file=sys.stderr)
     return rows
 
 
@@ -439,8 +441,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k")
     ap.add_argument("--methods", default="dense,kvpop", help=f"comma-separated subset of {METHODS}")
     ap.add_argument("--out_dir", default="outputs/bench_decode", type=out_dir_arg)
-    ap.add_argument("--benchmarks_md", default=None,
-                    help="append the results to this markdown file (e.g. BENCHMARKS.md); default: none")
+    ap.add_argument("--benchmarks_md", default="BENCHMARKS.md",
+                    help="markdown file the results are appended to, with the command (default %(default)s, the "
+                         "project's record of performance claims; '' = none)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
