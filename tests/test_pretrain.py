@@ -518,3 +518,25 @@ def test_a_resume_logs_each_step_once(tmp_path):
     train(cfg, progress=False)
     steps = [json.loads(line)["step"] for line in open(path) if "loss" in line]
     assert steps == list(range(1, cfg.total_steps + 1)), steps
+
+
+def test_an_export_that_dies_leaves_no_weights_without_their_card(tmp_path, monkeypatch):
+    """The weights, the tokenizer, eval.json and the model card land together. Before, a failure (or a kill)
+    between the weights and the card left a model in --out_dir that the rerun was refused to replace."""
+    from train.demo_teacher import evaluate as evaluate_module
+
+    cfg = tiny_config(tmp_path)
+    params = init_state(cfg, make_optimizer(cfg)).params
+
+    def broken_card(*args, **kwargs):
+        raise RuntimeError("killed while writing the model card")
+
+    monkeypatch.setattr(evaluate_module, "model_card", broken_card)
+    with pytest.raises(RuntimeError, match="killed while writing"):
+        export(cfg, params, [], "cmd", 1.0)
+    assert not os.path.exists(cfg.out_dir)
+    monkeypatch.undo()
+    export(cfg, params, [], "cmd", 1.0)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "eval.json", "README.md"} <= set(
+        os.listdir(cfg.out_dir))
+    assert load_pretrained(cfg.out_dir)[0] == cfg.model

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -98,18 +99,22 @@ def final_eval(cfg: PretrainConfig, params, sampling: SamplingConfig | None = No
 
 
 def export(cfg: PretrainConfig, params, results: list[dict], command: str, train_seconds: float | None) -> None:
-    """OUT_DIR: save_pretrained + demo tokenizer + eval.json + README.md (model card)."""
+    """OUT_DIR: save_pretrained + demo tokenizer + eval.json + README.md (model card), swapped in together
+    (`save_pretrained`'s staged directory): a killed export leaves OUT_DIR as it was, not weights without
+    their card, which the rerun would then have to overwrite."""
     dtype = jnp.bfloat16 if cfg.export_dtype == "bfloat16" else jnp.float32
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), jax.device_get(params))
-    save_pretrained(cfg.model, params, cfg.out_dir)
-    save_tokenizer(cfg.out_dir)
     keys = ("task", "prompt_len", "split", "n", "accuracy", "recall_accuracy")
     summary = [{k: r.get(k, "read_once") for k in keys if k in r or k == "task"} for r in results]
-    with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
-        json.dump(dict(results=summary, samples={f"{r.get('task', 'read_once')}@{r['prompt_len']}": r["samples"][:3]
-                                                 for r in results}), f, indent=1)
-    with open(os.path.join(cfg.out_dir, "README.md"), "w") as f:
-        f.write(model_card(cfg, summary, command, train_seconds))
+    with tempfile.TemporaryDirectory() as extra:
+        save_tokenizer(extra)
+        with open(os.path.join(extra, "eval.json"), "w") as f:
+            json.dump(dict(results=summary, samples={f"{r.get('task', 'read_once')}@{r['prompt_len']}":
+                                                     r["samples"][:3] for r in results}), f, indent=1)
+        with open(os.path.join(extra, "README.md"), "w") as f:
+            f.write(model_card(cfg, summary, command, train_seconds))
+        save_pretrained(cfg.model, params, cfg.out_dir,
+                        extra_files={name: os.path.join(extra, name) for name in sorted(os.listdir(extra))})
 
 
 def model_card(cfg: PretrainConfig, results: list[dict], command: str, train_seconds: float | None) -> str:
