@@ -152,6 +152,10 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
         if row["answer"] is None or not str(row["answer"]).strip():  # str(None) would score a boxed "None" right
             raise ValueError(f"{source!r} row {i} has no answer ({row['answer']!r})")
+        if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
+            # a list or dict would be scored as its string, "['7']", which no completion boxes
+            raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a number, got "
+                             f"{type(row['answer']).__name__} {str(row['answer'])[:80]!r}")
         if not isinstance(row[field], str) or not row[field]:
             raise ValueError(f"{source!r} row {i}: {field!r} must be a non-empty string, got {str(row[field])[:80]!r}")
         problems.append(dict(id=str(row.get("id", i)), prompt=row[field], answer=str(row["answer"])))

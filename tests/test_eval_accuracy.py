@@ -352,6 +352,9 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
             ("[1, 2]\n", r"row 0 is not a JSON object", {}),
             # str(None) would score a boxed "None" as right
             ('{"problem": "a", "answer": null}\n', r"row 0 has no answer \(None\)", {}),
+            ('{"problem": "a", "answer": ["7"]}\n', r"row 0: 'answer' must be a string or a number, got list", {}),
+            ('{"problem": "a", "answer": {"v": 7}}\n', r"row 0: 'answer' must be a string or a number, got dict", {}),
+            ('{"problem": "a", "answer": true}\n', r"row 0: 'answer' must be a string or a number, got bool", {}),
             ('{"problem": "", "answer": "1"}\n', r"row 0: 'problem' must be a non-empty string", {}),
             ('{"problem": "a", "answer": "1"}\n',  # the split was ignored
              r"is a local file, which has no splits; split='train' is for hub datasets", dict(split="train"))):
