@@ -195,8 +195,8 @@ def run_accuracy(
     attention seen so far, as over a generated trace; default: one-shot compression after a dense
     prefill (kvpress's convention; they then see every prompt query, the question's included).
     KVpop and DMS always prefill in parallel, which equals their token-by-token decode.
-    compile_ahead: while one method × CR decodes, a background thread loads the next one's checkpoint
-    and compiles its first decode program (`generate.compile_generate`); the same programs run
+    compile_ahead: while one method × CR decodes, a background thread compiles the next one's first
+    decode program (`generate.compile_generate`); the same programs run
     either way, so the results are identical, and XLA's single-core compiles overlap the decodes.
     """
     sampling = sampling or SamplingConfig()
@@ -264,9 +264,8 @@ def run_accuracy(
 
     # Every checkpoint's weights are read (and checked finite) now, not when its turn comes; the run
     # holds them all by its end anyway.
-    loaded: dict[str, tuple] = {}
-    for path in tqdm(configs, desc="loading checkpoints", disable=not progress or len(configs) < 2):
-        loaded[path] = load_pretrained(path, dtype=dtype)
+    loaded = {path: load_pretrained(path, dtype=dtype)
+              for path in tqdm(configs, desc="loading checkpoints", disable=not progress or len(configs) < 2)}
     # The shape of each setting's first call: the first problem group of the first benchmark.
     first = next(iter(benchmarks))
     first_group = _problem_groups(encoded[first], problem_batch if n_rollouts == 1 else 1)[0]
@@ -275,10 +274,7 @@ def run_accuracy(
     def prepare(k: int, ahead: bool):
         """Setting k's (model, params, cache, eos); `ahead`: also compile its first decode program."""
         method, cr = settings[k]
-        path = _checkpoint_for(checkpoints, method, cr)
-        if path not in loaded:
-            loaded[path] = load_pretrained(path, dtype=dtype)
-        config, params = loaded[path]
+        config, params = loaded[_checkpoint_for(checkpoints, method, cr)]
         model, mparams, cache = method_setup(method, config, params, None if cr is None else budgets[cr],
                                              sinks=sinks, dtype=dtype)
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
@@ -295,7 +291,7 @@ def run_accuracy(
     reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
     bar = tqdm(total=total, desc="accuracy", disable=not progress)
-    # XLA compiles on one core while a decode keeps ~1.5 busy: setting k + 1 loads and compiles in
+    # XLA compiles on one core while a decode keeps ~1.5 busy: setting k + 1 compiles in
     # this thread while setting k decodes (the same programs as without it: the results are identical).
     upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.

@@ -180,11 +180,6 @@ def dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, k
     Shapes, dtypes and positions are checked by name first (`common.check_dense_args`); values in
     empty (`kv_valid=False`) slots must be finite (the caches zero them).
     """
-    check_dense_args(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid, scale)
-    b, s, t = q.shape[0], q.shape[1], k.shape[1]  # a batch axis of 1 serves every row
-    full = lambda x, n: None if x is None else jnp.broadcast_to(x, (b, n))  # noqa: E731
-    q_positions, q_segment_ids = full(q_positions, s), full(q_segment_ids, s)
-    kv_positions, kv_segment_ids, kv_valid = full(kv_positions, t), full(kv_segment_ids, t), full(kv_valid, t)
     if impl is None:
         impl = "tiled" if q.shape[1] >= DENSE_TILED_MIN_QUERIES else "reference"
     fns = {"reference": dense_attention_reference, "blockwise": dense_attention_blockwise,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from kvpop_jax import sharding as shd
 from kvpop_jax.dispatch import Backend, Op
-from pallas_kernels.common import NEG_INF, check_log_mass_args, check_qkv, check_scale
+from pallas_kernels.common import NEG_INF, check_log_mass_args, check_scale, check_self_attention_qk
 from pallas_kernels.future_lse import future_attention_log_mass_pallas
 
 LogMassFn = Callable[..., jax.Array]
@@ -239,9 +239,7 @@ def dense_lse(
     Returns:
       float32 [B, Hq, S], finite (every query sees at least key 0). Stop-gradient.
     """
-    check_qkv(q, k, None)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in sequence length")
+    check_self_attention_qk(q, k)
     check_scale(scale)
     b, s, hq, d = q.shape
     hkv = k.shape[2]

@@ -125,12 +125,19 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"query heads {hq} must be a multiple of KV heads {k.shape[2]}")
 
 
+def check_self_attention_qk(q, k) -> None:
+    """`check_qkv` without v, and keys at the queries' own positions: k [B, S, Hkv, D]."""
+    check_qkv(q, k, None)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in sequence length")
+
+
 def check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk=None, scale=None) -> None:
     """The masked attention's inputs: q [B, S, Hq, D], k/v [B, S, Hkv, D] floats, ranks/cutoffs int
     [B, Hkv, S], s >= 0, w >= 1, k >= 0 (when given), a static scale."""
     check_qkv(q, k, v)
     b, s, hq, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != d:
+    if k.shape != v.shape or k.shape[1] != s:  # check_qkv matched B and D
         raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     hkv = k.shape[2]
@@ -145,10 +152,8 @@ def check_attention_args(q, k, v, ranks, cutoffs, sinks, window, topk=None, scal
 def check_log_mass_args(q, k, lse, window, reduce: str = "sum", lookahead=None, scale=None) -> None:
     """The future log-mass inputs: q [B, S, Hq, D], k [B, S, Hkv, D] floats, lse float [B, Hq, S], w >= 0,
     lookahead None or >= 0, a static scale."""
-    check_qkv(q, k, None)
+    check_self_attention_qk(q, k)
     b, s, hq, d = q.shape
-    if k.shape[1] != s:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in sequence length")
     check_array("lse", lse, 3, "float [B, Hq, S]")
     if lse.shape != (b, hq, s) or not jnp.issubdtype(lse.dtype, jnp.floating):
         raise ValueError(f"lse must be float [B, Hq, S] = {(b, hq, s)}, got {lse.dtype}{tuple(lse.shape)}")

@@ -25,6 +25,7 @@ from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import make_batch
 from train.demo_teacher.evaluate import evaluate
 from train.demo_teacher.init import init_offset_heads, plant_lookup_circuit
+from train.run_dir import read_metrics
 
 STATE_FILE = "state.msgpack"
 METRICS_FILE = "metrics.jsonl"
@@ -210,32 +211,6 @@ def check_saved_run(cfg: PretrainConfig) -> dict | None:
     return payload
 
 
-def saved_elapsed(cfg: PretrainConfig) -> float | None:
-    """Training seconds of the state RUN_DIR holds (across resumes), None if none is saved."""
-    payload = check_saved_run(cfg)
-    return None if payload is None else float(payload.get("elapsed_s", 0.0))
-
-
-def _trim_metrics(cfg: PretrainConfig, step: int) -> None:
-    """Drops the log records past `step` (the state resumed from): a run killed after logging steps it had
-    not saved logs them again, and each step should appear once."""
-    path = os.path.join(cfg.run_dir, METRICS_FILE)
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    keep = []
-    for line in lines:
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line if line.endswith("\n") else line + "\n")
-        except json.JSONDecodeError:  # a torn last line of a killed write
-            continue
-    if len(keep) != len(lines):
-        atomic_write_bytes(path, "".join(keep).encode())
-
-
-
 def _log(cfg: PretrainConfig, record: dict) -> None:
     with open(os.path.join(cfg.run_dir, METRICS_FILE), "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -264,7 +239,10 @@ def train(cfg: PretrainConfig, *, progress: bool = True, stop_at: int | None = N
     if restored is not None:
         state, elapsed = restored
     start = int(state.step)
-    _trim_metrics(cfg, start)
+    metrics_path = os.path.join(cfg.run_dir, METRICS_FILE)
+    if os.path.isfile(metrics_path):  # cut back to the resumed step: steps logged after the last save come again
+        kept = read_metrics(metrics_path, start)  # train.main's reader: a torn last line is dropped too
+        atomic_write_bytes(metrics_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
     clock = time.perf_counter() - elapsed  # elapsed = time.perf_counter() - clock, across resumes
     records: list[dict] = []
     pool = concurrent.futures.ThreadPoolExecutor(1)

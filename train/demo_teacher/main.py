@@ -18,7 +18,7 @@ from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import BOS_ID, EOS_ID, parse_curriculum
 from train.demo_teacher.evaluate import export, final_eval
 from train.config import FlagError, check_output_dir
-from train.demo_teacher.loop import check_saved_run, saved_elapsed, train
+from train.demo_teacher.loop import check_saved_run, train
 
 FLAGS = flags.FLAGS
 
@@ -142,23 +142,25 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]}: train.pretrain takes only flags (--name=value)",
               file=sys.stderr)
         sys.exit(2)
+    saved_seconds = None  # training seconds of the state RUN_DIR holds
     try:  # a bad flag or input: one line, before any work
         cfg = config_from_flags(FLAGS)
         if not FLAGS.eval_only:
             check_outputs(cfg, FLAGS.overwrite_out_dir)
-            check_saved_run(cfg)  # a resume with other settings
+            saved = check_saved_run(cfg)  # a resume with other settings is refused
+            saved_seconds = None if saved is None else float(saved.get("elapsed_s", 0.0))
     except (ValueError, FileNotFoundError, FlagError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        run(cfg)
+        run(cfg, saved_seconds)
     except KeyboardInterrupt:  # state.msgpack is replaced atomically: the last one saved is whole
         print(f"\ninterrupted; rerun the same command to resume from the last state saved in {cfg.run_dir}",
               file=sys.stderr)
         sys.exit(130)
 
 
-def run(cfg: PretrainConfig) -> None:
+def run(cfg: PretrainConfig, saved_seconds: float | None = None) -> None:
     if FLAGS.eval_only:
         model_config, params = load_pretrained(cfg.out_dir)
         sampling = None if FLAGS.eval_temperature == 0 else SamplingConfig(FLAGS.eval_temperature, 0.95, 20, 0.0)
@@ -169,7 +171,7 @@ def run(cfg: PretrainConfig) -> None:
     state, records = train(cfg)
     train_seconds = next((r["elapsed_s"] for r in reversed(records) if "elapsed_s" in r), None)
     if train_seconds is None:  # nothing left to train (a rerun of a finished run): the saved run's time
-        train_seconds = saved_elapsed(cfg)
+        train_seconds = saved_seconds
     results = final_eval(cfg, state.params)
     command = "python -m train.pretrain " + " ".join(sys.argv[1:])
     export(cfg, state.params, results, command, train_seconds)
