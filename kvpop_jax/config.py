@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
+DEFAULT_HF_ROPE_THETA = 10_000.0  # transformers' RoPE base when config.json names none
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -150,8 +151,12 @@ class Qwen3Config:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; kvpop-jax supports {SUPPORTED_MODEL_TYPES}"
             )
-        # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters {rope_type, rope_theta}.
-        rope_theta = hf.get("rope_theta", 1_000_000.0)
+        # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters {rope_type, rope_theta}. As
+        # transformers 5 reads them: a non-empty rope_scaling replaces rope_parameters, the dict's rope_theta
+        # comes before the top-level one, and with neither RoPE's base is 10000 (not Qwen3's usual 1e6).
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = DEFAULT_HF_ROPE_THETA
         for key in ("rope_scaling", "rope_parameters"):
             rope = hf.get(key)
             if not rope:
@@ -164,7 +169,11 @@ class Qwen3Config:
                 raise ValueError(
                     f"unsupported {key} type {kind!r}; only plain RoPE ('default') is supported"
                 )
-            rope_theta = rope.get("rope_theta", rope_theta)
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if rope.get("rope_theta") is not None:
+            rope_theta = rope["rope_theta"]
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+            raise ValueError(f"{where}: rope_theta must be a number, got {rope_theta!r}")
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
             raise ValueError(
                 f"unsupported sliding-window layers (use_sliding_window={hf.get('use_sliding_window')!r}, "

@@ -411,3 +411,19 @@ def test_extra_files_cannot_take_the_exports_own_names(hf_checkpoint, tmp_path, 
     with pytest.raises(ValueError, match=f"extra file '{name}'.*writes that name itself"):
         save_pretrained(config, params, tmp_path / "export", extra_files={name: str(src)})
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("rope", [
+    {},  # no RoPE field at all: transformers' base is 10000, not Qwen3's usual 1e6
+    {"rope_theta": 500_000.0},  # transformers 4.x
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 10.0},  # the dict's comes first
+    {"rope_parameters": {"rope_type": "default"}, "rope_theta": 500_000.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"type": "default"}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "default"},
+     "rope_theta": 20_000.0},  # a non-empty rope_scaling replaces rope_parameters
+])
+def test_rope_theta_is_read_as_transformers_reads_it(rope):
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=4)
+    theirs = transformers.Qwen3Config(**base, **rope).rope_parameters["rope_theta"]
+    assert Qwen3Config.from_hf({**base, **rope}).rope_theta == theirs
