@@ -201,6 +201,33 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     return names, expected, handles
 
 
+TIED_CHECK_ROWS = 4096  # embedding rows compared at a time (bounded host memory at any vocabulary size)
+
+
+def _check_tied_head(path: str, files: dict[str, str], handles: dict) -> None:
+    """A tied model's stored `lm_head.weight` must equal the embedding: transformers unties a
+    checkpoint whose two differ (and its logits use the stored head), while the tied params would
+    silently use the embedding. Compared in row chunks, never two whole copies on the host."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in files:
+        return
+    try:
+        a, b = handles[files[head]].get_slice(head), handles[files[embed]].get_slice(embed)
+        same = tuple(a.get_shape()) == tuple(b.get_shape())
+        rows = a.get_shape()[0] if same else 0
+        for start in range(0, rows, TIED_CHECK_ROWS):
+            stop = min(start + TIED_CHECK_ROWS, rows)  # safetensors slices do not clamp
+            if not np.array_equal(a[start:stop], b[start:stop]):
+                same = False
+                break
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt safetensors file reading {head!r} in {path!r}: {e}") from e
+    if not same:
+        raise ValueError(f"checkpoint {path!r}: config.json has tie_word_embeddings=true but the stored {head!r} "
+                         f"differs from {embed!r} (transformers would untie them); set tie_word_embeddings to "
+                         f"false in config.json, or drop {head!r}")
+
+
 FINGERPRINT_SAMPLES = 32  # chunks read per weight file
 FINGERPRINT_CHUNK = 1 << 16
 
@@ -275,6 +302,8 @@ def load_pretrained(
     config = config or Qwen3Config.from_hf(path)
     files = _weight_files(path)
     names, expected, handles = _matched_tensors(path, config, files, dtype)  # every name and shape, before any data
+    if config.tie_word_embeddings:
+        _check_tied_head(path, files, handles)
     flat_shardings = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else {}
 
     flat: dict[str, jax.Array] = {}

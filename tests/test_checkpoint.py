@@ -427,3 +427,31 @@ def test_rope_theta_is_read_as_transformers_reads_it(rope):
                 num_key_value_heads=2, head_dim=4)
     theirs = transformers.Qwen3Config(**base, **rope).rope_parameters["rope_theta"]
     assert Qwen3Config.from_hf({**base, **rope}).rope_theta == theirs
+
+
+def test_a_tied_checkpoint_storing_a_different_lm_head_is_refused(hf_checkpoint, tmp_path, rng, monkeypatch):
+    """transformers unties such a checkpoint and its logits use the stored head; the tied params would use
+    the embedding, silently. A stored head equal to the embedding loads as before."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("g1_tied")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    other = embed.copy()
+    other[-1, 0] += 1.0  # in the last of the row chunks compared
+    monkeypatch.setattr("kvpop_jax.checkpoint.TIED_CHECK_ROWS", 7)
+    for name, head in (("same", embed.copy()), ("other", other)):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+        save_file({**tensors, "lm_head.weight": head}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        ids = torch.tensor(rng.integers(0, embed.shape[0], size=(1, 9)))
+        with torch.no_grad():
+            theirs = transformers.Qwen3ForCausalLM.from_pretrained(out).eval()(ids).logits.numpy()
+        if name == "other":
+            with pytest.raises(ValueError, match="tie_word_embeddings=true but the stored 'lm_head.weight' differs"):
+                load_pretrained(out)
+            continue
+        config, params = load_pretrained(out)
+        ours = Qwen3ForCausalLM(config).apply({"params": params}, jnp.asarray(ids.numpy())).logits
+        np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
