@@ -140,6 +140,10 @@ def _weight_files(path: str) -> dict[str, str]:
     """tensor name -> safetensors file, from the index or the single file."""
     index = os.path.join(path, INDEX_FILE)
     single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(index) and os.path.isfile(single):
+        # transformers loads the single file and ignores the index: which one holds the model is not ours to guess
+        raise ValueError(f"{path!r} holds both {SINGLE_FILE} and {INDEX_FILE} (transformers would load "
+                         f"{SINGLE_FILE} and ignore the shards); remove the stale one")
     if os.path.isfile(index):
         try:
             with open(index) as f:

@@ -455,3 +455,13 @@ def test_a_tied_checkpoint_storing_a_different_lm_head_is_refused(hf_checkpoint,
         config, params = load_pretrained(out)
         ours = Qwen3ForCausalLM(config).apply({"params": params}, jnp.asarray(ids.numpy())).logits
         np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_is_refused(hf_checkpoint, tmp_path):
+    """transformers loads model.safetensors and ignores the index (its own sharded save into an old folder
+    leaves such a pair); loading the shards instead gave another model, silently."""
+    path, model = hf_checkpoint("g2_untied")
+    model.save_pretrained(path, max_shard_size="20KB")  # transformers keeps the old model.safetensors
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(path))
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_pretrained(path)
