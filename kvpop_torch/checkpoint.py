@@ -41,6 +41,10 @@ def weight_files(directory: str | os.PathLike) -> dict[str, str]:
     """tensor name -> safetensors file of the export (single file or sharded index)."""
     directory = os.fspath(directory)
     index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index) and os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        # transformers loads the base weights from the single file: the heads must not come from other shards
+        raise ValueError(f"{directory!r} holds both {SINGLE_FILE} and {INDEX_FILE} (transformers would load "
+                         f"{SINGLE_FILE} and ignore the shards); remove the stale one")
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -64,10 +68,13 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
     settings = KVpopSettings.from_dict(config["kvpop"])
     heads_kv = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    # as transformers reads it: a non-empty rope_scaling replaces rope_parameters, whose rope_theta comes first
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_theta = rope.get("rope_theta") or config.get("rope_theta") or 10_000.0
     if settings.scorer_keys == "unrotated":
         for key in ("rope_scaling", "rope_parameters"):
-            kind = (config.get(key) or {}).get("rope_type", "default")
+            rope = config.get(key) or {}
+            kind = rope.get("rope_type", rope.get("type", "default"))  # "type": transformers 4's spelling
             if kind != "default":
                 raise ValueError(f"{os.fspath(directory)!r}: kvpop.scorer_keys='unrotated' undoes plain RoPE, but "
                                  f"config.json's {key} has rope_type {kind!r}")

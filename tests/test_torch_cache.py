@@ -293,3 +293,35 @@ def test_greedy_generate_on_demo_exports_matches_eval_generate(capsys, name):
     got = out[0, len(prompt):].tolist()
     assert len(prompt) > 123 and len(want) > 3
     assert got[: len(want)] == want and (len(got) == len(want) or got[len(want)] == 0)
+
+
+def test_rope_is_read_as_transformers_reads_it_and_weights_come_from_one_place(tmp_path, rng):
+    """The unrotated-key scorer undoes RoPE with the base transformers uses (rope_parameters' rope_theta before
+    the top-level one), a legacy {"type": ...} scaling is refused like {"rope_type": ...}, and a folder holding
+    both weight layouts is refused (transformers takes the model from model.safetensors, the heads would come
+    from the shards)."""
+    import json
+    import shutil
+
+    import kvpop_torch
+    from kvpop_torch.checkpoint import load_heads
+
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlstm", sinks=1, window=3, topk=4, scorer_keys="unrotated"), rng)
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    json.dump({**config, "rope_theta": 123.0, "rope_parameters": {"rope_type": "default", "rope_theta": 4567.0}},
+              open(path, "w"))
+    assert load_heads(tmp_path)[1][0].rope_theta == 4567.0
+    json.dump({**config, "rope_scaling": {"type": "linear", "factor": 2.0}}, open(path, "w"))
+    with pytest.raises(ValueError, match="config.json's rope_scaling has rope_type 'linear'"):
+        load_heads(tmp_path)
+    json.dump(config, open(path, "w"))
+    weights = os.path.join(tmp_path, "model.safetensors")
+    shutil.copy(weights, os.path.join(tmp_path, "model-00001-of-00001.safetensors"))
+    from safetensors import safe_open
+    with safe_open(weights, framework="numpy") as f:
+        index = {"weight_map": {n: "model-00001-of-00001.safetensors" for n in f.keys()}}
+    json.dump(index, open(os.path.join(tmp_path, "model.safetensors.index.json"), "w"))
+    for load in (kvpop_torch.load, load_heads):
+        with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+            load(tmp_path)
