@@ -427,6 +427,10 @@ def save_pretrained(
         raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
 
     previous = _library_files(path) if os.path.isdir(path) else set()
+    other_layout = SINGLE_FILE if len(shards) > 1 else INDEX_FILE  # kept beside the export, it would shadow or
+    if other_layout not in previous and os.path.lexists(os.path.join(path, other_layout)):  # confuse the new one
+        raise ValueError(f"cannot export to {path!r}: it holds a {other_layout} this library did not write, and "
+                         f"transformers would load {SINGLE_FILE} over the index; move it away or pick another path")
     # A tokenizer the previous export copied in stays, whole, when this one brings none (re-saving a
     # fine-tuned model into its own export must not leave it without one); one file of a new
     # tokenizer replaces all of the old one's.

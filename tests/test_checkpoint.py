@@ -465,3 +465,19 @@ def test_a_folder_with_both_a_single_file_and_an_index_is_refused(hf_checkpoint,
     assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(path))
     with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
         load_pretrained(path)
+
+
+def test_a_sharded_export_beside_a_foreign_single_file_is_refused_before_writing(hf_checkpoint, tmp_path):
+    """A model.safetensors the export did not write would be what transformers loads (over the new index)."""
+    path, _ = hf_checkpoint("g2_untied")
+    config, params = load_pretrained(path)
+    out = tmp_path / "out"
+    save_pretrained(config, params, out, max_shard_bytes=20_000)
+    foreign = open(os.path.join(path, "model.safetensors"), "rb").read()
+    (out / "model.safetensors").write_bytes(foreign)
+    before = sorted(os.listdir(out))
+    with pytest.raises(ValueError, match="holds a model.safetensors this library did not write"):
+        save_pretrained(config, params, out, max_shard_bytes=20_000)
+    assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == foreign
+    save_pretrained(config, params, out)  # a single-file export replaces it, as before
+    load_pretrained(out)
