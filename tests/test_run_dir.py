@@ -325,3 +325,14 @@ def test_orbax_bare_exception_on_a_damaged_array_is_the_same_one_error(tmp_path)
             with ckpt._reading(4):
                 raise passing
     ckpt.close()
+
+
+def test_a_run_dir_named_by_a_number_is_a_run_dir_not_a_step(tmp_path):
+    """train.export --checkpoint=runs/7 (a run dir of that name) read step 7 of runs/ and called it damaged."""
+    from train.checkpointing import split_step_dir
+
+    run = tmp_path / "runs" / "7"
+    (run / "checkpoints" / "40").mkdir(parents=True)
+    assert split_step_dir(str(run)) == (str(run / "checkpoints"), None)
+    assert split_step_dir(str(run / "checkpoints" / "40")) == (str(run / "checkpoints"), 40)
+    assert split_step_dir(str(run / "checkpoints")) == (str(run / "checkpoints"), None)

@@ -145,8 +145,8 @@ def split_step_dir(path: str) -> tuple[str, int | None]:
     """`RUN_DIR/checkpoints/<step>` -> (checkpoints dir, step); a run dir or checkpoints dir -> (dir, None)."""
     path = os.path.abspath(path)
     base = os.path.basename(path.rstrip(os.sep))
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # first: a run dir may be named by a number (runs/7)
+        return os.path.join(path, "checkpoints"), None
     if base.isdigit() and os.path.isdir(path):
         return os.path.dirname(path), int(base)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        return os.path.join(path, "checkpoints"), None
     return path, None
