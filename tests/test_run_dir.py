@@ -336,3 +336,23 @@ def test_a_run_dir_named_by_a_number_is_a_run_dir_not_a_step(tmp_path):
     assert split_step_dir(str(run)) == (str(run / "checkpoints"), None)
     assert split_step_dir(str(run / "checkpoints" / "40")) == (str(run / "checkpoints"), 40)
     assert split_step_dir(str(run / "checkpoints")) == (str(run / "checkpoints"), None)
+
+
+def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_reading_them(tmp_path):
+    """The export replaces its --out folder whole, carrying the old entries over: a step a live run saves into
+    its run dir meanwhile was lost. Refused by name before the checkpoint is opened; RUN_DIR/export is fine."""
+    from train.export import check_out, export_checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    for out, where in ((run, "is or holds"), (tmp_path, "is or holds"), (run / "checkpoints", "is or holds"),
+                       (run / "checkpoints" / "4", "lies inside"), (run / "checkpoints" / "4" / "x", "lies inside")):
+        with pytest.raises(ValueError, match=f"--out={out} {where} the checkpoints folder {run / 'checkpoints'}; "
+                                             f".* \\(e.g. {run / 'export'}\\)"):
+            export_checkpoint(str(run / "checkpoints" / "4"), str(out))
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(NotADirectoryError, match=f"--out={tmp_path / 'file'}: it exists and is not a folder"):
+        export_checkpoint(str(run), str(tmp_path / "file"))
+    assert sorted(os.listdir(run)) == ["checkpoints"] and os.listdir(run / "checkpoints") == ["4"]
+    check_out(str(run / "export"), str(run / "checkpoints"))  # the end-of-run export's own place
+    check_out(str(tmp_path / "elsewhere"), str(run / "checkpoints"))

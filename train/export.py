@@ -18,7 +18,7 @@ import jax
 from absl import app, flags
 from jax.experimental import multihost_utils
 
-from kvpop_jax import save_pretrained
+from kvpop_jax import fileio, save_pretrained
 from kvpop_jax.checkpoint import TOKENIZER_FILES
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
@@ -47,11 +47,28 @@ def export_params(config: Qwen3Config, params, out: str, *, dtype=None, tokenize
     save_pretrained(config, params, out, extra_files=tokenizer_files(tokenizer_dir))
 
 
+def check_out(out: str, checkpoints: str) -> None:
+    """Refuses an --out that cannot hold the export (not a folder, the working directory) and one that is or
+    holds the run's checkpoints folder, or lies inside it: the export replaces its folder whole (carrying
+    the old entries over), so what a live run wrote there meanwhile would be lost, and a step folder would
+    get weights orbax does not know. Touches nothing."""
+    real = fileio.check_replaceable_dir(out, "--out")
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise NotADirectoryError(f"--out={out}: it exists and is not a folder")
+    checkpoints = os.path.realpath(checkpoints)
+    if os.path.commonpath([real, checkpoints]) in (real, checkpoints):
+        where = "is or holds" if os.path.commonpath([real, checkpoints]) == real else "lies inside"
+        run = os.path.dirname(checkpoints) if os.path.basename(checkpoints) == "checkpoints" else checkpoints
+        raise ValueError(f"--out={out} {where} the checkpoints folder {checkpoints}; the export replaces its "
+                         f"folder whole: name a folder of its own (e.g. {os.path.join(run, 'export')})")
+
+
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) -> tuple[Qwen3Config, int]:
     """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`."""
     directory, step = checkpointing.split_step_dir(checkpoint)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--checkpoint={checkpoint}: no such directory")
+    check_out(out, directory)  # before the (long) restore
     ckpt = checkpointing.Checkpointer(directory, read_only=True)
     if step is None:
         step = ckpt.latest_step()
