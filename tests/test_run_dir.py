@@ -356,3 +356,26 @@ def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_r
     assert sorted(os.listdir(run)) == ["checkpoints"] and os.listdir(run / "checkpoints") == ["4"]
     check_out(str(run / "export"), str(run / "checkpoints"))  # the end-of-run export's own place
     check_out(str(tmp_path / "elsewhere"), str(run / "checkpoints"))
+
+
+def test_export_refuses_an_out_that_is_the_runs_init_checkpoint_or_holds_its_weights(tmp_path, hf_checkpoint):
+    """train.export --out=<the run's --init_checkpoint> replaced the base model silently (and the run could not
+    resume); train.main refuses the same --export_dir. A copy of those weights elsewhere is refused by fingerprint."""
+    import shutil
+
+    from kvpop_jax.checkpoint import checkpoint_fingerprint
+    from train.export import check_not_init
+
+    init, _ = hf_checkpoint("g2_untied")
+    meta = {"train_config": {"init_checkpoint": init}, "init_fingerprint": checkpoint_fingerprint(init)}
+    for out in (init, os.path.join(init, "sub")):
+        with pytest.raises(ValueError, match=f"--out={out} is the run's --init_checkpoint={init} or inside it"):
+            check_not_init(out, meta)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(init, copy)
+    with pytest.raises(ValueError, match=f"--out={copy} holds the weights the run started from"):
+        check_not_init(copy, meta)
+    other, _ = hf_checkpoint("g2_untied", seed=1)
+    for out in (other, str(tmp_path / "new")):
+        check_not_init(out, meta)
+    check_not_init(init, {"train_config": {"init_checkpoint": "random:tiny"}})

@@ -19,7 +19,7 @@ from absl import app, flags
 from jax.experimental import multihost_utils
 
 from kvpop_jax import fileio, save_pretrained
-from kvpop_jax.checkpoint import TOKENIZER_FILES
+from kvpop_jax.checkpoint import TOKENIZER_FILES, checkpoint_fingerprint
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
@@ -63,6 +63,24 @@ def check_out(out: str, checkpoints: str) -> None:
                          f"folder whole: name a folder of its own (e.g. {os.path.join(run, 'export')})")
 
 
+def check_not_init(out: str, meta: dict) -> None:
+    """Refuses an --out that is the run's --init_checkpoint or inside it (by path), or holds the weights the
+    run started from (by fingerprint, wherever the run was launched from): the export would replace the
+    model the run starts from, and the run could no longer resume. train.main refuses the same --export_dir."""
+    init = (meta.get("train_config") or {}).get("init_checkpoint") or ""
+    real = os.path.realpath(out)
+    if init and not init.startswith("random:"):
+        folder = os.path.realpath(init)
+        if os.path.commonpath([real, folder]) == folder:
+            raise ValueError(f"--out={out} is the run's --init_checkpoint={init} or inside it: the export would "
+                             "overwrite the model the run started from; name a folder of its own")
+    fingerprint = meta.get("init_fingerprint")
+    if fingerprint and os.path.isdir(real) and any(f.endswith(".safetensors") for f in os.listdir(real)):
+        if checkpoint_fingerprint(real) == fingerprint:
+            raise ValueError(f"--out={out} holds the weights the run started from (its --init_checkpoint={init}): "
+                             "the export would overwrite them; name a folder of its own")
+
+
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) -> tuple[Qwen3Config, int]:
     """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`."""
     directory, step = checkpointing.split_step_dir(checkpoint)
@@ -77,6 +95,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
     elif step not in ckpt.all_steps():
         raise FileNotFoundError(f"--checkpoint={checkpoint}: step {step} not found (have {ckpt.all_steps()})")
     meta = ckpt.restore_meta(step)
+    check_not_init(out, meta)  # before the (long) params restore
     config = checkpointing.model_config_from_meta(meta)
     param_dtype = DTYPES[meta.get("param_dtype", "float32")]
     device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
