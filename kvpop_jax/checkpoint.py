@@ -427,6 +427,11 @@ def save_pretrained(
         raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
 
     previous = _library_files(path) if os.path.isdir(path) else set()
+    if previous and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):  # a folder no export of ours wrote?
+        replaced = sorted(f for f in previous if os.path.isfile(os.path.join(path, f)))
+        if replaced:
+            warnings.warn(f"{path}: replacing {replaced}, which no {MANIFEST_FILE} lists (taken for an older "
+                          "export's files; another model's, or yours, are gone after this export)", stacklevel=2)
     other_layout = SINGLE_FILE if len(shards) > 1 else INDEX_FILE  # kept beside the export, it would shadow or
     if other_layout not in previous and os.path.lexists(os.path.join(path, other_layout)):  # confuse the new one
         raise ValueError(f"cannot export to {path!r}: it holds a {other_layout} this library did not write, and "

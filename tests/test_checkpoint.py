@@ -481,3 +481,18 @@ def test_a_sharded_export_beside_a_foreign_single_file_is_refused_before_writing
     assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == foreign
     save_pretrained(config, params, out)  # a single-file export replaces it, as before
     load_pretrained(out)
+
+
+def test_an_export_over_files_no_manifest_lists_says_what_it_replaces(hf_checkpoint, tmp_path):
+    """Exporting into a HF model folder (or any folder holding a config.json) replaced its weights and config
+    silently; a re-save of a kvpop export (with its manifest) stays quiet."""
+    import warnings as warnings_module
+
+    path, _ = hf_checkpoint("g2_untied")
+    config, params = load_pretrained(path)
+    with pytest.warns(UserWarning, match=r"replacing \['config.json', 'model.safetensors'\], which no "
+                                         r"kvpop_export.json lists"):
+        save_pretrained(config, params, path)
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")
+        save_pretrained(config, params, path)
