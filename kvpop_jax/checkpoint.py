@@ -177,6 +177,14 @@ def _open(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
+NAMES_SHOWN = 8  # tensor names an error lists before counting the rest (a 36-layer mismatch is 400 names)
+
+
+def _some(names: list[str]) -> str:
+    more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    return f"{names[:NAMES_SHOWN]}{more}"
+
+
 def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtype: Any = jnp.float32):
     """(name map, expected abstract params, open handles) after checking the files' headers
     against the config: the same tensor names (a tied lm_head may be stored), each of the shape
@@ -188,9 +196,11 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     missing = sorted(set(names) - file_names)
     unexpected = sorted(file_names - set(names) - tied_extra)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path!r} does not match the config: missing tensors {missing}, unexpected tensors {unexpected}"
-        )
+        hint = ""
+        if missing and unexpected and all(not n.startswith(("model.", "lm_head.")) for n in unexpected):
+            hint = " (no 'model.' prefix and no lm_head: a base Qwen3Model's weights, not Qwen3ForCausalLM's)"
+        raise ValueError(f"checkpoint {path!r} does not match the config: missing tensors {_some(missing)}, "
+                         f"unexpected tensors {_some(unexpected)}{hint}")
     handles = {fn: _open(fn) for fn in sorted(set(files.values()))}
     for hf_name, (param_path, kind) in names.items():
         want = expected[param_path]

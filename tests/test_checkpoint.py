@@ -496,3 +496,15 @@ def test_an_export_over_files_no_manifest_lists_says_what_it_replaces(hf_checkpo
     with warnings_module.catch_warnings():
         warnings_module.simplefilter("error")
         save_pretrained(config, params, path)
+
+
+def test_a_base_model_checkpoint_is_named_in_a_short_message(tmp_path):
+    """A Qwen3Model save (no lm_head, names without 'model.') listed every tensor twice: ~1,000 characters a
+    layer, one unreadable line for a real model. Now a few names, the count of the rest and what it is."""
+    kwargs = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)
+    transformers.Qwen3Model(transformers.Qwen3Config(**kwargs)).save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"missing tensors \[.*\] and 61 more, unexpected tensors \[.*\] and 60 more "
+                                         r"\(no 'model.' prefix and no lm_head: a base Qwen3Model's") as e:
+        load_pretrained(tmp_path / "base")
+    assert len(str(e.value)) < 1500
