@@ -199,7 +199,7 @@ class Qwen3Config:
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            num_key_value_heads=heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],  # as HF
             head_dim=head_dim,
             rope_theta=float(rope_theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -429,6 +429,13 @@ def test_rope_theta_is_read_as_transformers_reads_it(rope):
     assert Qwen3Config.from_hf({**base, **rope}).rope_theta == theirs
 
 
+
+def test_a_null_num_key_value_heads_means_one_per_head_as_in_transformers():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                head_dim=4, num_key_value_heads=None)
+    assert Qwen3Config.from_hf(base).num_key_value_heads == transformers.Qwen3Config(**base).num_key_value_heads == 2
+
+
 def test_a_tied_checkpoint_storing_a_different_lm_head_is_refused(hf_checkpoint, tmp_path, rng, monkeypatch):
     """transformers unties such a checkpoint and its logits use the stored head; the tied params would use
     the embedding, silently. A stored head equal to the embedding loads as before."""
