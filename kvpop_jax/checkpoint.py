@@ -328,9 +328,13 @@ def load_pretrained(
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"corrupt safetensors file {fn!r} reading {hf_name!r}: {e}") from e
         want = expected[param_path]
-        if not np.isfinite(tensor).all():  # a NaN scorer would silently keep the oldest tokens
-            raise ValueError(f"checkpoint {path!r}: tensor {hf_name!r} in {fn!r} holds NaN or infinite values")
         value = np.asarray(TRANSFORMS[kind][0](tensor, config)).astype(want.dtype)
+        if not np.isfinite(value).all():  # checked once, on the loaded value
+            if not np.isfinite(tensor).all():  # a NaN scorer would silently keep the oldest tokens
+                raise ValueError(f"checkpoint {path!r}: tensor {hf_name!r} in {fn!r} holds NaN or infinite values")
+            raise ValueError(f"checkpoint {path!r}: tensor {hf_name!r} in {fn!r} holds values beyond the range "
+                             f"of {np.dtype(want.dtype).name} (max {float(np.abs(tensor).max()):g}); load it as "
+                             "float32 or bfloat16")
         sharding = flat_shardings.get(param_path)
         flat[param_path] = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
         del tensor, value

@@ -515,3 +515,18 @@ def test_a_base_model_checkpoint_is_named_in_a_short_message(tmp_path):
                                          r"\(no 'model.' prefix and no lm_head: a base Qwen3Model's") as e:
         load_pretrained(tmp_path / "base")
     assert len(str(e.value)) < 1500
+
+
+def test_a_weight_that_overflows_the_load_dtype_is_refused(hf_checkpoint):
+    """The finite check ran on the file's values only: a float32 1e5 loaded as float16 became inf, silently."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("g2_untied")
+    fn = os.path.join(path, "model.safetensors")
+    weights = load_file(fn)
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e5
+    save_file(weights, fn, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' in .* holds values beyond "
+                                         r"the range of float16 \(max 100000\)"):
+        load_pretrained(path, dtype=jnp.float16)
+    load_pretrained(path, dtype=jnp.bfloat16)
