@@ -164,6 +164,10 @@ class Qwen3Config:
             if not isinstance(rope, Mapping):
                 raise ValueError(f"{where}: {key} must be an object such as {{\"rope_type\": \"default\"}}, "
                                  f"got {rope!r}")
+            nested = sorted(k for k, v in rope.items() if isinstance(v, Mapping))
+            if nested:  # transformers 5's RoPE per layer type: {"full_attention": {"rope_type": ...}}
+                raise ValueError(f"{where}: {key} per layer type ({nested}) is not supported; only one plain RoPE "
+                                 f"such as {{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}}")
             kind = rope.get("rope_type", rope.get("type"))
             if kind not in (None, "default"):
                 raise ValueError(

@@ -430,6 +430,15 @@ def test_rope_theta_is_read_as_transformers_reads_it(rope):
 
 
 
+def test_rope_parameters_per_layer_type_are_refused_not_ignored():
+    """{"full_attention": {"rope_type": "linear", ...}} has no rope_type at its top: it read as plain RoPE."""
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                head_dim=4)
+    nested = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}
+    with pytest.raises(ValueError, match=r"rope_parameters per layer type \(\['full_attention'\]\) is not supported"):
+        Qwen3Config.from_hf({**base, "rope_parameters": nested})
+
+
 def test_a_null_num_key_value_heads_means_one_per_head_as_in_transformers():
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                 head_dim=4, num_key_value_heads=None)
