@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jaxlib
 
+from kvpop_jax.fileio import check_writable_file
+
 MIB = 2**20
 
 
@@ -49,6 +51,16 @@ def device_description() -> dict[str, Any]:
         desc["cpu_count"] = os.cpu_count()
     desc.update(jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version())
     return desc
+
+
+def check_markdown_out(path: str | os.PathLike, flag: str) -> None:
+    """A markdown file results will be appended to, checked before any work: writable (`check_writable_file`)
+    and named `*.md`. Appending a section to anything else (a checkpoint's config.json, a JSONL of
+    problems) would corrupt a file the user owns, so the name is the guard. Touches nothing."""
+    check_writable_file(path, flag)
+    if not os.fspath(path).lower().endswith(".md"):
+        raise ValueError(f"{flag}={os.fspath(path)} is not a markdown file: results are appended as markdown "
+                         "sections, so name a .md file (e.g. BENCHMARKS.md)")
 
 
 def append_benchmarks(path: str | os.PathLike, section: str) -> str:

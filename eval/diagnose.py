@@ -82,7 +82,7 @@ from tqdm.auto import tqdm
 
 from demo.atoms import ASK, DIGITS, KEEP, NAMES
 from demo.task import TASKS, example_seed, generate_dataset, generate_example, min_seq_len
-from eval.bench_common import append_benchmarks
+from eval.bench_common import append_benchmarks, check_markdown_out
 from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer
@@ -92,7 +92,6 @@ from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_pr
 from kvpop_jax.modeling import Qwen3ForCausalLM, dense_attention_probs, layer_qkv
 from kvpop_jax.rope import unrotate
 from kvpop_jax.scorers import make_scorer
-from kvpop_jax.fileio import check_writable_file
 
 
 def _problems(args):
@@ -828,7 +827,7 @@ def check_args(args) -> None:
     """Bad values refused by name before anything loads: counts, the budget against s + w, and
     --layer / --kv_head against the models' config.json (an export for the export diagnostics)."""
     if args.out:  # before a diagnostic of minutes, not after it
-        check_writable_file(args.out, "--out")
+        check_markdown_out(args.out, "--out")
     for name, low in (("problems", 1), ("steps", 0), ("sinks", 0), ("window", 0), ("seed", 0), ("futures", 1),
                       ("cut_step", 1)):
         if getattr(args, name) < low:

@@ -526,3 +526,21 @@ def test_out_is_checked_before_the_diagnostic_and_a_last_line_keeps_its_own(monk
     out.write_text("# mine\n\nlast line")
     eval_main(argv + ["--out", str(out)])
     assert ran and out.read_text().startswith("# mine\n\nlast line\n\n## diagnose keep, ")
+
+
+def test_out_that_is_not_markdown_is_refused_and_left_as_it_was(monkeypatch, tmp_path, capsys):
+    """--out appends markdown sections: pointed at a checkpoint's config.json (or any non-.md file) it
+    used to append a section there, and the checkpoint no longer loaded. Refused by name, untouched."""
+    from eval import diagnose
+    from eval.main import main as eval_main
+
+    ran = []
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "keep", lambda args: ran.append(1) or print("L0  0.5"))
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "qwen3"}\n')
+    for out in (config, tmp_path / "new.txt"):
+        with pytest.raises(SystemExit) as e:
+            eval_main(["diagnose", "keep", "--exports", "checkpoints/demo-kvpop-mlstm", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: --out={out} is not a markdown file" in err and ".md" in err
+    assert not ran and config.read_text() == '{"model_type": "qwen3"}\n' and not (tmp_path / "new.txt").exists()
