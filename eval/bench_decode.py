@@ -55,7 +55,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval import bench_torch
-from eval.bench_common import MIB, append_benchmarks, default_command, device_description, rss_bytes
+from eval.bench_common import (MIB, append_benchmarks, check_markdown_out, default_command, device_description,
+                                rss_bytes)
 from eval.outputs import out_dir_arg
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
@@ -259,6 +260,8 @@ def run_bench_decode(
         raise ValueError(f"lengths must be positive, got {lengths}")
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1; got {steps}, {warmup}, {batch}")
+    if benchmarks_md is not None:  # before minutes of timing, not after them
+        check_markdown_out(benchmarks_md, "--benchmarks_md")
     command = command or default_command()
     config, params, dense_config, dense_params = _models(checkpoint, model_config, kvpop, dtype, seed)
     kv = config.kvpop

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from eval.bench_common import append_benchmarks, default_command, device_description
+from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
 from eval.bench_decode import bench_markdown, run_bench_decode, tiny_config
 from eval.bench_kernels import run_bench_kernels
 from eval.outputs import out_dir_arg
@@ -296,6 +296,8 @@ def run_bench_gpu(*, stages: Sequence[str] = STAGES, dry: bool | None = None, ou
     unknown = [s for s in stages if s not in STAGE_FNS]
     if unknown or not stages:
         raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
+    if benchmarks_md:  # before the stages' minutes, not after them
+        check_markdown_out(benchmarks_md, "--benchmarks_md")
     dry = jax.default_backend() == "cpu" if dry is None else dry
     os.makedirs(out_dir, exist_ok=True)
     report_dir = os.path.dirname(os.path.abspath(benchmarks_md)) if benchmarks_md else os.path.abspath(out_dir)

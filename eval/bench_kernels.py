@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from eval.bench_common import default_command
+from eval.bench_common import append_benchmarks, check_markdown_out, default_command
 from kvpop_jax.attention import kvpop_attention
 from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
 from kvpop_jax.targets import future_attention_log_mass
@@ -134,9 +133,10 @@ def run_bench_kernels(
     on_gpu = backend == "gpu"
     seq_lens = tuple(seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS))
     budgets = tuple(budgets or (GPU_BUDGETS if on_gpu else CPU_BUDGETS))
-    for budget in budgets:
-        if budget - sinks - window < 0:
-            raise ValueError(f"budget {budget} is below s + w = {sinks + window}")
+    check_kernel_settings(seq_lens, budgets, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, sinks=sinks, window=window, iters=iters, warmup=warmup)
+    if out_md:  # before minutes of timing, not after them
+        check_markdown_out(out_md, "--out_md")
     dtype = jnp.dtype(dtype or ("bfloat16" if on_gpu else "float32"))
     run_pallas = on_gpu if pallas is None else pallas
     half = dtype in (jnp.bfloat16, jnp.float16)
@@ -223,10 +223,30 @@ def run_bench_kernels(
     report = "\n".join(header + table) + "\n"
     print(report, flush=True)
     if out_md:
-        new_file = not os.path.exists(out_md)
-        with open(out_md, "a", encoding="utf-8") as f:
-            f.write(("# Benchmarks\n\n" if new_file else "\n") + report)
+        append_benchmarks(out_md, report)
     return report
+
+
+def check_kernel_settings(seq_lens: Sequence[int], budgets: Sequence[int], *, batch: int, num_q_heads: int,
+                          num_kv_heads: int, head_dim: int, sinks: int, window: int, iters: int, warmup: int) -> None:
+    """Refuses by name what used to end in a traceback (S <= 0: an MLIR error), in a table of error cells
+    appended to BENCHMARKS.md (--iters 0: every median of nothing) or in rows that time no eviction at
+    all (a budget above S keeps every token)."""
+    for name, value, low in (("batch", batch, 1), ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                             ("head_dim", head_dim, 1), ("sinks", sinks, 0), ("window", window, 0),
+                             ("iters", iters, 1), ("warmup", warmup, 0)):
+        if value < low:
+            raise ValueError(f"--{name} must be >= {low}, got {value}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"--num_q_heads {num_q_heads} must be a multiple of --num_kv_heads {num_kv_heads}")
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"--seq_lens must be positive ints, got {list(seq_lens)}")
+    for budget in budgets:
+        if budget - sinks - window < 0:
+            raise ValueError(f"budget {budget} is below s + w = {sinks + window}")
+        if budget > min(seq_lens):
+            raise ValueError(f"--budgets {budget} exceeds S = {min(seq_lens)}: nothing would be evicted; want "
+                             f"s + w = {sinks + window} <= B <= every S")
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from tqdm.auto import tqdm
 
-from eval.bench_common import append_benchmarks, default_command, device_description
+from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
 from eval.bench_decode import parse_lengths, tiny_config
 from eval.outputs import out_dir_arg
 from eval.plots import markdown_table, plt, save_figure, timestamp, write_text
@@ -265,6 +265,8 @@ def run_bench_train(
                          f"saturated queries), got {seq_lens}")
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1; got {steps}, {warmup}, {batch}")
+    if benchmarks_md is not None:  # before minutes of timing, not after them
+        check_markdown_out(benchmarks_md, "--benchmarks_md")
     command = command or default_command()
     rows: list[Row] = []
     bar = tqdm(total=len(seq_lens) * (1 + bool(parts)), desc="bench train", unit="point", disable=not progress)

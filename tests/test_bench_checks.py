@@ -1,0 +1,69 @@
+"""`eval.main bench {kernels,decode,train,gpu}`: what used to fail only after the timing (an unwritable or
+non-markdown results file), in a traceback (S <= 0) or in a table of error cells (--iters 0) is refused
+by name before any work, and a results file that is not markdown is left as it was."""
+
+import pytest
+
+from eval import bench_decode, bench_gpu, bench_kernels, bench_train
+from eval.main import main as eval_main
+
+SMALL = ["--num_q_heads", "2", "--num_kv_heads", "1", "--head_dim", "8", "--window", "16"]
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    def timed(*args, **kwargs):
+        raise AssertionError("timed something before the arguments were checked")
+
+    monkeypatch.setattr(bench_kernels, "_time_call", timed)
+    monkeypatch.setattr(bench_decode, "_models", timed)
+    monkeypatch.setattr(bench_train, "time_train_steps", timed)
+    monkeypatch.setattr(bench_gpu, "STAGE_FNS", {name: timed for name in bench_gpu.STAGE_FNS})
+
+
+def _refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        eval_main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+
+
+def test_bench_kernels_refuses_bad_settings_and_results_files_before_timing(no_timing, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text("{}\n")
+    base = ["bench", "kernels", "--seq_lens", "64", "--budgets", "40", *SMALL]
+    for extra, message in (
+        (["--iters", "0", "--out_md", ""], "--iters must be >= 1, got 0"),
+        (["--seq_lens", "-64", "--out_md", ""], "--seq_lens must be positive ints, got [-64]"),
+        (["--budgets", "400", "--out_md", ""], "--budgets 400 exceeds S = 64: nothing would be evicted"),
+        (["--num_kv_heads", "3", "--out_md", ""], "--num_q_heads 2 must be a multiple of --num_kv_heads 3"),
+        (["--out_md", str(tmp_path)], f"--out_md={tmp_path} is a folder, not a file"),
+        (["--out_md", str(config)], f"--out_md={config} is not a markdown file"),
+    ):
+        _refused(base + extra, message, capsys)
+    assert config.read_text() == "{}\n"
+
+
+def test_bench_kernels_appends_into_a_new_folder_and_after_an_unterminated_line(monkeypatch, tmp_path):
+    """--out_md in a folder not made yet is created (it was a FileNotFoundError after the timing)."""
+    monkeypatch.setattr(bench_kernels, "_time_call", lambda *args, **kwargs: 1.0)
+    out = tmp_path / "new" / "BENCH.md"
+    bench_kernels.run_bench_kernels((64,), (40,), out_md=str(out), num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                    window=16, iters=1, warmup=1, command="test")
+    out.write_text(out.read_text() + "last line")
+    bench_kernels.run_bench_kernels((64,), (40,), out_md=str(out), num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                    window=16, iters=1, warmup=1, command="test")
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n") and text.count("\n## Kernel benchmark, ") == 2
+    assert "last line\n\n## Kernel benchmark, " in text
+
+
+def test_bench_decode_train_gpu_check_benchmarks_md_before_timing(no_timing, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text("{}\n")
+    for argv in (["bench", "decode", "--lengths", "64", "--out_dir", str(tmp_path / "d")],
+                 ["bench", "train", "--dry", "--out_dir", str(tmp_path / "t")],
+                 ["bench", "gpu", "--dry", "--out_dir", str(tmp_path / "g")]):
+        _refused(argv + ["--benchmarks_md", str(tmp_path)], f"--benchmarks_md={tmp_path} is a folder", capsys)
+        _refused(argv + ["--benchmarks_md", str(config)], f"--benchmarks_md={config} is not a markdown file", capsys)
+    assert config.read_text() == "{}\n"
