@@ -821,6 +821,7 @@ DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "
 
 
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
+OWN_POLICY_DIAGNOSTICS = ("maxtgt", "learn", "reads", "probe")  # the ones that read --sinks / --window
 
 
 def check_args(args) -> None:
@@ -842,6 +843,22 @@ def check_args(args) -> None:
     if any(o < 0 for o in args.offsets):
         raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
     uses_teacher = args.what in TEACHER_DIAGNOSTICS
+    if args.what in OWN_POLICY_DIAGNOSTICS:  # a prompt is --prompt_len tokens; s <= t <= last - w are eligible
+        eligible = args.prompt_len - args.sinks - args.window
+        if eligible < 1:
+            raise ValueError(f"--sinks {args.sinks} + --window {args.window} leave no token eligible at the last of a "
+                             f"{args.prompt_len}-token prompt (--prompt_len): want s + w < {args.prompt_len}")
+        if args.what == "probe" and args.window < 1:
+            raise ValueError("--window 0 leaves probe nothing to match: it compares a token's key / value with the w "
+                             "tokens after it; want --window >= 1")
+        if args.what == "learn" and args.budget - args.sinks - args.window > eligible:
+            raise ValueError(f"--budget {args.budget} exceeds the {args.prompt_len}-token prompt: learn counts the "
+                             f"facts in the scorer's top k = B - s - w of the {eligible} eligible tokens; want B <= "
+                             "--prompt_len")
+        if args.what == "learn" and not 0 <= args.label_k <= eligible:
+            raise ValueError(f"--label_k {args.label_k} is out of range: the target's top k among the {eligible} "
+                             f"eligible tokens of a {args.prompt_len}-token prompt; want 0 (k = B - s - w) to "
+                             f"{eligible}")
     if args.what in ("maxtgt", "reads", "learn") and args.budget - args.sinks - args.window < 1:
         raise ValueError(f"--budget {args.budget} leaves no long-range slot: {args.what} measures k = B - s - w = "
                          f"{args.budget} - {args.sinks} - {args.window}, which must be >= 1")

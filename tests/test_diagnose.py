@@ -544,3 +544,29 @@ def test_out_that_is_not_markdown_is_refused_and_left_as_it_was(monkeypatch, tmp
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"error: --out={out} is not a markdown file" in err and ".md" in err
     assert not ran and config.read_text() == '{"model_type": "qwen3"}\n' and not (tmp_path / "new.txt").exists()
+
+
+def test_sinks_window_budget_and_label_k_that_leave_nothing_to_measure_are_refused(monkeypatch):
+    """What used to print 0.0 / nan (no eligible token), end in a numpy or IndexError message (probe
+    --window 0, learn with k above the eligible tokens) or silently label the wrong tokens (learn
+    --label_k -3: the sort's 3rd smallest; a k past the row: jnp clamps the index) is refused by name."""
+    from eval import diagnose
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(diagnose, "load_pretrained", no_load)
+    base = ["--task", "read_once", "--prompt_len", "115"]
+    for argv, message in (
+        (["maxtgt", "--window", "2000", "--budget", "3000"],
+         r"--sinks 4 \+ --window 2000 leave no token eligible at the last of a 115-token prompt"),
+        (["probe", "--sinks", "2000"], r"want s \+ w < 115"),
+        (["reads", "--sinks", "100", "--window", "15", "--budget", "200"], "leave no token eligible"),
+        (["probe", "--window", "0"], "--window 0 leaves probe nothing to match"),
+        (["learn", "--budget", "2000"], r"--budget 2000 exceeds the 115-token prompt: .* of the 79 eligible tokens"),
+        (["learn", "--budget", "100", "--labels", "target_topk", "--label_k", "-3"],
+         r"--label_k -3 is out of range: .* want 0 .* to 79"),
+        (["learn", "--budget", "100", "--labels", "target_topk", "--label_k", "80"], "--label_k 80 is out of range"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            diagnose.main(base + argv)
