@@ -867,6 +867,10 @@ def check_args(args) -> None:
         raise ValueError(f"diagnose {args.what} needs --exports")
     for path in paths:
         config = check_checkpoint(path)
+        if uses_teacher and (config.kvpop is not None or config.dms is not None):
+            raise ValueError(f"diagnose {args.what} reads the dense teacher's attention; {path!r} is a "
+                             f"{'KVpop' if config.kvpop is not None else 'DMS'} export (--teacher), whose base weights "
+                             "were fine-tuned in the retrofit: name the dense checkpoint it was made from")
         if not uses_teacher and config.kvpop is None:
             raise ValueError(f"diagnose {args.what} reads a KVpop export's policy; {path!r} is "
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")

@@ -570,3 +570,19 @@ def test_sinks_window_budget_and_label_k_that_leave_nothing_to_measure_are_refus
     ):
         with pytest.raises(ValueError, match=message):
             diagnose.main(base + argv)
+
+
+def test_a_retrofitted_export_as_the_teacher_is_refused(monkeypatch):
+    """The teacher diagnostics read the dense teacher's attention; a KVpop export's base weights differ
+    from its teacher's (fine-tuned in the retrofit), so `--teacher EXPORT` used to diagnose the student
+    under the teacher's name. Refused, as a dense checkpoint given to --exports is."""
+    from eval import diagnose
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(diagnose, "load_pretrained", no_load)
+    for what in diagnose.TEACHER_DIAGNOSTICS:
+        with pytest.raises(ValueError, match=rf"diagnose {what} reads the dense teacher's attention; "
+                                             r"'checkpoints/demo-kvpop-mlstm' is a KVpop export \(--teacher\)"):
+            diagnose.main([what, "--teacher", "checkpoints/demo-kvpop-mlstm", "--task", "reuse"])
