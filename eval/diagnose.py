@@ -876,9 +876,11 @@ def check_args(args) -> None:
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
         if not uses_teacher:
             topk = config.kvpop.retarget(args.budget, config.head_dim).topk  # --budget below s + w + state: named there
-            if args.what in ("noise", "ceiling") and topk < 1:
+            if args.what in ("noise", "ceiling", "margin") and topk < 1:
+                measures = ("the facts' margin over the k-th other token" if args.what == "margin" else
+                            "the recall of the k long-range slots")
                 raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): "
-                                 f"{args.what} measures the recall of the k long-range slots")
+                                 f"{args.what} measures {measures}")
         if not 0 <= args.layer < config.num_hidden_layers:
             raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
         if not 0 <= args.kv_head < config.num_key_value_heads:

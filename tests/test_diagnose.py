@@ -333,6 +333,8 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
         (["noise", "--sigmas", "abc"], "--sigmas must be comma-separated numbers, got 'abc'"),
         (["noise", "--budget", "53"], r"--budget 53 leaves no long-range slot in 'checkpoints/demo-kvpop-mlstm' \(k = 0\)"),
         (["ceiling", "--budget", "53"], r"--budget 53 leaves no long-range slot .* ceiling measures"),
+        (["margin", "--budget", "53"], r"--budget 53 leaves no long-range slot .* margin measures the facts' margin "
+                                       "over the k-th"),  # its k-th column was the last (others[-1]) in silence
         (["ceiling", "--futures", "0"], "--futures must be >= 1, got 0"),
         (["ceiling", "--cut_step", "0"], "--cut_step must be >= 1, got 0"),
     ):
