@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from eval.bench_common import append_benchmarks, check_markdown_out, default_command
+from eval.bench_decode import parse_lengths
 from kvpop_jax.attention import kvpop_attention
 from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
 from kvpop_jax.targets import future_attention_log_mass
@@ -233,7 +234,7 @@ def check_kernel_settings(seq_lens: Sequence[int], budgets: Sequence[int], *, ba
     appended to BENCHMARKS.md (--iters 0: every median of nothing) or in rows that time no eviction at
     all (a budget above S keeps every token)."""
     for name, value, low in (("batch", batch, 1), ("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
-                             ("head_dim", head_dim, 1), ("sinks", sinks, 0), ("window", window, 0),
+                             ("head_dim", head_dim, 1), ("sinks", sinks, 0), ("window", window, 1),
                              ("iters", iters, 1), ("warmup", warmup, 0)):
         if value < low:
             raise ValueError(f"--{name} must be >= {low}, got {value}")
@@ -249,14 +250,10 @@ def check_kernel_settings(seq_lens: Sequence[int], budgets: Sequence[int], *, ba
                              f"s + w = {sinks + window} <= B <= every S")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq_lens", type=_ints, default=None, help="comma-separated S values")
-    parser.add_argument("--budgets", type=_ints, default=None, help="comma-separated B values")
+    parser = argparse.ArgumentParser(prog="python -m eval.main bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq_lens", default="", help="comma-separated S values, e.g. 1k,2048 (k = 1024)")
+    parser.add_argument("--budgets", default="", help="comma-separated B values, e.g. 512,1k")
     parser.add_argument("--out_md", default="BENCHMARKS.md", help="markdown file to append to ('' = none)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--num_q_heads", type=int, default=32)
@@ -268,7 +265,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args(argv)
-    run_bench_kernels(**{**vars(args), "out_md": args.out_md or None})
+    # "1k,2k" as bench decode / train read it (a bare int() parse refused it as "invalid _ints value")
+    seq_lens = parse_lengths(args.seq_lens, "seq_lens") if args.seq_lens.strip() else None
+    budgets = parse_lengths(args.budgets, "budgets") if args.budgets.strip() else None
+    run_bench_kernels(**{**vars(args), "seq_lens": seq_lens, "budgets": budgets, "out_md": args.out_md or None})
 
 
 if __name__ == "__main__":

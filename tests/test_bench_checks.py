@@ -34,7 +34,7 @@ def test_bench_kernels_refuses_bad_settings_and_results_files_before_timing(no_t
     base = ["bench", "kernels", "--seq_lens", "64", "--budgets", "40", *SMALL]
     for extra, message in (
         (["--iters", "0", "--out_md", ""], "--iters must be >= 1, got 0"),
-        (["--seq_lens", "-64", "--out_md", ""], "--seq_lens must be positive ints, got [-64]"),
+        (["--seq_lens", "-64", "--out_md", ""], "--seq_lens must be positive ints"),
         (["--budgets", "400", "--out_md", ""], "--budgets 400 exceeds S = 64: nothing would be evicted"),
         (["--num_kv_heads", "3", "--out_md", ""], "--num_q_heads 2 must be a multiple of --num_kv_heads 3"),
         (["--out_md", str(tmp_path)], f"--out_md={tmp_path} is a folder, not a file"),
@@ -42,6 +42,9 @@ def test_bench_kernels_refuses_bad_settings_and_results_files_before_timing(no_t
     ):
         _refused(base + extra, message, capsys)
     assert config.read_text() == "{}\n"
+    with pytest.raises(ValueError, match=r"--seq_lens must be positive ints, got \[-64\]"):  # the API, unparsed
+        bench_kernels.run_bench_kernels((-64,), (40,), out_md=None, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                        window=16)
 
 
 def test_bench_kernels_appends_into_a_new_folder_and_after_an_unterminated_line(monkeypatch, tmp_path):
@@ -67,3 +70,15 @@ def test_bench_decode_train_gpu_check_benchmarks_md_before_timing(no_timing, tmp
         _refused(argv + ["--benchmarks_md", str(tmp_path)], f"--benchmarks_md={tmp_path} is a folder", capsys)
         _refused(argv + ["--benchmarks_md", str(config)], f"--benchmarks_md={config} is not a markdown file", capsys)
     assert config.read_text() == "{}\n"
+
+
+def test_bench_kernels_reads_lengths_as_decode_and_train_do(monkeypatch, capsys):
+    """--seq_lens 1k (bench decode / train's format) was an argparse 'invalid _ints value' error."""
+    got = {}
+    monkeypatch.setattr(bench_kernels, "run_bench_kernels", lambda **kw: got.update(kw))
+    eval_main(["bench", "kernels", "--seq_lens", "1k,2048", "--budgets", "0.5k", "--out_md", ""])
+    assert got["seq_lens"] == (1024, 2048) and got["budgets"] == (512,) and got["out_md"] is None
+    eval_main(["bench", "kernels"])
+    assert got["seq_lens"] is None and got["budgets"] is None and got["out_md"] == "BENCHMARKS.md"
+    _refused(["bench", "kernels", "--seq_lens", "1k,abc"], "--seq_lens must be positive ints like '1k,2k,4096', "
+             "got '1k,abc'", capsys)
