@@ -265,6 +265,9 @@ def run_bench_train(
                          f"saturated queries), got {seq_lens}")
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1; got {steps}, {warmup}, {batch}")
+    if not 1 <= kl_topk <= config.vocab_size or num_query_samples < 1:  # named here, not as the library's k / num
+        raise ValueError(f"need 1 <= --kl_topk <= vocab {config.vocab_size} and --num_query_samples >= 1; got "
+                         f"{kl_topk}, {num_query_samples}")
     if benchmarks_md is not None:  # before minutes of timing, not after them
         check_markdown_out(benchmarks_md, "--benchmarks_md")
     command = command or default_command()

@@ -82,3 +82,13 @@ def test_bench_kernels_reads_lengths_as_decode_and_train_do(monkeypatch, capsys)
     assert got["seq_lens"] is None and got["budgets"] is None and got["out_md"] == "BENCHMARKS.md"
     _refused(["bench", "kernels", "--seq_lens", "1k,abc"], "--seq_lens must be positive ints like '1k,2k,4096', "
              "got '1k,abc'", capsys)
+
+
+def test_bench_train_names_kl_topk_and_num_query_samples(no_timing, tmp_path, capsys):
+    """They surfaced from the library mid-run as 'k must be in [1, vocab=64]' / 'batch and num must be >= 1'."""
+    base = ["bench", "train", "--seq_lens", "64", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv_heads",
+            "1", "--head_dim", "16", "--vocab", "64", "--sinks", "2", "--window", "8", "--topk", "8",
+            "--out_dir", str(tmp_path), "--benchmarks_md", ""]
+    _refused(base + ["--kl_topk", "-1"], "need 1 <= --kl_topk <= vocab 64 and --num_query_samples >= 1; got -1, 256",
+             capsys)
+    _refused(base + ["--num_query_samples", "0"], "got 256, 0", capsys)
