@@ -881,6 +881,12 @@ def check_args(args) -> None:
                             "the recall of the k long-range slots")
                 raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): "
                                  f"{args.what} measures {measures}")
+            first = config.kvpop.sinks + config.kvpop.window + 1  # `_cuts`: the first cut with a long-range token
+            if args.what == "ceiling" and first + args.cut_step >= args.prompt_len:
+                raise ValueError(f"--cut_step {args.cut_step} draws no future: after the first cut (token {first} of "
+                                 f"{path!r}) the next is the {args.prompt_len}-token prompt's end, whose 'futures' are "
+                                 "the prompt itself, so the ceiling would be the exact target's recall (about 1.0); "
+                                 f"want --cut_step < {args.prompt_len - first}")
         if not 0 <= args.layer < config.num_hidden_layers:
             raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
         if not 0 <= args.kv_head < config.num_key_value_heads:

@@ -337,6 +337,8 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
                                        "over the k-th"),  # its k-th column was the last (others[-1]) in silence
         (["ceiling", "--futures", "0"], "--futures must be >= 1, got 0"),
         (["ceiling", "--cut_step", "0"], "--cut_step must be >= 1, got 0"),
+        (["ceiling", "--cut_step", "1000"], r"--cut_step 1000 draws no future: after the first cut \(token 37 of "
+                                            r"'checkpoints/demo-kvpop-mlstm'\) .* want --cut_step < 987"),  # was 0.998
     ):
         with pytest.raises(ValueError, match=message):
             diagnose.main(base + argv)  # argparse: the later --exports wins
