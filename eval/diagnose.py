@@ -821,6 +821,7 @@ DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "
 
 
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
+BUDGET_DIAGNOSTICS = ("keep", "target", "shift", "margin", "noise", "ceiling")  # the exports' at --budget
 OWN_POLICY_DIAGNOSTICS = ("maxtgt", "learn", "reads", "probe")  # the ones that read --sinks / --window
 
 
@@ -855,6 +856,9 @@ def check_args(args) -> None:
             raise ValueError(f"--budget {args.budget} exceeds the {args.prompt_len}-token prompt: learn counts the "
                              f"facts in the scorer's top k = B - s - w of the {eligible} eligible tokens; want B <= "
                              "--prompt_len")
+        if args.what in ("maxtgt", "reads") and args.budget >= args.prompt_len:
+            raise ValueError(f"--budget {args.budget} keeps every token of a {args.prompt_len}-token prompt "
+                             f"(--prompt_len): nothing would be evicted; want B < {args.prompt_len}")
         if args.what == "learn" and not 0 <= args.label_k <= eligible:
             raise ValueError(f"--label_k {args.label_k} is out of range: the target's top k among the {eligible} "
                              f"eligible tokens of a {args.prompt_len}-token prompt; want 0 (k = B - s - w) to "
@@ -875,12 +879,17 @@ def check_args(args) -> None:
             raise ValueError(f"diagnose {args.what} reads a KVpop export's policy; {path!r} is "
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
         if not uses_teacher:
-            topk = config.kvpop.retarget(args.budget, config.head_dim).topk  # --budget below s + w + state: named there
+            kv = config.kvpop.retarget(args.budget, config.head_dim)  # --budget below s + w + state: named there
+            topk, slots = kv.topk, kv.budget  # k, and the s + w + k token slots
             if args.what in ("noise", "ceiling", "margin") and topk < 1:
                 measures = ("the facts' margin over the k-th other token" if args.what == "margin" else
                             "the recall of the k long-range slots")
                 raise ValueError(f"--budget {args.budget} leaves no long-range slot in {path!r} (k = 0): "
                                  f"{args.what} measures {measures}")
+            if args.what in BUDGET_DIAGNOSTICS and slots >= args.prompt_len:
+                raise ValueError(f"--budget {args.budget} keeps every token of a {args.prompt_len}-token prompt in "
+                                 f"{path!r} (s + w + k = {slots} slots): nothing would be evicted; want --budget "
+                                 f"below {args.budget - slots + args.prompt_len}, or a longer --prompt_len")
             first = config.kvpop.sinks + config.kvpop.window + 1  # `_cuts`: the first cut with a long-range token
             if args.what == "ceiling" and first + args.cut_step >= args.prompt_len:
                 raise ValueError(f"--cut_step {args.cut_step} draws no future: after the first cut (token {first} of "

@@ -567,6 +567,12 @@ def test_sinks_window_budget_and_label_k_that_leave_nothing_to_measure_are_refus
         (["probe", "--sinks", "2000"], r"want s \+ w < 115"),
         (["reads", "--sinks", "100", "--window", "15", "--budget", "200"], "leave no token eligible"),
         (["probe", "--window", "0"], "--window 0 leaves probe nothing to match"),
+        (["maxtgt", "--budget", "115"], r"--budget 115 keeps every token of a 115-token prompt \(--prompt_len\): "
+                                        "nothing would be evicted"),  # every fact 'kept': 1.0
+        (["keep", "--exports", "checkpoints/demo-kvpop-mlstm", "--budget", "140"],
+         r"--budget 140 keeps every token of a 115-token prompt in 'checkpoints/demo-kvpop-mlstm' \(s \+ w \+ k = "
+         r"123 slots\): nothing would be evicted; want --budget below 132"),
+        (["noise", "--exports", "checkpoints/demo-kvpop-mlstm", "--budget", "140"], "nothing would be evicted"),
         (["learn", "--budget", "2000"], r"--budget 2000 exceeds the 115-token prompt: .* of the 79 eligible tokens"),
         (["learn", "--budget", "100", "--labels", "target_topk", "--label_k", "-3"],
          r"--label_k -3 is out of range: .* want 0 .* to 79"),
