@@ -896,6 +896,11 @@ def check_args(args) -> None:
                                  f"{path!r}) the next is the {args.prompt_len}-token prompt's end, whose 'futures' are "
                                  "the prompt itself, so the ceiling would be the exact target's recall (about 1.0); "
                                  f"want --cut_step < {args.prompt_len - first}")
+        longest = args.prompt_len + (max(args.offsets, default=0) if args.what == "shift" else 0)
+        if longest > config.max_position_embeddings:  # RoPE runs past it, but the model never trained there
+            plus = " plus the largest --offsets" if args.what == "shift" else ""
+            print(f"warning: --prompt_len {args.prompt_len}{plus} reaches position {longest}, beyond the "
+                  f"max_position_embeddings {config.max_position_embeddings} of {path!r}", file=sys.stderr)
         if not 0 <= args.layer < config.num_hidden_layers:
             raise ValueError(f"--layer {args.layer} is out of range: {path!r} has layers 0..{config.num_hidden_layers - 1}")
         if not 0 <= args.kv_head < config.num_key_value_heads:

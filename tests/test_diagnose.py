@@ -596,3 +596,20 @@ def test_a_retrofitted_export_as_the_teacher_is_refused(monkeypatch):
         with pytest.raises(ValueError, match=rf"diagnose {what} reads the dense teacher's attention; "
                                              r"'checkpoints/demo-kvpop-mlstm' is a KVpop export \(--teacher\)"):
             diagnose.main([what, "--teacher", "checkpoints/demo-kvpop-mlstm", "--task", "reuse"])
+
+
+def test_positions_past_max_position_embeddings_are_warned_of(monkeypatch, capsys):
+    """eval accuracy and recall warn when rows run past max_position_embeddings (4096 here); diagnose
+    ran there in silence (--prompt_len 5000, or shift's --offsets 4000)."""
+    from eval import diagnose
+
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "shift", lambda args: None)
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "maxtgt", lambda args: None)
+    diagnose.main(["shift", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse", "--offsets", "512,4000"])
+    err = capsys.readouterr().err
+    assert ("warning: --prompt_len 1024 plus the largest --offsets reaches position 5024, beyond the "
+            "max_position_embeddings 4096 of 'checkpoints/demo-kvpop-mlstm'") in err
+    diagnose.main(["maxtgt", "--task", "reuse", "--prompt_len", "5000"])
+    assert "warning: --prompt_len 5000 reaches position 5000" in capsys.readouterr().err
+    diagnose.main(["maxtgt", "--task", "reuse"])
+    assert "warning" not in capsys.readouterr().err
