@@ -257,13 +257,14 @@ def shift(args) -> None:
 
 
 def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], seed: int, num_queries: int = 64,
-                 older_first: float = 0.0):
+                 older_first: float = 0.0, progress: bool = False):
     """(student, perturbed, position): recall [L, Hkv] of the export's keep sets against its
     teacher's; {sigma: recall [L, Hkv]} of the teacher's keep sets under log-target + sigma * N(0, 1)
     against the teacher's own; and, with `older_first` > 0, {"oldest first": ..., "export + older
     first": ...}: a policy that keeps the oldest tokens, and the export's priority minus
     `older_first` * t (nats per token; a probe of how much position explains, not a method). At
-    `num_queries` saturated queries per row, sampled as `eval.recall.run_recall` samples them."""
+    `num_queries` saturated queries per row, sampled as `eval.recall.run_recall` samples them.
+    `progress`: a bar over the rows on stderr (minutes for the default 24 prompts on CPU)."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     n, s = ids_NxS.shape
     q_idx = sample_saturated_queries(np.random.default_rng(seed), n, seq_len=s, budget=kv.budget, num=num_queries)
@@ -277,7 +278,7 @@ def noise_recall(config, params, ids_NxS: np.ndarray, sigmas: Sequence[float], s
                                             for r in ranks])
 
     hits, total = {}, 0
-    for row in range(n):
+    for row in tqdm(range(n), desc="noise", unit="prompt", disable=not progress):
         q = jnp.asarray(q_idx[row: row + 1])
         arr = policy_arrays(model, params, jnp.asarray(ids_NxS[row: row + 1]), q)
         noisy = {(layer, sg): np.asarray(arr["target"][layer]) + sg * noise_rng.standard_normal(
@@ -440,7 +441,7 @@ def noise(args) -> None:
         tokenizer = checkpoint_tokenizer(path)
         ids = np.asarray([tokenizer(ex["text"])["input_ids"][: args.prompt_len] for ex in _problems(args)], np.int32)
         student, perturbed, position = noise_recall(config, params, ids, args.sigmas, args.seed,
-                                                    older_first=args.older_first)
+                                                    older_first=args.older_first, progress=True)
         queries = min(64, ids.shape[1] - config.kvpop.budget)
         print(f"{path}: teacher-retention recall per [layer, kv head] at B {args.budget} (k {config.kvpop.topk}), "
               f"{args.problems} {args.task} prompts, {queries} saturated queries each")

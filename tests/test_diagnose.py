@@ -344,7 +344,7 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
             diagnose.main(base + argv)  # argparse: the later --exports wins
 
 
-def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(rng, tmp_path):
+def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(rng, tmp_path, capsys):
     """`diagnose noise`: the teacher against itself recalls every kept token at sigma 0 and fewer under
     heavy noise; the export's own column is `eval.recall.run_recall`'s recall on the same rows and
     queries (random retrofitted model, fresh random tokens)."""
@@ -369,7 +369,10 @@ def test_noise_recall_is_one_without_noise_falls_with_it_and_matches_run_recall(
     # The probes: a policy that keeps the oldest tokens keeps exactly s..s+k-1 at every saturated query
     # (brute force), and a vanishing older-first term leaves the export's recall as it is.
     s_, w, k = 2, 4, 6
-    student2, _, position = noise_recall(config, params, ids, [], seed=3, num_queries=8, older_first=1e-9)
+    student2, _, position = noise_recall(config, params, ids, [], seed=3, num_queries=8, older_first=1e-9,
+                                         progress=True)  # `diagnose noise` shows its minutes over the prompts
+    err = capsys.readouterr().err
+    assert "noise: 100%" in err and "3/3" in err
     np.testing.assert_allclose(student2, student)
     np.testing.assert_allclose(position["export + older first"], student, atol=1e-12)
     from eval.recall import policy_arrays, sample_saturated_queries
