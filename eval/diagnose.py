@@ -844,6 +844,10 @@ def check_args(args) -> None:
         raise ValueError(f"--sigmas must be finite and >= 0 (noise in nats), got {args.sigmas}")
     if any(o < 0 for o in args.offsets):
         raise ValueError(f"--offsets must be >= 0 (prompt positions start there), got {args.offsets}")
+    top = 2**31 - args.prompt_len  # positions are int32: past it they wrapped (or an OverflowError traceback)
+    if any(o > top for o in args.offsets):
+        raise ValueError(f"--offsets {max(args.offsets)} puts the last of a {args.prompt_len}-token prompt past the "
+                         f"int32 positions (2**31 - 1); want offsets <= {top}")
     uses_teacher = args.what in TEACHER_DIAGNOSTICS
     if args.what in OWN_POLICY_DIAGNOSTICS:  # a prompt is --prompt_len tokens; s <= t <= last - w are eligible
         eligible = args.prompt_len - args.sinks - args.window

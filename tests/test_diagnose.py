@@ -325,6 +325,9 @@ def test_bad_arguments_are_refused_by_name_before_anything_loads(monkeypatch):
         (["learn", "--steps", "-3"], "--steps must be >= 0, got -3"),
         (["shift", "--offsets", "-5000"], "--offsets must be >= 0"),
         (["shift", "--offsets", "abc"], "--offsets must be comma-separated integers"),
+        (["shift", "--offsets", "512,2147483600"],  # the positions wrapped to negative ones in silence
+         r"--offsets 2147483600 puts the last of a 1024-token prompt past the int32 positions \(2\*\*31 - 1\); "
+         "want offsets <= 2147482624"),
         (["reads", "--prompt_len", "300"], "--prompt_len 300 is too short for reuse: the shortest is 959"),
         (["keep", "--exports", "checkpoints/demo-teacher"], r"'checkpoints/demo-teacher' is a dense checkpoint"),
         (["noise", "--sigmas", "-1"], r"--sigmas must be finite and >= 0 \(noise in nats\), got \[-1.0\]"),
