@@ -83,7 +83,10 @@ def test_learn_labels_the_marked_facts_among_the_eligible_binding_values(capsys)
             assert history["auc"][-1][1] > 0.5  # four steps on the answer already rank the train facts higher
     with pytest.raises(ValueError, match="--tau must be > 0, got 0.0"):
         learn(argparse.Namespace(**{**vars(args), "labels": "target_listwise", "tau": 0.0}))
-    k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True)[0]
+    capsys.readouterr()
+    k_u = _learn_data(config, params, checkpoint_tokenizer(teacher), problems[:1], 1, 0, 4, 32, unrotated=True,
+                      progress="learn: train problems")[0]  # minutes at learn's defaults: a bar on stderr
+    assert "learn: train problems: 100%" in capsys.readouterr().err
     assert np.abs(np.asarray(k_u) - np.asarray(k[:1])).max() > 1e-2  # the keys' rotation is undone
     np.testing.assert_allclose(np.linalg.norm(np.asarray(k_u), axis=-1), np.linalg.norm(np.asarray(k[:1]), axis=-1),
                                rtol=1e-4)  # a rotation: same norms
