@@ -89,7 +89,7 @@ def parse_lengths(text: str, flag: str = "lengths") -> tuple[int, ...]:
             part = part.strip().lower()
             if part:
                 out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: 'infk' (int of an infinite float)
         out = []
     if not out or min(out) < 1:
         raise ValueError(f"--{flag} must be positive ints like '1k,2k,4096', got {text!r}")

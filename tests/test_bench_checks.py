@@ -92,3 +92,10 @@ def test_bench_train_names_kl_topk_and_num_query_samples(no_timing, tmp_path, ca
     _refused(base + ["--kl_topk", "-1"], "need 1 <= --kl_topk <= vocab 64 and --num_query_samples >= 1; got -1, 256",
              capsys)
     _refused(base + ["--num_query_samples", "0"], "got 256, 0", capsys)
+
+
+def test_parse_lengths_refuses_infinite_lengths_by_name():
+    """'infk' was an OverflowError traceback (int of float('inf') * 1024), not the flag's error."""
+    for text in ("infk", "1e400k", "nank"):
+        with pytest.raises(ValueError, match=f"--lengths must be positive ints like '1k,2k,4096', got '{text}'"):
+            bench_decode.parse_lengths(text)
