@@ -239,7 +239,7 @@ def fact_ranks(config, params, ids, needed, layer: int, kv_head: int, offset: in
 
 
 def shift(args) -> None:
-    offsets = [0, *args.offsets]
+    offsets = list(dict.fromkeys([0, *args.offsets]))  # each once: a repeat was measured (and printed) again
     for path in args.exports:
         config, params = load_pretrained(path)
         tokenizer, k = checkpoint_tokenizer(path), config.kvpop.retarget(args.budget, config.head_dim).topk

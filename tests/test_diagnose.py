@@ -169,7 +169,7 @@ def test_margin_and_shift_print_on_the_shipped_export(capsys):
     from eval.diagnose import margin, shift
 
     args = argparse.Namespace(exports=["checkpoints/demo-kvpop-mlstm"], problems=1, seed=0, task="reuse",
-                              prompt_len=1024, budget=123, layer=1, kv_head=0, offsets=[512])
+                              prompt_len=1024, budget=123, layer=1, kv_head=0, offsets=[512, 0, 512])
     margin(args)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["sparse", "dense"]
@@ -179,7 +179,7 @@ def test_margin_and_shift_print_on_the_shipped_export(capsys):
     assert gaps[-1] > 0
     shift(args)
     out = capsys.readouterr().out.splitlines()
-    assert [line.split()[1] for line in out[1:]] == ["0:", "512:"]
+    assert [line.split()[1] for line in out[1:]] == ["0:", "512:"]  # each offset once (0 is always measured)
 
 
 def test_exact_log_target_equals_the_library_dense_normalizer_target(rng):
