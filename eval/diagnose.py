@@ -139,6 +139,9 @@ def keep(args) -> None:
 def target(args) -> None:
     config0, params = load_pretrained(args.exports[0])
     tokenizer, problems = checkpoint_tokenizer(args.exports[0]), _problems(args)
+    print(f"{args.exports[0]} at B {args.budget}: per target setting, the share of {args.problems} {args.task} "
+          "problems whose queried facts are all in the target's top-k at the last prompt token (all facts), and "
+          "of the facts (per fact), per [layer, kv head]:")
     for aggregate in ("max", "mean"):
         for normalizer in ("sparse", "dense"):
             for count_normalize in (True, False):
@@ -873,6 +876,9 @@ def check_args(args) -> None:
         raise ValueError(f"--budget {args.budget} leaves no long-range slot: {args.what} measures k = B - s - w = "
                          f"{args.budget} - {args.sinks} - {args.window}, which must be >= 1")
     paths = [args.teacher] if uses_teacher else args.exports
+    if args.what in ("target", "margin") and len(paths) > 1:  # they read one export
+        print(f"warning: diagnose {args.what} reads the first of the {len(paths)} --exports, {paths[0]!r}; "
+              f"not measured: {', '.join(map(repr, paths[1:]))}", file=sys.stderr)
     if not paths:
         raise ValueError(f"diagnose {args.what} needs --exports")
     for path in paths:

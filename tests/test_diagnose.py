@@ -622,3 +622,22 @@ def test_positions_past_max_position_embeddings_are_warned_of(monkeypatch, capsy
     assert "warning: --prompt_len 5000 reaches position 5000" in capsys.readouterr().err
     diagnose.main(["maxtgt", "--task", "reuse"])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_target_and_margin_say_which_export_they_read(monkeypatch, capsys):
+    """target and margin read the first of --exports; the others were dropped in silence (and target's
+    table named no export at all)."""
+    from eval import diagnose
+
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "margin", lambda args: None)
+    two = "checkpoints/demo-kvpop-mlstm,checkpoints/demo-kvpop-mlstm/"
+    diagnose.main(["margin", "--exports", two, "--task", "reuse"])
+    assert ("warning: diagnose margin reads the first of the 2 --exports, 'checkpoints/demo-kvpop-mlstm'; not "
+            "measured: 'checkpoints/demo-kvpop-mlstm/'") in capsys.readouterr().err
+    diagnose.main(["margin", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse"])
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(diagnose, "_kept_shares", lambda *args: (None, np.zeros((2, 2)), np.zeros((2, 2))))
+    monkeypatch.setattr(diagnose, "_problems", lambda args: [])
+    diagnose.main(["target", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse", "--problems", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("checkpoints/demo-kvpop-mlstm at B 123: per target setting") and len(out) == 9
