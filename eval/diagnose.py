@@ -80,7 +80,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from demo.atoms import ASK, DIGITS, KEEP, NAMES
+from demo.atoms import ASK, DIGITS, KEEP, NAMES, VOCAB
 from demo.task import TASKS, example_seed, generate_dataset, generate_example, min_seq_len
 from eval.bench_common import append_benchmarks, check_markdown_out
 from eval.recall import policy_arrays, recall_counts, sample_saturated_queries
@@ -883,6 +883,13 @@ def check_args(args) -> None:
         raise ValueError(f"diagnose {args.what} needs --exports")
     for path in paths:
         config = check_checkpoint(path)
+        tokenizer = checkpoint_tokenizer(path)  # the problems' token positions are the demo tokenizer's
+        if tokenizer is None:
+            raise ValueError(f"{path!r} ships no tokenizer: diagnose tokenizes the demo problems with the checkpoint's "
+                             "own, which must be the demo's (demo/tokenizer.py: save_tokenizer)")
+        if tokenizer.get_vocab() != VOCAB:
+            raise ValueError(f"{path!r} has a tokenizer other than the demo's (its vocabulary differs from "
+                             "demo.atoms.VOCAB): the demo problems' token positions would not be its tokens")
         if uses_teacher and (config.kvpop is not None or config.dms is not None):
             raise ValueError(f"diagnose {args.what} reads the dense teacher's attention; {path!r} is a "
                              f"{'KVpop' if config.kvpop is not None else 'DMS'} export (--teacher), whose base weights "

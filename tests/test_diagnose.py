@@ -641,3 +641,26 @@ def test_target_and_margin_say_which_export_they_read(monkeypatch, capsys):
     diagnose.main(["target", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "reuse", "--problems", "2"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("checkpoints/demo-kvpop-mlstm at B 123: per target setting") and len(out) == 9
+
+
+def test_a_checkpoint_without_the_demo_tokenizer_is_refused(monkeypatch, tmp_path):
+    """Without tokenizer files every diagnostic ended in "TypeError: 'NoneType' object is not callable";
+    another tokenizer would put the problems' fact positions on other tokens in silence."""
+    import shutil
+
+    from eval import diagnose
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(diagnose, "load_pretrained", no_load)
+    bare = tmp_path / "bare"
+    shutil.copytree("checkpoints/demo-kvpop-mlstm", bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(ValueError, match=f"'{bare}' ships no tokenizer: diagnose tokenizes the demo problems"):
+        diagnose.main(["keep", "--exports", str(bare), "--task", "reuse"])
+    other = tmp_path / "other"
+    shutil.copytree("checkpoints/demo-teacher", other)
+    tok = (other / "tokenizer.json").read_text()
+    (other / "tokenizer.json").write_text(tok.replace('"keep"', '"kept"', 1))
+    with pytest.raises(ValueError, match="has a tokenizer other than the demo's"):
+        diagnose.main(["parks", "--teacher", str(other), "--task", "reuse"])
