@@ -314,8 +314,13 @@ def _cuts(kv: KVpopConfig, s: int, *, futures: int, cut_step: int) -> list[int]:
     return sorted({min(c, s) for c in range(kv.sinks + kv.window + 1, s + cut_step, cut_step)})
 
 
+FUTURES_PER_FORWARD = 8  # the forward's batch: its dense attention is [batch, Hq, S, S], so --futures 1000 ran out
+# of memory in one batch; the default --futures 8 is one forward, as before
+
+
 def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: int, cut_step: int,
-                           q_idx_Q: np.ndarray | None = None, on_cut=None) -> np.ndarray:
+                           q_idx_Q: np.ndarray | None = None, on_cut=None,
+                           per_forward: int = FUTURES_PER_FORWARD) -> np.ndarray:
     """[L, 1, H, S]: each token's log-target averaged over `futures` drawn continuations of what came
     before it leaves the window (the conditional mean a squared-error scorer fits; see `ceiling_recall`).
 
@@ -324,7 +329,7 @@ def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: 
     export's target on each draw, averaged, scores the tokens that leave the window by query c - 1
     (t <= c - 1 - w). Tokens that never leave it keep 0. `q_idx_Q`: the saturated queries the forward
     samples (the target does not depend on them; default the last position). `on_cut()` is called
-    after each cut."""
+    after each cut. The draws go through the model `per_forward` at a time (memory is linear in it)."""
     kv, model = config.kvpop, Qwen3ForCausalLM(config)
     s = ids_S.shape[0]
     cuts = _cuts(kv, s, futures=futures, cut_step=cut_step)
@@ -335,7 +340,10 @@ def conditional_log_target(config, params, ids_S: np.ndarray, draw, *, futures: 
         drawn = [np.asarray(draw(c, j), np.int32) for j in range(futures)]
         if any(d.shape != (s,) or not np.array_equal(d[:c], ids_S[:c]) for d in drawn):
             raise ValueError(f"draw(c={c}, j) must return {s} tokens starting with the row's first {c}")
-        target = np.asarray(policy_arrays(model, params, jnp.asarray(np.stack(drawn)), q)["target"])
+        target = np.concatenate([
+            np.asarray(policy_arrays(model, params, jnp.asarray(np.stack(drawn[i: i + per_forward])),
+                                     q[i: i + per_forward])["target"])
+            for i in range(0, futures, per_forward)], axis=1)  # [L, futures, H, S]
         hi = c - kv.window  # t + w <= c - 1: left the window by query c - 1
         predicted[..., lo:hi] = target[..., lo:hi].mean(1, keepdims=True)
         lo = max(lo, hi)

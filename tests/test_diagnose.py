@@ -450,6 +450,9 @@ def test_ceiling_recall_is_one_when_the_future_is_known_and_falls_when_it_is_dra
     from eval.diagnose import conditional_log_target
     direct = conditional_log_target(config, params, ids[0], lambda c, j: random_future(0, c, j), futures=4, cut_step=7)
     np.testing.assert_allclose(direct[:, 0], score, rtol=1e-5, atol=1e-5)  # what the training probe fits
+    chunked = conditional_log_target(config, params, ids[0], lambda c, j: random_future(0, c, j), futures=4,
+                                     cut_step=7, per_forward=3)  # draws 3 + 1 per forward: memory, not the mean
+    np.testing.assert_allclose(chunked[:, 0], score, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"a row of 6 tokens has none that leaves the window: need more than"):
         conditional_log_target(config, params, ids[0, :6], lambda c, j: ids[0, :6], futures=1, cut_step=1)
     ranks = jnp.stack([ranks_from_priority(static_priority(jnp.asarray(score[layer][None]), arr["log_gamma"][layer]))
