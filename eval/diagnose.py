@@ -834,7 +834,8 @@ DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "
 
 
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
-BUDGET_DIAGNOSTICS = ("keep", "target", "shift", "margin", "noise", "ceiling")  # the exports' at --budget
+# The export diagnostics whose numbers are about the keep set at --budget (shift's ranks are not: it stays free)
+BUDGET_DIAGNOSTICS = ("keep", "target", "margin", "noise", "ceiling")
 OWN_POLICY_DIAGNOSTICS = ("maxtgt", "learn", "reads", "probe")  # the ones that read --sinks / --window
 
 

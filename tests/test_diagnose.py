@@ -667,3 +667,13 @@ def test_a_checkpoint_without_the_demo_tokenizer_is_refused(monkeypatch, tmp_pat
     (other / "tokenizer.json").write_text(tok.replace('"keep"', '"kept"', 1))
     with pytest.raises(ValueError, match="has a tokenizer other than the demo's"):
         diagnose.main(["parks", "--teacher", str(other), "--task", "reuse"])
+
+
+def test_shift_still_runs_at_a_budget_above_the_prompt(monkeypatch):
+    """shift's ranks do not depend on the budget (only its 'within k' share): not refused like keep."""
+    from eval import diagnose
+
+    ran = []
+    monkeypatch.setitem(diagnose.DIAGNOSTICS, "shift", lambda args: ran.append(1))
+    diagnose.main(["shift", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "read_once", "--prompt_len", "115"])
+    assert ran
