@@ -885,6 +885,9 @@ def check_args(args) -> None:
         raise ValueError(f"--budget {args.budget} leaves no long-range slot: {args.what} measures k = B - s - w = "
                          f"{args.budget} - {args.sinks} - {args.window}, which must be >= 1")
     paths = [args.teacher] if uses_teacher else args.exports
+    if args.what == "parks" and args.window >= args.prompt_len:  # every key in the window: all 'window', 1.000
+        raise ValueError(f"--window {args.window} covers the whole {args.prompt_len}-token prompt: parks splits "
+                         f"attention into the window and older keys; want --window < {args.prompt_len}")
     if args.what in ("target", "margin") and len(paths) > 1:  # they read one export
         print(f"warning: diagnose {args.what} reads the first of the {len(paths)} --exports, {paths[0]!r}; "
               f"not measured: {', '.join(map(repr, paths[1:]))}", file=sys.stderr)

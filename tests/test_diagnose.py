@@ -579,6 +579,7 @@ def test_sinks_window_budget_and_label_k_that_leave_nothing_to_measure_are_refus
         (["probe", "--sinks", "2000"], r"want s \+ w < 115"),
         (["reads", "--sinks", "100", "--window", "15", "--budget", "200"], "leave no token eligible"),
         (["probe", "--window", "0"], "--window 0 leaves probe nothing to match"),
+        (["parks", "--window", "100000"], r"--window 100000 covers the whole 115-token prompt: parks splits"),
         (["maxtgt", "--budget", "115"], r"--budget 115 keeps every token of a 115-token prompt \(--prompt_len\): "
                                         "nothing would be evicted"),  # every fact 'kept': 1.0
         (["keep", "--exports", "checkpoints/demo-kvpop-mlstm", "--budget", "140"],
