@@ -537,6 +537,11 @@ class DMSConfig:
     def __post_init__(self):
         _require_positive("DMSConfig", window=self.window, budget=self.budget, gate_hidden=self.gate_hidden,
                           kl_topk=self.kl_topk)
+        for f in dataclasses.fields(self):  # a NaN offset would evict nothing (NaN > 0 is false) and pass silently
+            value = getattr(self, f.name)
+            if f.type == "float" and not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                          and math.isfinite(value)):
+                raise ValueError(f"DMSConfig.{f.name} must be a finite number, got {value!r}")
         if self.budget <= self.window:
             raise ValueError(f"DMSConfig.budget must exceed the window (the cache holds every window token and "
                              f"the new one), got budget {self.budget} <= window {self.window}")

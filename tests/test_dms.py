@@ -146,6 +146,16 @@ def test_memory_matched_target():
         DMSConfig(window=8, budget=8)
 
 
+
+@pytest.mark.parametrize("field", ["logit_offset", "logit_scale", "temperature", "aux_loss_weight", "kl_temperature",
+                                   "target_eviction", "ramp_fraction"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5"])
+def test_config_refuses_non_finite_and_non_numeric_floats(field, value):
+    """A NaN logit_offset made every decision logit NaN (NaN > 0 is false: nothing evicted, silently) and an
+    inf temperature or weight passed `> 0`; a string failed with a bare TypeError. KVpopConfig refuses them."""
+    with pytest.raises(ValueError, match=f"DMSConfig.{field} must be"):
+        DMSConfig(window=4, budget=8, **{field: value})
+
 def test_gate_matches_the_kvpop_scorer_parameter_count():
     for kv, head_dim in ((KVpopConfig(scorer="mlstm"), 128), (KVpopConfig(scorer="mlstm"), 64),
                          (KVpopConfig(scorer="mlp", scorer_hidden=64), 64)):
