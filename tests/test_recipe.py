@@ -178,6 +178,9 @@ def test_dms_variant_flags(tmp_path, arch):
     with pytest.raises(FlagError, match="does not fit dms"):  # B = 16 at CR 0.9 of 160 tokens: no room past w
         parse(tiny_flags(str(tmp_path), arch, variants="dms", eval_methods="dms", eval_prompt_len=160,
                          eval_crs="0.9"))
+    # --dms_window=0 fell back to --window (16) silently
+    with pytest.raises(FlagError, match="DMSConfig.window must be a positive int, got 0"):
+        parse(tiny_flags(str(tmp_path), arch, retrofit="dms", dms_window=0, eval_methods="dense,dms"))
 
 
 def test_paper_ordering():

@@ -86,7 +86,7 @@ def variant_dms(kvpop: KVpopConfig, head_dim: int, seq_len: int, *, window: int 
     head M = `kvpop.memory(head_dim)` and window (unless `window`), the target eviction rate whose
     mean occupancy at `seq_len` is M, a gate with the KVpop head's parameter count per KV head, and
     the same distillation. `knobs`: other DMSConfig fields (temperature, ramp_fraction, ...)."""
-    memory, window = kvpop.memory(head_dim), window or kvpop.window
+    memory, window = kvpop.memory(head_dim), kvpop.window if window is None else window  # 0 is not None
     return DMSConfig(window=window, budget=memory, target_eviction=DMSConfig.eviction_for_memory(memory, window, seq_len),
                      gate_hidden=dms_lib.matched_gate_hidden(kvpop, head_dim), kl_topk=kvpop.kl_topk,
                      kl_temperature=kvpop.kl_temperature, **knobs)
