@@ -178,9 +178,12 @@ def test_dms_variant_flags(tmp_path, arch):
     with pytest.raises(FlagError, match="does not fit dms"):  # B = 16 at CR 0.9 of 160 tokens: no room past w
         parse(tiny_flags(str(tmp_path), arch, variants="dms", eval_methods="dms", eval_prompt_len=160,
                          eval_crs="0.9"))
-    # --dms_window=0 fell back to --window (16) silently
+    # --dms_window=0 fell back to --window (16) silently; --retrofit=dms next to --variants was ignored
     with pytest.raises(FlagError, match="DMSConfig.window must be a positive int, got 0"):
         parse(tiny_flags(str(tmp_path), arch, retrofit="dms", dms_window=0, eval_methods="dense,dms"))
+    for variants in ("kvpop-mlp", "kvpop-mlp,dms"):
+        with pytest.raises(FlagError, match="--retrofit=dms is a single run"):
+            parse(tiny_flags(str(tmp_path), arch, retrofit="dms", variants=variants, eval_methods="dense"))
 
 
 def test_paper_ordering():

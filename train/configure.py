@@ -100,6 +100,9 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             variant_kvpop(kvpop, name, head_dim)
         except ValueError as e:
             raise FlagError(f"--variants={name}: {e}") from e
+    if f.retrofit == "dms" and variants:  # the recipe sets each variant's retrofit: --retrofit would be ignored
+        raise FlagError(f"--retrofit=dms is a single run; with --variants={','.join(variants)} add dms to the "
+                        "variants instead (--variants=...,dms) and leave --retrofit at kvpop")
     dms = None
     if f.retrofit == "dms" or "dms" in variants:
         try:
