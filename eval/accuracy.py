@@ -72,6 +72,14 @@ def method_config(method: str, checkpoint_config, budget: int | None, *, sinks: 
         if method == "streaming" and sinks >= budget:
             raise ValueError(f"sinks {sinks} leave StreamingLLM no recent window at B {budget}: pass sinks < B")
         return config, BaselineConfig(method, budget, sinks=sinks if method == "streaming" else 0)
+    # The method's name labels its rows: a KVpop export run as 'dms' (or a DMS one as a KVpop variant) would be
+    # reported under the other method's name.
+    if method == "dms" and config.kvpop is not None:
+        raise ValueError("method 'dms' needs a DMS export (config.json with a 'dms' block), got a KVpop one: give it "
+                         "its KVpop variant's name (e.g. kvpop-mlp=DIR) to evaluate it as KVpop")
+    if config.dms is not None and (method in ("kvpop", "streamingllm+") or method.startswith("kvpop-")):
+        raise ValueError(f"method {method!r} names a KVpop variant but its checkpoint is a DMS export: give it as "
+                         "dms=DIR")
     if config.dms is not None:
         return dataclasses.replace(config, dms=config.dms.retarget(budget, config.head_dim)), "dms"
     if config.kvpop is None:

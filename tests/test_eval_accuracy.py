@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -196,6 +197,14 @@ def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
     assert "dms" not in stripped["layers_0"]["self_attn"] and cache.budget == 16
     with pytest.raises(ValueError, match="needs a KVpop or DMS checkpoint"):
         method_setup("dms", base, params, 16, sinks=2, dtype=jnp.float32)
+    # a KVpop export given as dms, or a DMS export under a KVpop variant's name, ran and was reported mislabelled
+    kv_config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=4, scorer="mlp", scorer_hidden=8))
+    with pytest.raises(ValueError, match="method 'dms' needs a DMS export .* got a KVpop one"):
+        method_setup("dms", kv_config, retrofit_params(kv_config, params, jax.random.key(2)), 16, sinks=2,
+                     dtype=jnp.float32)
+    for name in ("kvpop", "kvpop-mlp", "streamingllm+"):
+        with pytest.raises(ValueError, match=f"method '{re.escape(name)}' names a KVpop variant .* DMS export"):
+            method_setup(name, dms_config, dms_params, 16, sinks=2, dtype=jnp.float32)
 
     bench = tmp_path / "bench.jsonl"
     bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n" for p, a in [("x3y5\nask x\n", "3")]))
