@@ -42,6 +42,7 @@ import numpy as np
 
 from kvpop_jax import attention as attn_lib
 from kvpop_jax.cache import Cache, one_token
+from kvpop_jax.config import _require_bools
 from pallas_kernels.common import NEG_INF
 
 METHODS = ("dense", "streaming", "tova", "h2o")  # the training-free methods, dense included
@@ -71,9 +72,13 @@ class BaselineConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"BaselineConfig.method must be one of {METHODS}, got {self.method!r}")
+        _require_bools(self)  # banded_prefill="no" is truthy: it ran the banded pass
         if self.banded_prefill and self.method != "streaming":
             raise ValueError(f"banded_prefill is StreamingLLM's ('streaming'), got method {self.method!r}")
-        if self.method == "dense":
+        if self.method == "dense":  # no bounded cache: a budget, sinks or window would be silently unused
+            if (self.budget, self.sinks, self.recent) != (None, 0, None):
+                raise ValueError(f"BaselineConfig('dense') keeps every token: it takes no budget, sinks or recent, "
+                                 f"got budget={self.budget!r}, sinks={self.sinks!r}, recent={self.recent!r}")
             return
         for name in ("budget", "sinks", "recent"):
             value = getattr(self, name)
@@ -83,7 +88,7 @@ class BaselineConfig:
             raise ValueError(f"BaselineConfig.budget must be a positive int for {self.method!r}, got {self.budget!r}")
         for name in ("sinks", "recent"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if (value is not None or name == "sinks") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"BaselineConfig.{name} must be an int, got {value!r}")
         if self.sinks < 0 or self.sinks >= self.budget:
             raise ValueError(f"BaselineConfig.sinks must be in [0, budget={self.budget}), got {self.sinks}")

@@ -142,6 +142,18 @@ def test_config_validation():
         with pytest.raises(ValueError, match=message):
             BaselineConfig("h2o", **kwargs)
     assert BaselineConfig("h2o", np.int64(10), sinks=np.int32(2)) == BaselineConfig("h2o", 10, sinks=2)
+    # accepted silently before: dense ignored any budget, a truthy string ran the banded prefill, None sinks
+    # raised a bare TypeError
+    assert BaselineConfig("dense").budget is None
+    for kwargs in (dict(budget=-3), dict(budget=8), dict(sinks=4), dict(recent=2)):
+        with pytest.raises(ValueError, match="BaselineConfig\\('dense'\\) keeps every token"):
+            BaselineConfig("dense", **kwargs)
+    for flag in ("no", 1, None):
+        with pytest.raises(ValueError, match="banded_prefill must be true or false"):
+            BaselineConfig("streaming", 6, sinks=2, banded_prefill=flag)
+    assert BaselineConfig("streaming", 6, banded_prefill=np.bool_(True)).banded_prefill
+    with pytest.raises(ValueError, match="sinks must be an int, got None"):
+        BaselineConfig("h2o", 8, sinks=None)
 
 
 def test_model_with_unbounded_budget_equals_dense(rng):
