@@ -123,10 +123,15 @@ class BaselineLayerCache:
     def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
         """Dense attention over the prompt, then its compression to B tokens (`prefill`).
 
-        A KVpop model's scorers are not used: the policy is the baseline's.
+        A KVpop model's scorers are not used: the policy is the baseline's. The policy counts token
+        indices (`length` + 0..P-1), as `decode` does with `length` and the KVpop cache does: `positions`
+        are where q and k were rotated, and explicit ones (an offset) once lost the sinks and made every
+        later token look older than the prompt, so that decoding evicted each new token at once.
         """
-        del length, policy, return_policy
-        out, cache = prefill(self.config, q, k, v, positions)
+        del positions, policy, return_policy
+        b, p = q.shape[:2]
+        index = jnp.broadcast_to(length + jnp.arange(p, dtype=jnp.int32), (b, p))
+        out, cache = prefill(self.config, q, k, v, index)
         return out, cache, None
 
     def decode(self, q, k, v, *, positions, length, policy):

@@ -226,3 +226,30 @@ def test_banded_prefill_equals_streaming_token_by_token(rng, prompt_len):
         assert np.abs(np.asarray(dense) - np.asarray(got)).max() > 1e-3
     with pytest.raises(ValueError, match="banded_prefill is StreamingLLM's"):
         BaselineConfig("h2o", 6, banded_prefill=True)
+
+
+@pytest.mark.parametrize("method", ["streaming", "tova", "h2o"])
+def test_explicit_positions_do_not_change_the_eviction(rng, method):
+    """Positions only say where q and k are rotated; the policy counts tokens (as `decode` does with the
+    cache's length). With positions offset by 7 the prefill kept positions >= 7: StreamingLLM lost its sink
+    and every decoded token, indexed below the prompt's, was evicted at once."""
+    config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+    params = init_params(config, jax.random.key(0))
+    model = Qwen3ForCausalLM(config)
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 14)))
+    cfg = BaselineConfig(method, 5, sinks=1 if method != "tova" else 0)
+    step = jax.jit(lambda c, t, p: model.apply({"params": params}, t, positions=p, cache=c))
+    runs = []
+    for offset in (0, 7):
+        at = lambda a, b: jnp.broadcast_to(offset + jnp.arange(a, b), (2, b - a))  # noqa: E731
+        out = step(baselines.init_cache(config, cfg, 2), ids[:, :8], at(0, 8))
+        logits, cache = [out.logits], out.cache
+        for t in range(8, 14):
+            out = step(cache, ids[:, t:t + 1], at(t, t + 1))
+            logits.append(out.logits)
+            cache = out.cache
+        runs.append((np.asarray(jnp.concatenate(logits, 1)), np.asarray(cache.layers[0].pos)))
+    np.testing.assert_array_equal(np.sort(runs[1][1], -1), np.sort(runs[0][1], -1))
+    assert (runs[0][1] >= 8).any()  # decoded tokens entered the cache
+    np.testing.assert_allclose(runs[1][0], runs[0][0], atol=2e-4)  # RoPE is relative: the same logits
