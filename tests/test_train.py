@@ -86,6 +86,46 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
     parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "checkpoints-export")))
 
 
+def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_checkpoints(tmp_path, arch, monkeypatch):
+    """train.export wrote wherever --out said: over the base model the run started from (its weights, which
+    the run changed, lost) or inside the checkpoint folder that the run's clean-up deletes. Refused before
+    any parameter is read, as train.main's --export_dir."""
+    from train import checkpointing, export
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(open(arch).read())
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+
+    class FakeCheckpointer:
+        def __init__(self, directory, read_only=False):
+            pass
+
+        def latest_step(self):
+            return 4
+
+        def all_steps(self):
+            return [4]
+
+        def restore_meta(self, step):
+            return {"model_config": json.loads(open(arch).read()), "train_config": {"init_checkpoint": str(teacher)}}
+
+        def restore_params(self, step, target):
+            raise AssertionError("the parameters were read before the --out check")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(checkpointing, "Checkpointer", FakeCheckpointer)
+    for out in (teacher, teacher / "sub"):
+        with pytest.raises(ValueError, match="--out=.* is the run's --init_checkpoint=.* or inside it"):
+            export.export_checkpoint(str(run), str(out))
+    with pytest.raises(ValueError, match="--out=.* lies inside the checkpoints folder"):
+        export.export_checkpoint(str(run / "checkpoints" / "4"), str(run / "checkpoints" / "export"))
+    assert sorted(os.listdir(teacher)) == ["config.json"]
+
+
 def test_a_demo_trace_length_too_short_for_a_task_is_a_flag_error(tmp_path):
     with pytest.raises(FlagError, match=r"--demo_seq_len=256: .*too short.*: the shortest seq_len for task "
                                         r"'reuse', difficulty 'medium' is 959$"):

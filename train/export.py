@@ -127,7 +127,8 @@ def main(argv):
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported step {step} ({config.num_hidden_layers} layers, kvpop={config.kvpop is not None}) to {FLAGS.out}")
+    kind = "kvpop" if config.kvpop is not None else "dms" if config.dms is not None else "dense"
+    print(f"exported step {step} ({config.num_hidden_layers} layers, {kind}) to {FLAGS.out}")
 
 
 if __name__ == "__main__":
