@@ -1,5 +1,7 @@
 """Training-free cache policies (StreamingLLM, TOVA, H2O) against a numpy brute-force simulation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,3 +255,24 @@ def test_explicit_positions_do_not_change_the_eviction(rng, method):
     np.testing.assert_array_equal(np.sort(runs[1][1], -1), np.sort(runs[0][1], -1))
     assert (runs[0][1] >= 8).any()  # decoded tokens entered the cache
     np.testing.assert_allclose(runs[1][0], runs[0][0], atol=2e-4)  # RoPE is relative: the same logits
+
+
+def test_row_lengths_with_a_decoding_cache_is_refused(rng):
+    """row_lengths (ragged rows) was ignored by every cache: the padding of a short row was cached and
+    attended, silently. Refused, as segment_ids are."""
+    from kvpop_jax import dms_cache
+    from kvpop_jax.cache import init_dense_cache
+    from kvpop_jax.config import DMSConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+    params = init_params(config, jax.random.key(0))
+    dms_config = dataclasses.replace(config, dms=DMSConfig(window=2, budget=4, gate_hidden=8))
+    dms_params = retrofit_params(dms_config, params, jax.random.key(1))
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 6)))
+    for cfg, p, cache in ((config, params, baselines.init_cache(config, BaselineConfig("h2o", 4), 2)),
+                          (config, params, init_dense_cache(config, 2, 8)),
+                          (dms_config, dms_params, dms_cache.init_cache(dms_config, 2))):
+        with pytest.raises(ValueError, match="row_lengths is not supported together with a decoding cache"):
+            Qwen3ForCausalLM(cfg).apply({"params": p}, ids, cache=cache, row_lengths=jnp.array([4, 6]))
