@@ -334,6 +334,9 @@ class Qwen3ForCausalLM(nn.Module):
             if cache.batch != b:
                 raise ValueError(f"the cache holds {cache.batch} rows but the input has {b}; a cache serves the "
                                  f"batch it was made for (init it with batch={b})")
+            if len(cache.layers) != self.config.num_hidden_layers:  # else an IndexError or a reshape error
+                raise ValueError(f"the cache has {len(cache.layers)} layers but the model has "
+                                 f"{self.config.num_hidden_layers}: a cache serves the model config it was made for")
             decoding = cache.started or s == 1  # a one-token prompt is a step on an empty cache
         x = self.embed_tokens(input_ids)
         layer_aux, new_layers = [], []

@@ -276,3 +276,18 @@ def test_row_lengths_with_a_decoding_cache_is_refused(rng):
                           (dms_config, dms_params, dms_cache.init_cache(dms_config, 2))):
         with pytest.raises(ValueError, match="row_lengths is not supported together with a decoding cache"):
             Qwen3ForCausalLM(cfg).apply({"params": p}, ids, cache=cache, row_lengths=jnp.array([4, 6]))
+
+
+def test_a_cache_made_for_another_model_is_named():
+    """A cache with another layer count raised a bare IndexError (bounded caches) or a reshape TypeError
+    (dense) from inside the layers."""
+    from kvpop_jax.cache import init_dense_cache
+
+    config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+    small = dataclasses.replace(config, num_hidden_layers=1)
+    params = init_params(config, jax.random.key(0))
+    ids = jnp.zeros((2, 5), jnp.int32)
+    for cache in (baselines.init_cache(small, BaselineConfig("tova", 4), 2), init_dense_cache(small, 2, 8)):
+        with pytest.raises(ValueError, match="the cache has 1 layers but the model has 2"):
+            Qwen3ForCausalLM(config).apply({"params": params}, ids, cache=cache)
