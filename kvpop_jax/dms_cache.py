@@ -82,8 +82,17 @@ def _require_dms(policy) -> None:
 
 
 def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, capacity: int | None = None) -> DMSLayerCache:
-    """An empty pool of `capacity` (default Hkv * dms.budget) entries."""
-    n = capacity or config.num_key_value_heads * config.dms.budget
+    """An empty pool of `capacity` (default Hkv * dms.budget) entries: more than the Hkv * w window
+    tokens, which are never dropped (a smaller pool overwrote them; 0 silently meant the default)."""
+    if config.dms is None:
+        raise ValueError("the DMS cache needs a config with dms set")
+    least = config.num_key_value_heads * config.dms.window
+    if capacity is None:
+        capacity = config.num_key_value_heads * config.dms.budget
+    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= least:
+        raise ValueError(f"capacity must be an int > num_kv_heads * window = {least} (the window tokens of every "
+                         f"head), or None for num_kv_heads * budget; got {capacity!r}")
+    n = capacity
     return DMSLayerCache(
         k=jnp.zeros((batch, n, config.head_dim), dtype), v=jnp.zeros((batch, n, config.head_dim), dtype),
         head=jnp.full((batch, n), -1, jnp.int32), pos=jnp.full((batch, n), -1, jnp.int32),

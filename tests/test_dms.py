@@ -230,6 +230,17 @@ def test_occupancy_varies_per_head_and_the_pool_has_fixed_size(rng):
     assert occ.min() != occ.max()  # heads hold different numbers of tokens
 
 
+
+def test_pool_capacity_must_hold_every_heads_window():
+    """init_layer_cache(capacity=2) made a pool that overwrote window tokens of other heads while decoding
+    (silently), and capacity=0 meant the default."""
+    config = dataclasses.replace(BASE, dms=DMSConfig(window=3, budget=8, gate_hidden=8))
+    assert dms_cache.init_layer_cache(config, 1).capacity == 16
+    assert dms_cache.init_layer_cache(config, 1, capacity=7).capacity == 7
+    for capacity in (0, 2, 6, 7.0, True):
+        with pytest.raises(ValueError, match="capacity must be an int > num_kv_heads \\* window = 6"):
+            dms_cache.init_layer_cache(config, 1, capacity=capacity)
+
 @pytest.mark.parametrize("prompt_len", [5, 30])
 def test_full_pool_drops_old_tokens_and_keeps_the_window(rng, prompt_len):
     d = DMSConfig(window=3, budget=6, gate_hidden=8, logit_offset=40.0)  # offset 40: nothing is evicted
