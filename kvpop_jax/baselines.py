@@ -136,7 +136,6 @@ class BaselineLayerCache:
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions, policy
-        one_token(q, self.config.method)
         return decode(self.config, self, q, k, v, length)
 
 
@@ -278,6 +277,14 @@ def decode(cfg: BaselineConfig, lc: BaselineLayerCache, q_tok, k_tok, v_tok, pos
     """
     b, _, hq, d = q_tok.shape
     hkv, n = lc.k.shape[1], lc.k.shape[2]
+    # Static checks: two tokens were cut to the first, silently, and another config's policy ran on this
+    # cache (banded_prefill aside: it shapes only the prefill).
+    one_token(q_tok, cfg.method)
+    if lc.config is not None and dataclasses.replace(lc.config, banded_prefill=cfg.banded_prefill) != cfg:
+        raise ValueError(f"decode got {cfg} for a cache made with {lc.config}: pass the cache's own config")
+    if k_tok.shape != (b, 1, hkv, d) or v_tok.shape != k_tok.shape:
+        raise ValueError(f"k_tok and v_tok must be [B, 1, Hkv, D] = {(b, 1, hkv, d)} for this cache, got "
+                         f"{tuple(k_tok.shape)} and {tuple(v_tok.shape)}")
     g = hq // hkv
     position = jnp.asarray(position, jnp.int32)
     # The B cached entries and the new token are scored apart and only their small [.., N + 1]

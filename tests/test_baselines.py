@@ -291,3 +291,22 @@ def test_a_cache_made_for_another_model_is_named():
     for cache in (baselines.init_cache(small, BaselineConfig("tova", 4), 2), init_dense_cache(small, 2, 8)):
         with pytest.raises(ValueError, match="the cache has 1 layers but the model has 2"):
             Qwen3ForCausalLM(config).apply({"params": params}, ids, cache=cache)
+
+
+def test_decode_refuses_what_it_would_silently_misread(rng):
+    """baselines.decode (the public function) cut a two-token step to its first token and ran another
+    config's policy on a cache (the cache then still named its own); both returned a result."""
+    cfg = BaselineConfig("h2o", 4)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    _, lc = baselines.prefill(cfg, f(2, 6, 4, 8), f(2, 6, 2, 8), f(2, 6, 2, 8), jnp.broadcast_to(jnp.arange(6), (2, 6)))
+    with pytest.raises(ValueError, match="decodes one token per call .* got 2 tokens"):
+        baselines.decode(cfg, lc, f(2, 2, 4, 8), f(2, 2, 2, 8), f(2, 2, 2, 8), 6)
+    for other in (BaselineConfig("h2o", 8), BaselineConfig("streaming", 4), BaselineConfig("h2o", 4, recent=1)):
+        with pytest.raises(ValueError, match="for a cache made with .*pass the cache's own config"):
+            baselines.decode(other, lc, f(2, 1, 4, 8), f(2, 1, 2, 8), f(2, 1, 2, 8), 6)
+    with pytest.raises(ValueError, match="k_tok and v_tok must be \\[B, 1, Hkv, D\\]"):
+        baselines.decode(cfg, lc, f(2, 1, 6, 8), f(2, 1, 3, 8), f(2, 1, 3, 8), 6)
+    streaming = BaselineConfig("streaming", 4, sinks=1)  # banded_prefill shapes the prefill only
+    _, banded = baselines.prefill(dataclasses.replace(streaming, banded_prefill=True), f(2, 6, 4, 8), f(2, 6, 2, 8),
+                                  f(2, 6, 2, 8), jnp.broadcast_to(jnp.arange(6), (2, 6)))
+    assert baselines.decode(streaming, banded, f(2, 1, 4, 8), f(2, 1, 2, 8), f(2, 1, 2, 8), 6)[1].pos.shape == (2, 2, 4)
