@@ -199,11 +199,15 @@ def cmd_patterns(argv: Sequence[str]) -> None:
                         help="--data: stream (documents concatenated and cut into rows) or documents (one row per "
                              "document of >= seq_len tokens, its first seq_len: problems as they are run)")
     parser.add_argument("--text_field", default="auto", help="--data: " + TEXT_FIELD_HELP)
-    parser.add_argument("--last_n", type=int, default=112)
+    parser.add_argument("--last_n", type=int, default=None, help="KVpop only: evictable tokens in the heat map "
+                        "(default 112)")
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     config = Qwen3Config.from_hf(args.checkpoint)
     if config.dms is not None:
+        if args.last_n is not None:  # the DMS report has no heat map over the last tokens: it was ignored
+            parser.error(f"--last_n={args.last_n} is for KVpop exports (the heat map of the last tokens); a DMS "
+                         "export reports its eviction ratios over whole rows (--seq_len)")
         if args.data:
             data = args.data
         elif args.ids:
@@ -227,7 +231,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
         source = _read_text(args.text_file)
     else:
         source = args.text
-    run_patterns(args.checkpoint, source, out_dir=args.out_dir, last_n=args.last_n)
+    run_patterns(args.checkpoint, source, out_dir=args.out_dir, last_n=112 if args.last_n is None else args.last_n)
     print(open(f"{args.out_dir}/patterns.md").read())
 
 

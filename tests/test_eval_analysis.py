@@ -358,6 +358,11 @@ def test_patterns_command_on_a_dms_export(dms_checkpoint, tmp_path, capsys):
     assert "DMS eviction patterns" in capsys.readouterr().out and _nonempty(tmp_path / "dms_patterns.png")
     with pytest.raises(ValueError, match="is a DMS export"):
         run_patterns(dms_checkpoint, [int(t) for t in ids.split(",")], out_dir=tmp_path / "kvpop")
+    for last_n in ("-3", "5"):  # the DMS report ignored it, even an invalid one
+        with pytest.raises(SystemExit):
+            cmd_patterns(["--checkpoint", dms_checkpoint, "--ids", ids, "--last_n", last_n, "--out_dir",
+                          str(tmp_path / "last_n")])
+        assert f"--last_n={last_n} is for KVpop exports" in capsys.readouterr().err
 
 
 def test_bench_decode_dms_rows_have_a_fixed_pool(tmp_path):
