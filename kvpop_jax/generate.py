@@ -281,6 +281,8 @@ def _eos_array(eos_ids) -> jax.Array:
 
 def _plan(config: Qwen3Config, cache: CacheSpec, stream_prompt: bool) -> tuple[CacheSpec, int | None]:
     """(resolved cache, stream_from) of a `generate` call."""
+    if not isinstance(stream_prompt, (bool, np.bool_)):  # "no" is truthy: it streamed the prompt
+        raise ValueError(f"stream_prompt must be True or False, got {stream_prompt!r}")
     kind = resolve_cache(config, cache)
     if stream_prompt and isinstance(kind, BaselineConfig) and kind.method == "streaming":
         return dataclasses.replace(kind, banded_prefill=True), None  # the streamed read in one banded pass (exact)

@@ -310,3 +310,18 @@ def test_decode_refuses_what_it_would_silently_misread(rng):
     _, banded = baselines.prefill(dataclasses.replace(streaming, banded_prefill=True), f(2, 6, 4, 8), f(2, 6, 2, 8),
                                   f(2, 6, 2, 8), jnp.broadcast_to(jnp.arange(6), (2, 6)))
     assert baselines.decode(streaming, banded, f(2, 1, 4, 8), f(2, 1, 2, 8), f(2, 1, 2, 8), 6)[1].pos.shape == (2, 2, 4)
+
+
+def test_generate_refuses_a_non_bool_stream_prompt():
+    """stream_prompt="no" (truthy) streamed the prompt, silently."""
+    from kvpop_jax.generate import compile_generate, generate
+
+    config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
+    model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(0))
+    for flag in ("no", 1, None):
+        with pytest.raises(ValueError, match="stream_prompt must be True or False"):
+            generate(model, params, jnp.zeros((1, 4), jnp.int32), max_new_tokens=2, cache=BaselineConfig("h2o", 4),
+                     stream_prompt=flag)
+        with pytest.raises(ValueError, match="stream_prompt must be True or False"):
+            compile_generate(model, params, 1, 4, max_new_tokens=2, cache=BaselineConfig("h2o", 4), stream_prompt=flag)
