@@ -49,6 +49,22 @@ def _from_dict(cls, d: Mapping[str, Any]):
     return cls(**dict(d))
 
 
+def hf_layer_types(hf: Mapping[str, Any]) -> list[str]:
+    """Each layer's attention type as transformers' Qwen3Config derives it: `layer_types` when given,
+    else sliding for layers at or past `max_window_layers` (28 by default) when `use_sliding_window` and a
+    `sliding_window` are set. So `use_sliding_window: true` with every layer below max_window_layers is
+    full attention everywhere."""
+    if hf.get("layer_types") is not None:
+        return list(hf["layer_types"])
+    layers = hf.get("num_hidden_layers")
+    if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None or not isinstance(layers, int):
+        return []
+    first_sliding = hf.get("max_window_layers", 28)
+    if isinstance(first_sliding, bool) or not isinstance(first_sliding, int):
+        return ["unreadable max_window_layers"]  # refused, naming it, rather than guessed
+    return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Architecture of a Qwen3 causal LM (the subset of HF's config.json we use)."""
@@ -178,13 +194,14 @@ class Qwen3Config:
             rope_theta = rope["rope_theta"]
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
             raise ValueError(f"{where}: rope_theta must be a number, got {rope_theta!r}")
-        if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        if any(t != "full_attention" for t in hf_layer_types(hf)):
             raise ValueError(
                 f"unsupported sliding-window layers (use_sliding_window={hf.get('use_sliding_window')!r}, "
+                f"sliding_window={hf.get('sliding_window')!r}, max_window_layers={hf.get('max_window_layers')!r}, "
                 f"layer_types={hf.get('layer_types')!r}); only full attention is supported"
             )
         act = hf.get("hidden_act", "silu")
-        if act != "silu":  # the MLP is SwiGLU: another activation would load and silently run SiLU
+        if act not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would load and silently run SiLU
             raise ValueError(f"{where}: hidden_act {act!r} is not supported; Qwen3's MLP uses 'silu'")
         for flag in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(hf.get(flag, False), bool):  # bool("false") is True

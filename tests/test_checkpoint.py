@@ -12,6 +12,7 @@ import transformers
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
+from kvpop_jax.config import hf_layer_types
 from kvpop_jax.modeling import Qwen3ForCausalLM
 
 
@@ -539,3 +540,41 @@ def test_a_weight_that_overflows_the_load_dtype_is_refused(hf_checkpoint):
                                          r"the range of float16 \(max 100000\)"):
         load_pretrained(path, dtype=jnp.float16)
     load_pretrained(path, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("overrides, sliding", [
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=28), False),  # every layer below 28: full
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), True),  # layer 1 on slides
+    (dict(use_sliding_window=False, sliding_window=8, max_window_layers=0), False),
+    (dict(hidden_act="swish"), False),  # transformers' ACT2FN runs SiLU for it
+])
+def test_sliding_layers_and_the_activation_are_read_as_transformers_reads_them(hf_checkpoint, rng, overrides,
+                                                                              sliding):
+    """A config.json with use_sliding_window: true but every layer below max_window_layers is full attention
+    in transformers (its layer_types say so), and 'swish' is SiLU: both were refused. A layer that does slide
+    is refused, naming the fields; the others load with transformers' logits."""
+    path, torch_model = hf_checkpoint("g2_untied", **overrides)
+    hf = json.load(open(os.path.join(path, "config.json")))
+    assert ("sliding_attention" in hf["layer_types"]) == sliding  # what transformers derived
+    without_types = {k: v for k, v in hf.items() if k != "layer_types"}  # a transformers 4 config.json: derived
+    assert ("sliding_attention" in hf_layer_types(without_types)) == sliding
+    if sliding:
+        for config in (hf, without_types):
+            with pytest.raises(ValueError, match=r"unsupported sliding-window layers \(use_sliding_window=True, "
+                                                 r"sliding_window=8, max_window_layers=1"):
+                Qwen3Config.from_hf(config)
+        return
+    config, params = load_pretrained(path)
+    assert Qwen3Config.from_hf(without_types) == config
+    ids = rng.integers(0, config.vocab_size, size=(2, 11))
+    with torch.no_grad():
+        want = torch_model(torch.tensor(ids)).logits.numpy()
+    got = Qwen3ForCausalLM(config).apply({"params": params}, jnp.asarray(ids)).logits
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+def test_an_unreadable_max_window_layers_is_refused_not_guessed():
+    hf = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=4, use_sliding_window=True, sliding_window=8, max_window_layers="2")
+    with pytest.raises(ValueError, match="max_window_layers='2'"):
+        Qwen3Config.from_hf(hf)
