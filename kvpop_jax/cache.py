@@ -185,8 +185,12 @@ class DenseLayerCache:
         b, _, t, _ = self.k.shape
         s = q.shape[1]
         _check_dense_room(t, s, length)
+        # Slot i holds the i-th token: the causal mask counts token indices, as the bounded caches do.
+        # `positions` only rotated q and k (explicit ones, e.g. offset by 7, once let queries see later tokens).
+        del positions
+        index = jnp.broadcast_to(length + jnp.arange(s, dtype=jnp.int32), (b, s))
         if s <= DECODE_MAX_QUERIES:  # reads the cache before the write below
-            out = prefix_attention(q, self.k, self.v, k, v, q_positions=positions, length=length)
+            out = prefix_attention(q, self.k, self.v, k, v, q_positions=index, length=length)
             k, v = after(k, out), after(v, out)
         # Written in place (a donated or loop-carried cache is updated, not copied).
         cache_k = jax.lax.dynamic_update_slice_in_dim(self.k, jnp.swapaxes(k, 1, 2).astype(self.k.dtype), length, 2)
@@ -195,7 +199,7 @@ class DenseLayerCache:
             slots = jnp.arange(t, dtype=jnp.int32)
             out, _ = attn_lib.dense_attention(
                 q, jnp.swapaxes(cache_k, 1, 2).astype(q.dtype), jnp.swapaxes(cache_v, 1, 2).astype(q.dtype),
-                q_positions=positions, kv_positions=jnp.broadcast_to(slots, (b, t)),
+                q_positions=index, kv_positions=jnp.broadcast_to(slots, (b, t)),
                 kv_valid=jnp.broadcast_to(slots < length + s, (b, t)),
             )
         # Under jit an overflow is not caught above (the length is traced) and the write was clamped into
