@@ -356,6 +356,12 @@ def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_r
     assert sorted(os.listdir(run)) == ["checkpoints"] and os.listdir(run / "checkpoints") == ["4"]
     check_out(str(run / "export"), str(run / "checkpoints"))  # the end-of-run export's own place
     check_out(str(tmp_path / "elsewhere"), str(run / "checkpoints"))
+    ckpts = tmp_path / "orbax_steps"  # a checkpoints folder by another name: the suggestion is beside it, and allowed
+    (ckpts / "4").mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"lies inside the checkpoints folder {ckpts}; "
+                                         f".* \\(e.g. {tmp_path / 'export'}\\)"):
+        check_out(str(ckpts / "export"), str(ckpts))
+    check_out(str(tmp_path / "export"), str(ckpts))
 
 
 def test_export_refuses_an_out_that_is_the_runs_init_checkpoint_or_holds_its_weights(tmp_path, hf_checkpoint):

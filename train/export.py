@@ -58,7 +58,7 @@ def check_out(out: str, checkpoints: str) -> None:
     checkpoints = os.path.realpath(checkpoints)
     if os.path.commonpath([real, checkpoints]) in (real, checkpoints):
         where = "is or holds" if os.path.commonpath([real, checkpoints]) == real else "lies inside"
-        run = os.path.dirname(checkpoints) if os.path.basename(checkpoints) == "checkpoints" else checkpoints
+        run = os.path.dirname(checkpoints)  # RUN_DIR of RUN_DIR/checkpoints, or the folder above any other
         raise ValueError(f"--out={out} {where} the checkpoints folder {checkpoints}; the export replaces its "
                          f"folder whole: name a folder of its own (e.g. {os.path.join(run, 'export')})")
 
