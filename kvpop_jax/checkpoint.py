@@ -231,11 +231,12 @@ def _check_tied_head(path: str, files: dict[str, str], handles: dict) -> None:
         rows = a.get_shape()[0] if same else 0
         for start in range(0, rows, TIED_CHECK_ROWS):
             stop = min(start + TIED_CHECK_ROWS, rows)  # safetensors slices do not clamp
-            if not np.array_equal(a[start:stop], b[start:stop]):
+            # equal_nan: a NaN embedding is the finiteness check's to name (below), not a difference
+            if not np.array_equal(a[start:stop], b[start:stop], equal_nan=True):
                 same = False
                 break
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"corrupt safetensors file reading {head!r} in {path!r}: {e}") from e
+        raise ValueError(f"corrupt safetensors file reading {head!r} and {embed!r} in {path!r}: {e}") from e
     if not same:
         raise ValueError(f"checkpoint {path!r}: config.json has tie_word_embeddings=true but the stored {head!r} "
                          f"differs from {embed!r} (transformers would untie them); set tie_word_embeddings to "
@@ -449,8 +450,10 @@ def save_pretrained(
                           "export's files; another model's, or yours, are gone after this export)", stacklevel=2)
     other_layout = SINGLE_FILE if len(shards) > 1 else INDEX_FILE  # kept beside the export, it would shadow or
     if other_layout not in previous and os.path.lexists(os.path.join(path, other_layout)):  # confuse the new one
+        why = (f"transformers would load it over the new {INDEX_FILE}" if other_layout == SINGLE_FILE else
+               f"beside the new {SINGLE_FILE} it makes the folder one that load_pretrained and kvpop_torch refuse")
         raise ValueError(f"cannot export to {path!r}: it holds a {other_layout} this library did not write, and "
-                         f"transformers would load {SINGLE_FILE} over the index; move it away or pick another path")
+                         f"{why}; move it away or pick another path")
     # A tokenizer the previous export copied in stays, whole, when this one brings none (re-saving a
     # fine-tuned model into its own export must not leave it without one); one file of a new
     # tokenizer replaces all of the old one's.

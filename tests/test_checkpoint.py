@@ -430,7 +430,6 @@ def test_rope_theta_is_read_as_transformers_reads_it(rope):
     assert Qwen3Config.from_hf({**base, **rope}).rope_theta == theirs
 
 
-
 def test_rope_parameters_per_layer_type_are_refused_not_ignored():
     """{"full_attention": {"rope_type": "linear", ...}} has no rope_type at its top: it read as plain RoPE."""
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -493,11 +492,19 @@ def test_a_sharded_export_beside_a_foreign_single_file_is_refused_before_writing
     foreign = open(os.path.join(path, "model.safetensors"), "rb").read()
     (out / "model.safetensors").write_bytes(foreign)
     before = sorted(os.listdir(out))
-    with pytest.raises(ValueError, match="holds a model.safetensors this library did not write"):
+    with pytest.raises(ValueError, match="holds a model.safetensors this library did not write, and transformers "
+                                         "would load it over the new model.safetensors.index.json"):
         save_pretrained(config, params, out, max_shard_bytes=20_000)
     assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == foreign
     save_pretrained(config, params, out)  # a single-file export replaces it, as before
     load_pretrained(out)
+    single = tmp_path / "single"  # and a foreign index beside a single-file export: a folder both loaders refuse
+    save_pretrained(config, params, single)
+    (single / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="holds a model.safetensors.index.json this library did not write, and "
+                                         "beside the new model.safetensors it makes the folder one that "
+                                         "load_pretrained and kvpop_torch refuse"):
+        save_pretrained(config, params, single)
 
 
 def test_an_export_over_files_no_manifest_lists_says_what_it_replaces(hf_checkpoint, tmp_path):
