@@ -40,6 +40,16 @@ def _require_bools(obj: Any) -> None:
             object.__setattr__(obj, f.name, bool(value))  # numpy's bool is not JSON
 
 
+def _require_finite_floats(obj: Any) -> None:
+    """Every field annotated `float` holds a finite real number, not a bool: a NaN weight or logit offset
+    passes every `> 0` check and fails silently later (NaN > 0 is false), a string fails far from here."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "float" and not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                      and math.isfinite(value)):
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be a finite number, got {value!r}")
+
+
 def _from_dict(cls, d: Mapping[str, Any]):
     """A config dataclass from its `to_dict`; unknown fields are an error naming them."""
     known = {f.name for f in dataclasses.fields(cls)}
@@ -339,10 +349,7 @@ class KVpopConfig:
 
     def __post_init__(self):
         _require_bools(self)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"KVpopConfig.{f.name} must be a finite number, got {value!r}")
+        _require_finite_floats(self)
         for name in ("retention_loss_weight", "regression_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KVpopConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -554,11 +561,7 @@ class DMSConfig:
     def __post_init__(self):
         _require_positive("DMSConfig", window=self.window, budget=self.budget, gate_hidden=self.gate_hidden,
                           kl_topk=self.kl_topk)
-        for f in dataclasses.fields(self):  # a NaN offset would evict nothing (NaN > 0 is false) and pass silently
-            value = getattr(self, f.name)
-            if f.type == "float" and not (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                                          and math.isfinite(value)):
-                raise ValueError(f"DMSConfig.{f.name} must be a finite number, got {value!r}")
+        _require_finite_floats(self)  # a NaN offset would evict nothing (NaN > 0 is false) and pass silently
         if self.budget <= self.window:
             raise ValueError(f"DMSConfig.budget must exceed the window (the cache holds every window token and "
                              f"the new one), got budget {self.budget} <= window {self.window}")

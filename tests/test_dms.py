@@ -146,7 +146,6 @@ def test_memory_matched_target():
         DMSConfig(window=8, budget=8)
 
 
-
 @pytest.mark.parametrize("field", ["logit_offset", "logit_scale", "temperature", "aux_loss_weight", "kl_temperature",
                                    "target_eviction", "ramp_fraction"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5"])
@@ -155,6 +154,17 @@ def test_config_refuses_non_finite_and_non_numeric_floats(field, value):
     inf temperature or weight passed `> 0`; a string failed with a bare TypeError. KVpopConfig refuses them."""
     with pytest.raises(ValueError, match=f"DMSConfig.{field} must be"):
         DMSConfig(window=4, budget=8, **{field: value})
+
+
+def test_both_configs_check_their_float_fields_alike():
+    """One rule for KVpopConfig and DMSConfig (they had two copies that differed): a bool is refused, a numpy
+    float accepted."""
+    for make, field in ((lambda **kw: KVpopConfig(**kw), "kl_temperature"),
+                        (lambda **kw: DMSConfig(window=4, budget=8, **kw), "kl_temperature")):
+        with pytest.raises(ValueError, match=f"Config.{field} must be a finite number, got True"):
+            make(**{field: True})
+        assert make(**{field: np.float32(0.5)}).kl_temperature == 0.5
+
 
 def test_gate_matches_the_kvpop_scorer_parameter_count():
     for kv, head_dim in ((KVpopConfig(scorer="mlstm"), 128), (KVpopConfig(scorer="mlstm"), 64),
@@ -230,7 +240,6 @@ def test_occupancy_varies_per_head_and_the_pool_has_fixed_size(rng):
     assert occ.min() != occ.max()  # heads hold different numbers of tokens
 
 
-
 def test_pool_capacity_must_hold_every_heads_window():
     """init_layer_cache(capacity=2) made a pool that overwrote window tokens of other heads while decoding
     (silently), and capacity=0 meant the default."""
@@ -240,6 +249,7 @@ def test_pool_capacity_must_hold_every_heads_window():
     for capacity in (0, 2, 6, 7.0, True):
         with pytest.raises(ValueError, match="capacity must be an int > num_kv_heads \\* window = 6"):
             dms_cache.init_layer_cache(config, 1, capacity=capacity)
+
 
 @pytest.mark.parametrize("prompt_len", [5, 30])
 def test_full_pool_drops_old_tokens_and_keeps_the_window(rng, prompt_len):
