@@ -103,8 +103,6 @@ def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, capacit
 
 def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> Cache:
     """An empty DMS cache for every layer (fixed size: Hkv * budget entries per layer)."""
-    if config.dms is None:
-        raise ValueError("the DMS cache needs a config with dms set")
     layer = init_layer_cache(config, batch, dtype)
     return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
 

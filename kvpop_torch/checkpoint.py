@@ -66,7 +66,7 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         raise ValueError(f"{os.fspath(directory)!r} is a dense export (its config.json has no 'kvpop' block): "
                          "decode it with transformers' own cache")
     settings = KVpopSettings.from_dict(config["kvpop"])
-    heads_kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    heads_kv = config.get("num_key_value_heads") or config["num_attention_heads"]  # null: one per head, as in HF
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     # as transformers reads it: a non-empty rope_scaling replaces rope_parameters, whose rope_theta comes first
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}

@@ -423,6 +423,8 @@ def test_extra_files_cannot_take_the_exports_own_names(hf_checkpoint, tmp_path, 
     {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "default"},
      "rope_theta": 20_000.0},  # a non-empty rope_scaling replaces rope_parameters
 ])
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="reads transformers 5's rope_parameters (4.x reads rope_theta and rope_scaling)")
 def test_rope_theta_is_read_as_transformers_reads_it(rope):
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2, head_dim=4)

@@ -181,8 +181,9 @@ def test_dms_variant_flags(tmp_path, arch):
     # --dms_window=0 fell back to --window (16) silently; --retrofit=dms next to --variants was ignored
     with pytest.raises(FlagError, match="DMSConfig.window must be a positive int, got 0"):
         parse(tiny_flags(str(tmp_path), arch, retrofit="dms", dms_window=0, eval_methods="dense,dms"))
-    for variants in ("kvpop-mlp", "kvpop-mlp,dms"):
-        with pytest.raises(FlagError, match="--retrofit=dms is a single run"):
+    for variants, fix in (("kvpop-mlp", "add dms to the variants instead"),
+                          ("kvpop-mlp,dms", "the dms variant is already listed")):
+        with pytest.raises(FlagError, match=f"--retrofit=dms is a single run; .* leave --retrofit at kvpop: {fix}"):
             parse(tiny_flags(str(tmp_path), arch, retrofit="dms", variants=variants, eval_methods="dense"))
 
 

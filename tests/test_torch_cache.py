@@ -315,6 +315,11 @@ def test_rope_is_read_as_transformers_reads_it_and_weights_come_from_one_place(t
     json.dump({**config, "rope_scaling": {"type": "linear", "factor": 2.0}}, open(path, "w"))
     with pytest.raises(ValueError, match="config.json's rope_scaling has rope_type 'linear'"):
         load_heads(tmp_path)
+    # num_key_value_heads: null is one KV head per head in transformers and in kvpop_jax: here 4, where the
+    # export's heads were made for 2, so the heads' tensors no longer fit (it was read as 2, silently)
+    json.dump({**config, "num_key_value_heads": None}, open(path, "w"))
+    with pytest.raises(ValueError, match="(?s)do not fit its config.json's kvpop settings.*torch.Size\\(\\[4\\]\\)"):
+        load_heads(tmp_path)
     json.dump(config, open(path, "w"))
     weights = os.path.join(tmp_path, "model.safetensors")
     shutil.copy(weights, os.path.join(tmp_path, "model-00001-of-00001.safetensors"))

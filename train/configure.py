@@ -101,8 +101,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         except ValueError as e:
             raise FlagError(f"--variants={name}: {e}") from e
     if f.retrofit == "dms" and variants:  # the recipe sets each variant's retrofit: --retrofit would be ignored
-        raise FlagError(f"--retrofit=dms is a single run; with --variants={','.join(variants)} add dms to the "
-                        "variants instead (--variants=...,dms) and leave --retrofit at kvpop")
+        fix = ("the dms variant is already listed" if "dms" in variants else
+               "add dms to the variants instead (--variants=...,dms)")
+        raise FlagError(f"--retrofit=dms is a single run; with --variants={','.join(variants)} leave --retrofit at "
+                        f"kvpop: {fix}")
     dms = None
     if f.retrofit == "dms" or "dms" in variants:
         try:
