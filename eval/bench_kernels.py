@@ -246,8 +246,8 @@ def check_kernel_settings(seq_lens: Sequence[int], budgets: Sequence[int], *, ba
         if budget - sinks - window < 0:
             raise ValueError(f"budget {budget} is below s + w = {sinks + window}")
         if budget > min(seq_lens):
-            raise ValueError(f"--budgets {budget} exceeds S = {min(seq_lens)}: nothing would be evicted; want "
-                             f"s + w = {sinks + window} <= B <= every S")
+            raise ValueError(f"--budgets {budget} exceeds S = {min(seq_lens)}: a budget past the sequence times "
+                             f"slots no token fills; want s + w = {sinks + window} <= B <= every S")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -35,7 +35,7 @@ def test_bench_kernels_refuses_bad_settings_and_results_files_before_timing(no_t
     for extra, message in (
         (["--iters", "0", "--out_md", ""], "--iters must be >= 1, got 0"),
         (["--seq_lens", "-64", "--out_md", ""], "--seq_lens must be positive ints"),
-        (["--budgets", "400", "--out_md", ""], "--budgets 400 exceeds S = 64: nothing would be evicted"),
+        (["--budgets", "400", "--out_md", ""], "--budgets 400 exceeds S = 64: a budget past the sequence"),
         (["--num_kv_heads", "3", "--out_md", ""], "--num_q_heads 2 must be a multiple of --num_kv_heads 3"),
         (["--out_md", str(tmp_path)], f"--out_md={tmp_path} is a folder, not a file"),
         (["--out_md", str(config)], f"--out_md={config} is not a markdown file"),
