@@ -76,7 +76,7 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
     teacher.mkdir()
     (teacher / "config.json").write_text(open(arch).read())
     for export_dir in (teacher, teacher / "export", str(teacher) + "/"):
-        with pytest.raises(FlagError, match="--export_dir=.* is --init_checkpoint=.* or inside it"):
+        with pytest.raises(FlagError, match="--export_dir=.* is the run's --init_checkpoint=.* or inside it"):
             parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=export_dir))
     parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=str(teacher), export_dir=str(teacher) + "-kvpop"))
     # nor inside the run's checkpoint folder, whose clean-up deletes old steps with whatever is in them

@@ -244,9 +244,11 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
     return base[-1]
 
 
-def check_export_dir(export_dir: str, init_checkpoint: str | None, checkpoint_dir: str | None = None) -> None:
+def check_export_dir(export_dir: str, init_checkpoint: str | None, checkpoint_dir: str | None = None, *,
+                     flag: str = "--export_dir") -> None:
     """The export must not land on (or inside) the init checkpoint, which it would replace, nor inside
-    the run's checkpoint folder, whose clean-up would delete it with an old step."""
+    the run's checkpoint folder, whose clean-up would delete it with an old step. `flag`: the export
+    folder's name in the errors (train.export's is --out)."""
     export = os.path.realpath(export_dir)
 
     def inside(folder: str) -> bool:
@@ -254,14 +256,14 @@ def check_export_dir(export_dir: str, init_checkpoint: str | None, checkpoint_di
         return export == folder or export.startswith(folder.rstrip(os.sep) + os.sep)
 
     if checkpoint_dir and inside(checkpoint_dir):
-        raise FlagError(f"--export_dir={export_dir} is inside the run's checkpoint folder {checkpoint_dir}, which "
+        raise FlagError(f"{flag}={export_dir} is inside the run's checkpoint folder {checkpoint_dir}, which "
                         "keeps only the latest --keep_checkpoints steps (an export there is deleted with its step); "
-                        "choose another --export_dir")
+                        f"choose another {flag}")
     if not init_checkpoint or init_checkpoint.startswith("random:"):
         return
     if inside(init_checkpoint):
-        raise FlagError(f"--export_dir={export_dir} is --init_checkpoint={init_checkpoint} or inside it: the export "
-                        "would overwrite the model the run starts from; choose another --export_dir")
+        raise FlagError(f"{flag}={export_dir} is the run's --init_checkpoint={init_checkpoint} or inside it: the "
+                        f"export would overwrite the model the run starts from; choose another {flag}")
 
 
 def parse_flags(argv):

@@ -23,7 +23,7 @@ from kvpop_jax.checkpoint import TOKENIZER_FILES, checkpoint_fingerprint
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
-from train.config import DTYPES, parse_flags
+from train.config import DTYPES, check_export_dir, parse_flags
 
 
 def tokenizer_files(source_dir: str | None) -> dict[str, str]:
@@ -68,12 +68,8 @@ def check_not_init(out: str, meta: dict) -> None:
     run started from (by fingerprint, wherever the run was launched from): the export would replace the
     model the run starts from, and the run could no longer resume. train.main refuses the same --export_dir."""
     init = (meta.get("train_config") or {}).get("init_checkpoint") or ""
+    check_export_dir(out, init, flag="--out")  # by path, as train.main checks its --export_dir
     real = os.path.realpath(out)
-    if init and not init.startswith("random:"):
-        folder = os.path.realpath(init)
-        if os.path.commonpath([real, folder]) == folder:
-            raise ValueError(f"--out={out} is the run's --init_checkpoint={init} or inside it: the export would "
-                             "overwrite the model the run started from; name a folder of its own")
     fingerprint = meta.get("init_fingerprint")
     if fingerprint and os.path.isdir(real) and any(f.endswith(".safetensors") for f in os.listdir(real)):
         if checkpoint_fingerprint(real) == fingerprint:
