@@ -156,7 +156,9 @@ print(qwen_kv.kvpop, "budget", qwen_kv.kvpop.budget)
 
 def build(path: str) -> None:
     nb = new_notebook()
-    nb.cells = [new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in CELLS]
+    # Fixed cell ids (nbformat draws random ones): a rebuild of unchanged cells leaves the .ipynb byte-identical.
+    nb.cells = [(new_markdown_cell if kind == "md" else new_code_cell)(src, id=f"cell-{i}")
+                for i, (kind, src) in enumerate(CELLS)]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
 

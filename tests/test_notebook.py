@@ -22,6 +22,21 @@ def test_notebook_is_built_from_its_source(tmp_path):
     assert fresh == committed, "run `python notebooks/build_explore.py` after editing its cells"
 
 
+def test_notebook_build_is_byte_identical(tmp_path):
+    """A rebuild of unchanged cells changes nothing (nbformat's random cell ids made every rebuild a diff)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_explore", os.path.join(REPO, "notebooks", "build_explore.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(str(tmp_path / "a.ipynb"))
+    module.build(str(tmp_path / "b.ipynb"))
+    fresh = (tmp_path / "a.ipynb").read_bytes()
+    assert fresh == (tmp_path / "b.ipynb").read_bytes()
+    with open(NOTEBOOK, "rb") as f:
+        assert fresh == f.read(), "run `python notebooks/build_explore.py` after editing its cells"
+
+
 @pytest.mark.long
 def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPOP_NB_SEQ_LEN", "192")
