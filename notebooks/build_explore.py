@@ -75,14 +75,27 @@ print("extracted:", demo_task.extract_answer(dense_text), "| correct:", demo_tas
 
 `checkpoints/demo-kvpop-mlstm` is the KVpop-mLSTM retrofit of this teacher that the main
 job (`python -m train.main --flagfile=configs/tiny_cpu.flags`) trains, copied from
-`runs/tiny_cpu/kvpop-mlstm/export`; its scorers are learned. Without it, the teacher is
+`runs/tiny_cpu/kvpop-mlstm/export`; its scorers are learned. It decodes at `budget` entries per
+KV head, its mLSTM state included (CR 88% of `SEQ_LEN`, as the main job evaluates it: at 1024
+tokens that is the export's own k; other budgets change k only). Without it, the teacher is
 retrofitted with fresh, zero-initialized scorers: all scores are equal and the decay makes
 the long-range slots keep the most recent eligible tokens — a StreamingLLM-like policy,
 which is exactly what training improves on."""),
-    ("code", """budget = max(8, SEQ_LEN // 8)  # 12% of the context: 88% compression
+    ("code", """budget = max(8, KVpopConfig.budget_at(0.88, SEQ_LEN))  # 12% of the context: 88% compression
+export_dir = None  # the KVpop export the PyTorch cell below decodes, if it decodes at this budget
 if os.path.isdir(KVPOP):
     kv_config, kv_params = load_pretrained(KVPOP)
-    print("trained KVpop checkpoint:", KVPOP, kv_config.kvpop)
+    trained = kv_config.kvpop
+    # Its memory per KV head (s + w + k plus the mLSTM state) at `budget`: k changes, the trained s and w stay.
+    least = trained.memory(kv_config.head_dim) - trained.topk + 1  # s + w + state + one long-range slot
+    if budget < least:
+        print(f"budget {budget} is under this export's s + w + scorer state + 1 = {least}: using {least}")
+        budget = least
+    kv_config = dataclasses.replace(kv_config, kvpop=trained.retarget(budget, kv_config.head_dim))
+    if kv_config.kvpop == trained:
+        export_dir = KVPOP
+    print(f"trained KVpop checkpoint {KVPOP} at memory {budget} per KV head "
+          f"(k {trained.topk} -> {kv_config.kvpop.topk}):", kv_config.kvpop)
 else:
     window = min(64, budget // 2)
     kv = KVpopConfig(sinks=4, window=window, topk=budget - 4 - window, scorer="mlstm", mlstm_chunk=64)
@@ -105,8 +118,7 @@ except ImportError:
     print("PyTorch side skipped: pip install -e '.[torch]'")
 else:
     torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    export_dir = KVPOP
-    if not os.path.isdir(export_dir):  # the untrained retrofit above, exported
+    if export_dir is None:  # the retrofit above (untrained, or retargeted to `budget`), exported
         from kvpop_jax import save_pretrained
         export_dir = os.path.join(OUT, "kvpop-export")
         save_pretrained(kv_config, kv_params, export_dir)

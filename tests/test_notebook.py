@@ -47,3 +47,11 @@ def test_notebook_executes(tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "budget" in outputs and "extracted:" in outputs
     assert os.path.isfile(tmp_path / "out" / "patterns.png")
+    # The trained export decodes at the notebook's budget (CR 88% of the prompt, here raised to the
+    # export's s + w + state + 1), not at the k it was trained with, which ignored the budget knob.
+    from kvpop_jax import Qwen3Config
+
+    config = Qwen3Config.from_hf(os.path.join(REPO, "checkpoints", "demo-kvpop-mlstm"))
+    least = config.kvpop.memory(config.head_dim) - config.kvpop.topk + 1
+    assert f"at memory {least} per KV head (k {config.kvpop.topk} -> 1)" in outputs
+    assert "same as JAX: True" in outputs
