@@ -27,6 +27,10 @@ if os.path.basename(os.getcwd()) == "notebooks":
 import jax, jax.numpy as jnp, numpy as np
 from IPython.display import Image, Markdown, display
 
+import kvpop_jax
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(kvpop_jax.__file__)))  # the clone `pip install -e .` used
+if not os.path.isdir("checkpoints") and os.path.isdir(os.path.join(REPO, "checkpoints")):
+    os.chdir(REPO)  # started elsewhere (Colab's /content): the shipped checkpoints are in the clone
 from demo import task as demo_task
 from kvpop_jax import KVpopConfig, load_pretrained
 from kvpop_jax.cache import init_cache, init_dense_cache
