@@ -16,6 +16,7 @@ RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recip
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -50,6 +51,8 @@ def main(argv):
                             f"multi-host variables seen: {seen or 'none'}. If this is one host, pass "
                             "--distributed=off") from e
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
+        if cfg.dry_run:  # it writes nothing: Ctrl-C stops it at once, even inside XLA's minutes-long compile
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # (Python defers its handler until the compile returns)
         # the flag as given: "auto" means float32 on CPU, an explicit bfloat16 means a GPU recipe
         reasons = gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len)
         report_backend(reasons, what="this dry run (it compiles for this machine's devices)" if cfg.dry_run
