@@ -26,3 +26,14 @@ def test_ctrl_c_stops_a_dry_run_at_once_and_promises_no_resume(tmp_path):
         proc.kill()
     assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)
     assert "resume" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_cpu_dry_run_says_its_bytes_are_for_this_machines_mesh_not_a_gpu_nodes(tmp_path):
+    """On a 1-CPU login node the paper recipe's dry run printed 226 GiB "per-device" for one device holding all
+    8 rows of the micro-batch and the whole model, with nothing saying so or how to see an 8-GPU node."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", "train.main", f"--run_dir={tmp_path / 'run'}", *TINY_DRY],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh of 1 device(s), each holding 2 of the micro-batch's 2 rows" in proc.stdout
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in proc.stdout

@@ -66,5 +66,12 @@ def dry_run(cfg: TrainConfig) -> dict[str, int]:
     for name in ("params", "opt_state", "teacher", "batch", "argument_size_in_bytes", "output_size_in_bytes",
                  "alias_size_in_bytes", "temp_size_in_bytes", "peak_estimate"):
         print(f"  {name:24s} {_gb(report[name]):>12s}  ({report[name]} bytes)")
+    if jax.devices()[0].platform == "cpu":  # a CPU login node: say what the numbers are not
+        dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        print(f"note: XLA:CPU's sizes for this machine's mesh of {mesh.size} device(s), each holding "
+              f"{cfg.micro_batch // dp} of the micro-batch's {cfg.micro_batch} rows and 1/{mesh.shape['fsdp']} of "
+              "the FSDP-sharded weights; not a GPU node's. For a node of N GPUs run it again with "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=N (XLA:GPU's temporaries still differ from "
+              "XLA:CPU's).")
     sys.stdout.flush()
     return report
