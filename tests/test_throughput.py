@@ -76,3 +76,28 @@ def test_step_counts_and_depth_are_checked():
     for layers in (-1, 3):
         with pytest.raises(FlagError, match=rf"--num_layers must be in \[0, 2\] .* got {layers}"):
             measure_throughput(cfg, num_layers=layers)
+
+
+def test_a_recipe_without_its_weights_is_pointed_at_its_random_architecture_and_stray_words_are_one_line(
+        monkeypatch, tmp_path, capsys):
+    """The shipped 8B recipe names checkpoints/Qwen3-8B; train.throughput times a random model anyway, and the
+    old hint (from train.main) said random:tiny, a 2-layer toy, instead of the recipe's own architecture."""
+    from absl import flags
+
+    import train.throughput as tp
+
+    fv = flags.FlagValues()
+    tp.define_throughput_flags(fv)
+    fv(["throughput", "--flagfile=configs/qwen3_8b_cr88.flags", f"--run_dir={tmp_path / 'run'}",
+        f"--init_checkpoint={tmp_path / 'Qwen3-8B'}"])
+    monkeypatch.setattr(tp, "FLAGS", fv)
+    monkeypatch.setattr(tp, "measure_throughput", lambda cfg, **kw: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exit_info:
+        tp.main(["throughput"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "pass --init_checkpoint=random:qwen3_8b" in err
+    with pytest.raises(SystemExit) as exit_info:
+        tp.main(["throughput", "qwen3_8b"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: unexpected arguments ['qwen3_8b']")
+    assert len(err.splitlines()) == 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -171,9 +172,16 @@ def measure_throughput(cfg: TrainConfig, *, num_layers: int = 0, timed_steps: in
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if len(argv) > 1:  # one line and exit 2, as train.main (absl's UsageError prints the docstring and every flag)
+        print(f"error: unexpected arguments {argv[1:]}: train.throughput takes only flags (--name=value)",
+              file=sys.stderr)
+        sys.exit(2)
     try:
+        ckpt = FLAGS.init_checkpoint  # the recipes name the HF weights, which a GPU node may not have yet
+        if ckpt and not ckpt.startswith("random:") and not os.path.isdir(ckpt):
+            raise FlagError(f"--init_checkpoint={ckpt}: no such directory; train.throughput times a random model "
+                            f"anyway, so pass --init_checkpoint=random:{FLAGS.model_config or 'NAME'} (the "
+                            "architecture, configs/models/NAME.json)")
         if FLAGS.dry_run:
             raise FlagError("--dry_run compiles without running a step, and train.throughput times steps: drop it "
                             "(python -m train.main ... --dry_run reports the compile and per-device memory)")
