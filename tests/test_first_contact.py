@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DRY = ["--init_checkpoint=random:tiny", "--dry_run", "--seq_len=256", "--sinks=4", "--window=32", "--topk=64",
             "--global_batch=2", "--steps=2", "--warmup_steps=1", "--kl_topk=32"]
@@ -37,3 +39,24 @@ def test_a_cpu_dry_run_says_its_bytes_are_for_this_machines_mesh_not_a_gpu_nodes
     assert proc.returncode == 0, proc.stderr
     assert "mesh of 1 device(s), each holding 2 of the micro-batch's 2 rows" in proc.stdout
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in proc.stdout
+
+
+def _config(argv):
+    from absl import flags
+
+    from train.configure import config_from_flags
+    from train.flags import define_flags
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["train", *argv])
+    return config_from_flags(fv, on_accelerator=True)
+
+
+def test_a_negative_steps_override_of_a_recipe_names_steps_not_warmup(tmp_path):
+    from train.config import FlagError
+
+    recipe = ["--flagfile=configs/qwen3_8b_cr88.flags", f"--run_dir={tmp_path / 'run'}", "--dry_run"]
+    for steps in ("-5", "0"):
+        with pytest.raises(FlagError, match=f"^--steps must be >= 1, got {steps}$"):
+            _config([*recipe, f"--steps={steps}"])

@@ -114,6 +114,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         except ValueError as e:
             raise FlagError(f"bad DMS flags (--dms_*, memory of --sinks/--window/--topk at --seq_len): {e}") from e
     evaluation = evaluation_from_flags(f, kvpop, variants, head_dim, dms)
+    if f.steps < 1:  # before the warmup check, which would blame --warmup_steps for a negative --steps
+        raise FlagError(f"--steps must be >= 1, got {f.steps}")
     steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
