@@ -60,3 +60,19 @@ def test_a_negative_steps_override_of_a_recipe_names_steps_not_warmup(tmp_path):
     for steps in ("-5", "0"):
         with pytest.raises(FlagError, match=f"^--steps must be >= 1, got {steps}$"):
             _config([*recipe, f"--steps={steps}"])
+
+
+def test_a_few_documents_under_many_steps_are_named_as_repeated_passes(tmp_path, capsys):
+    """A sample file under a paper recipe trained silently on the same few documents over and over."""
+    from train.setup import prepare_data, run_tokenizer
+
+    data = tmp_path / "sample.jsonl"
+    data.write_text('{"text": "a short document"}\n{"text": "another one"}\n')
+    cfg = _config(["--init_checkpoint=random:tiny", "--tokenizer=demo", f"--run_dir={tmp_path / 'run'}",
+                   f"--data={data}", "--seq_len=256", "--sinks=4", "--window=32", "--topk=64", "--global_batch=2",
+                   "--steps=50", "--warmup_steps=0", "--kl_topk=32"])
+    tokenizer, _ = run_tokenizer(cfg, None)
+    batches = prepare_data(cfg, tokenizer)
+    err = capsys.readouterr().err
+    assert f"the 2 kept documents hold {batches.num_tokens} tokens" in err
+    assert f"read {50 * 2 * 256} token slots: about {50 * 2 * 256 / batches.num_tokens:.0f} passes" in err

@@ -289,6 +289,7 @@ class PackedBatchIterator:
         streamed = isinstance(ds, datasets.IterableDataset)
         self._documents = (_StreamedDocuments if streamed else _InMemoryDocuments)(config, tokenizer, ds, spec)
         self.num_documents = None if streamed else len(self._documents.tokens)
+        self.num_tokens = None if streamed else sum(len(t) for t in self._documents.tokens)  # of the kept ones
         if not streamed:
             logging.info("data: %d documents kept, %s", self.num_documents, dict(self._documents.stats))
         self._position = (0, 0, 0)  # epoch, index, offset: where the cursor (made lazily) starts

@@ -142,6 +142,13 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
                    "no_text": "no text in the field read"}
             info(f"data: kept {stats.get('kept', 0)} of {sum(stats.values())} documents; left out "
                  + "; ".join(f"{n} {why.get(k, k)}" for k, n in dropped.items()))
+        read = cfg.optim.steps * cfg.global_batch * cfg.seq_len  # every host packs the whole global batch
+        passes = read / max(1, batches.num_tokens)
+        if passes >= 2:  # a sample file under a paper recipe: hours on the same few documents
+            info(f"data: note: the {batches.num_documents} kept documents hold {batches.num_tokens} tokens, and "
+                 f"--steps={cfg.optim.steps} x --global_batch={cfg.global_batch} x --seq_len={cfg.seq_len} read "
+                 f"{read} token slots: about {passes:.0f} passes over the same documents (more --data or fewer "
+                 "--steps to avoid that)")
     return batches
 
 
