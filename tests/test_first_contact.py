@@ -76,3 +76,13 @@ def test_a_few_documents_under_many_steps_are_named_as_repeated_passes(tmp_path,
     err = capsys.readouterr().err
     assert f"the 2 kept documents hold {batches.num_tokens} tokens" in err
     assert f"read {50 * 2 * 256} token slots: about {50 * 2 * 256 / batches.num_tokens:.0f} passes" in err
+
+
+def test_a_tensor_axis_that_does_not_divide_the_heads_is_refused_by_flag(tmp_path):
+    """tiny has 4 query and 2 KV heads: --mesh_tensor=4 compiled a step whose attention ran whole on every device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "train.main", f"--run_dir={tmp_path / 'run'}", *TINY_DRY,
+                           "--mesh_fsdp=1", "--mesh_tensor=4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "error: --mesh_tensor=4 does not divide the model's num_key_value_heads=2" in proc.stderr

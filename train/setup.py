@@ -19,7 +19,7 @@ from kvpop_jax import sharding as shd
 from kvpop_jax.checkpoint import load_tokenizer
 from kvpop_jax.config import Qwen3Config
 from train import step as st
-from train.config import DTYPES, FlagError, TrainConfig, check_devices
+from train.config import DTYPES, FlagError, TrainConfig, check_devices, load_model_config
 from train.packing import PackedBatchIterator
 
 
@@ -43,6 +43,15 @@ def build_mesh(cfg: TrainConfig):
     except ValueError as e:
         raise FlagError(f"--mesh_data/--mesh_fsdp/--mesh_tensor: {e}") from e
     check_devices(cfg, mesh.size, dict(mesh.shape))
+    tensor = mesh.shape["tensor"]
+    if tensor > 1:  # logical_to_spec drops an axis that does not divide a dim: heads whole on every device
+        model = load_model_config(cfg)
+        heads = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads}
+        bad = ", ".join(f"{k}={n}" for k, n in heads.items() if n % tensor)
+        if bad:
+            raise FlagError(f"--mesh_tensor={tensor} does not divide the model's {bad}: every tensor-parallel "
+                            "device would hold and run those heads whole (replicated work and memory); pass a "
+                            "--mesh_tensor that divides both head counts")
     return mesh
 
 
