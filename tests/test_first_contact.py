@@ -86,3 +86,15 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_refused_by_flag(tmp_pat
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "error: --mesh_tensor=4 does not divide the model's num_key_value_heads=2" in proc.stderr
+
+
+def test_a_recipe_run_from_outside_the_repo_root_says_where_nested_flagfiles_are_read(tmp_path):
+    """configs/qwen3_8b_cr88.flags includes configs/paper_common.flags, a path absl reads from the working
+    directory: from elsewhere the error named only that path (after a doubled 'error: ERROR::')."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "train.main", f"--flagfile={REPO}/configs/qwen3_8b_cr88.flags",
+                           "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("error: Unable to open flagfile") and "configs/paper_common.flags" in first
+    assert f"working directory {tmp_path}: run from the repo root {REPO}" in first

@@ -273,7 +273,11 @@ def parse_flags(argv):
     try:
         return absl_flags.FLAGS(argv)
     except absl_flags.Error as e:
-        print(f"error: {e}\nPass --helpfull to see every flag.", file=sys.stderr)
+        message = str(e).removeprefix("ERROR:: ")  # absl's own prefix: "error: ERROR:: Unable to open ..."
+        if message.startswith("Unable to open flagfile") and os.path.realpath(os.getcwd()) != REPO_ROOT:
+            message += (f"; a --flagfile path, also one inside a flagfile (the recipes' configs/...), is read from the "
+                        f"working directory {os.getcwd()}: run from the repo root {REPO_ROOT}")
+        print(f"error: {message}\nPass --helpfull to see every flag.", file=sys.stderr)
         sys.exit(2)
 
 
