@@ -98,3 +98,13 @@ def test_a_recipe_run_from_outside_the_repo_root_says_where_nested_flagfiles_are
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: Unable to open flagfile") and "configs/paper_common.flags" in first
     assert f"working directory {tmp_path}: run from the repo root {REPO}" in first
+
+
+def test_an_unknown_variant_is_named_once(tmp_path):
+    from train.config import FlagError
+
+    with pytest.raises(FlagError) as info:
+        _config(["--flagfile=configs/qwen3_4b_cr88.flags", f"--run_dir={tmp_path / 'run'}", "--dry_run",
+                 "--variants=kvpop-mlstm,foo"])
+    assert str(info.value) == ("--variants=foo: unknown variant 'foo'; known: kvpop-mlstm, kvpop-mlp, streamingllm+, "
+                               "kvpop-mlstm-max, dms")

@@ -99,7 +99,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         try:
             variant_kvpop(kvpop, name, head_dim)
         except ValueError as e:
-            raise FlagError(f"--variants={name}: {e}") from e
+            raise FlagError(f"--variants={name}: {str(e).removeprefix('--variants: ')}") from e
     if f.retrofit == "dms" and variants:  # the recipe sets each variant's retrofit: --retrofit would be ignored
         fix = ("the dms variant is already listed" if "dms" in variants else
                "add dms to the variants instead (--variants=...,dms)")
