@@ -101,3 +101,14 @@ def test_a_recipe_without_its_weights_is_pointed_at_its_random_architecture_and_
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: unexpected arguments ['qwen3_8b']")
     assert len(err.splitlines()) == 1
+
+
+def test_a_gpu_recipe_timed_on_a_cpu_warns_as_train_main_does(monkeypatch, tmp_path, capsys):
+    """A GPU node with the CPU build of jax timed the 8B recipe's step on the CPU without a word."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the warning is for a CPU")
+    code, ran = _main(monkeypatch, [f"--run_dir={tmp_path / 'run'}", "--compute_dtype=bfloat16"])
+    assert code == "measured" and ran
+    assert "WARNING: this throughput run is GPU work (bfloat16 compute)" in capsys.readouterr().err

@@ -35,7 +35,7 @@ from eval import profile_ops
 from kvpop_jax import modeling
 from kvpop_jax.fileio import check_writable_file
 from kvpop_jax.config import Qwen3Config
-from kvpop_jax.runtime import report_backend
+from kvpop_jax.runtime import gpu_workload_reasons, report_backend
 from train import optim
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config, parse_flags
@@ -197,7 +197,9 @@ def main(argv):
             print(f"note: train.throughput times one train step of the flags' own retrofit ({cfg.retrofit}"
                   + ("" if cfg.retrofit == "dms" else f", scorer {cfg.kvpop.scorer}, k {cfg.kvpop.topk}")
                   + f"); {', '.join(unused)} and what they imply are not used here", file=sys.stderr)
-        report_backend()
+        # the flag as given (auto is float32 on a CPU): a recipe's bfloat16 or 16k rows on a CPU warn, as in train.main
+        report_backend(gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len),
+                       what="this throughput run")
         result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
                                     profile_dir=FLAGS.profile_dir)
     except FlagError as e:
