@@ -108,3 +108,16 @@ def test_an_unknown_variant_is_named_once(tmp_path):
                  "--variants=kvpop-mlstm,foo"])
     assert str(info.value) == ("--variants=foo: unknown variant 'foo'; known: kvpop-mlstm, kvpop-mlp, streamingllm+, "
                                "kvpop-mlstm-max, dms")
+
+
+def test_learning_rates_that_train_nothing_are_refused(tmp_path):
+    """Every learning rate 0 (or the new ones 0 under --freeze_base) ran 2000 steps that changed nothing."""
+    from train.config import FlagError
+
+    recipe = ["--flagfile=configs/qwen3_8b_cr88.flags", f"--run_dir={tmp_path / 'run'}", "--dry_run",
+              "--new_lr=0", "--new_lr_final=0"]
+    for extra, base in ((["--base_lr=0"], "--base_lr=0"), (["--freeze_base"], "--freeze_base")):
+        with pytest.raises(FlagError, match=f"^--new_lr=0 and --new_lr_final=0 with {base}: no parameter would "
+                                            "change in 2000 steps"):
+            _config([*recipe, *extra])
+    assert _config(recipe).optim.base_lr == 8e-5  # the base weights still train: allowed

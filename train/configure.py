@@ -173,6 +173,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise
     except ValueError as e:
         raise FlagError(f"bad data flags: {e}") from e
+    if f.new_lr == 0 and f.new_lr_final == 0 and (f.base_lr == 0 or f.freeze_base):
+        base = "--freeze_base" if f.freeze_base else "--base_lr=0"
+        raise FlagError(f"--new_lr=0 and --new_lr_final=0 with {base}: no parameter would change in {steps} steps; "
+                        "give the new parameters (scorers, decay, DMS gates) or the base weights a learning rate > 0")
     export_dir = f.export_dir or os.path.join(run_dir, "export")
     check_output_dir(run_dir, "--run_dir")
     if variants and f.export_dir:
