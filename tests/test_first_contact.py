@@ -121,3 +121,15 @@ def test_learning_rates_that_train_nothing_are_refused(tmp_path):
                                             "change in 2000 steps"):
             _config([*recipe, *extra])
     assert _config(recipe).optim.base_lr == 8e-5  # the base weights still train: allowed
+
+
+def test_bad_dms_overrides_of_a_dms_recipe_name_their_flags(tmp_path):
+    from train.config import FlagError
+
+    recipe = ["--flagfile=configs/dms_qwen3_4b_cr88.flags", f"--run_dir={tmp_path / 'run'}", "--dry_run"]
+    with pytest.raises(FlagError, match=r"^DMS needs its window < its memory per KV head M < --seq_len=16384, got "
+                                        r"window 5000 \(--dms_window, default --window\) and M = 2309 "):
+        _config([*recipe, "--dms_window=5000"])
+    for flag, value in (("dms_window", "0"), ("dms_ramp_fraction", "2"), ("dms_temperature", "0")):
+        with pytest.raises(FlagError, match=f"^bad DMS flags: --{flag} must be"):
+            _config([*recipe, f"--{flag}={value}"])

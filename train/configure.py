@@ -107,12 +107,20 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         f"kvpop: {fix}")
     dms = None
     if f.retrofit == "dms" or "dms" in variants:
+        memory, window = kvpop.memory(head_dim), f.window if f.dms_window is None else f.dms_window
+        if not window < memory < f.seq_len:  # by flag, not as DMSConfig's "need window < memory < seq_len"
+            raise FlagError(f"DMS needs its window < its memory per KV head M < --seq_len={f.seq_len}, got window "
+                            f"{window} (--dms_window, default --window) and M = {memory} (--sinks + --window + --topk "
+                            "+ the KVpop scorer's state, the memory it is matched to)")
         try:
             dms = variant_dms(kvpop, head_dim, f.seq_len, window=f.dms_window, temperature=f.dms_temperature,
                               ramp_fraction=f.dms_ramp_fraction, logit_scale=f.dms_logit_scale,
                               logit_offset=f.dms_logit_offset, aux_loss_weight=f.dms_aux_loss_weight)
         except ValueError as e:
-            raise FlagError(f"bad DMS flags (--dms_*, memory of --sinks/--window/--topk at --seq_len): {e}") from e
+            message = str(e)
+            for name in ("window", "temperature", "ramp_fraction", "logit_scale", "logit_offset", "aux_loss_weight"):
+                message = message.replace(f"DMSConfig.{name} ", f"--dms_{name} ")  # the flag the user set
+            raise FlagError(f"bad DMS flags: {message}") from e
     evaluation = evaluation_from_flags(f, kvpop, variants, head_dim, dms)
     if f.steps < 1:  # before the warmup check, which would blame --warmup_steps for a negative --steps
         raise FlagError(f"--steps must be >= 1, got {f.steps}")
