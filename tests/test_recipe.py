@@ -179,7 +179,7 @@ def test_dms_variant_flags(tmp_path, arch):
         parse(tiny_flags(str(tmp_path), arch, variants="dms", eval_methods="dms", eval_prompt_len=160,
                          eval_crs="0.9"))
     # --dms_window=0 fell back to --window (16) silently; --retrofit=dms next to --variants was ignored
-    with pytest.raises(FlagError, match="DMSConfig.window must be a positive int, got 0"):
+    with pytest.raises(FlagError, match="--dms_window must be a positive int, got 0"):
         parse(tiny_flags(str(tmp_path), arch, retrofit="dms", dms_window=0, eval_methods="dense,dms"))
     for variants, fix in (("kvpop-mlp", "add dms to the variants instead"),
                           ("kvpop-mlp,dms", "the dms variant is already listed")):
