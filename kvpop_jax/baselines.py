@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpop_jax import attention as attn_lib
-from kvpop_jax.cache import Cache, one_token
+from kvpop_jax.cache import Cache, in_dtype_of, one_token
 from kvpop_jax.config import _require_bools
 from pallas_kernels.common import NEG_INF
 
@@ -132,7 +132,7 @@ class BaselineLayerCache:
         b, p = q.shape[:2]
         index = jnp.broadcast_to(length + jnp.arange(p, dtype=jnp.int32), (b, p))
         out, cache = prefill(self.config, q, k, v, index)
-        return out, cache, None
+        return out, in_dtype_of(self, cache), None
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions, policy

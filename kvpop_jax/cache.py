@@ -83,6 +83,12 @@ def one_token(q: jax.Array, kind: str) -> None:
                          "feed them one at a time (or start a new cache for a new prompt)")
 
 
+def in_dtype_of(empty, filled):
+    """`filled` (a layer cache a prefill built from the prompt's k and v, in the model's dtype) with k and v
+    in the dtype `empty` was made with: `init_cache(..., dtype=bf16)` on an f32 model keeps bf16 entries."""
+    return filled.replace(k=filled.k.astype(empty.k.dtype), v=filled.v.astype(empty.v.dtype))
+
+
 # ------------------------------------------------------------------------------- dense
 
 
@@ -256,7 +262,8 @@ class KVpopLayerCache:
         """The masked parallel forward over the prompt, then its retained set (`KVpopHead.prefill`)."""
         del length
         _require_policy(policy)
-        return policy.prefill(q, k, v, return_policy=return_policy, positions=positions)
+        out, cache, aux = policy.prefill(q, k, v, return_policy=return_policy, positions=positions)
+        return out, in_dtype_of(self, cache), aux
 
     def decode(self, q, k, v, *, positions, length, policy):
         """One token against the cache (`KVpopHead.decode`)."""

@@ -40,7 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvpop_jax.cache import Cache, one_token
+from kvpop_jax.cache import Cache, in_dtype_of, one_token
 from kvpop_jax.config import Qwen3Config
 from pallas_kernels.common import NEG_INF
 
@@ -67,7 +67,8 @@ class DMSLayerCache:
         """The hard-masked forward over the prompt, then its kept tokens (`DMSGate.prefill`)."""
         del positions, length
         _require_dms(policy)
-        return policy.prefill(q, k, v, capacity=self.capacity, return_policy=return_policy)
+        out, cache, aux = policy.prefill(q, k, v, capacity=self.capacity, return_policy=return_policy)
+        return out, in_dtype_of(self, cache), aux
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions

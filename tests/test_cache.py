@@ -302,3 +302,44 @@ def test_dense_cache_masks_by_token_index_whatever_the_rope_positions(rng, promp
         got.append(out.logits)
         cache = out.cache
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, rtol=1e-4, atol=1e-4)
+
+
+def test_every_cache_keeps_the_dtype_it_was_made_with(rng):
+    """`init_cache(..., dtype=bf16)` on an f32 model returned f32 entries after the prefill: every bounded
+    cache rebuilt itself from the prompt's k and v in the model's dtype (a cache made to halve its memory
+    did not). The entries stay bf16 through the prefill and the decode steps, the memory is the bf16
+    cache's, and the logits stay near the f32 cache's. The budgets hold all 14 tokens, so that only the bf16
+    rounding of k and v differs (an eviction decided on rounded entries may differ, legitimately)."""
+    from kvpop_jax import baselines, dms_cache
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.cache import init_dense_cache
+    from kvpop_jax.config import DMSConfig
+
+    kv_model, kv_params = kvpop_model(KVpopConfig(sinks=1, window=3, topk=10, scorer="mlstm"), rng)
+    dms_config = dataclasses.replace(BASE, dms=DMSConfig(window=2, budget=14, gate_hidden=8))
+    dms_params = retrofit_params(dms_config, init_params(BASE, jax.random.key(0)), jax.random.key(1))
+    base_params = init_params(BASE, jax.random.key(0))
+    cases = {
+        "kvpop": (kv_model, kv_params, lambda dt: init_cache(kv_model.config, 2, dt)),
+        "dms": (Qwen3ForCausalLM(dms_config), dms_params, lambda dt: dms_cache.init_cache(dms_config, 2, dt)),
+        "h2o": (Qwen3ForCausalLM(BASE), base_params,
+                lambda dt: baselines.init_cache(BASE, BaselineConfig("h2o", 14), 2, dt)),
+        "dense": (Qwen3ForCausalLM(BASE), base_params, lambda dt: init_dense_cache(BASE, 2, 16, dt)),
+    }
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 14)))
+    for name, (model, params, make) in cases.items():
+        step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))  # noqa: B023
+        runs = {}
+        for dt in (jnp.float32, jnp.bfloat16):
+            cache = make(dt)
+            out = step(cache, ids[:, :10])
+            logits = [out.logits]
+            for t in range(10, 14):
+                for layer in out.cache.layers:
+                    assert layer.k.dtype == layer.v.dtype == dt, (name, t, layer.k.dtype)
+                out = step(out.cache, ids[:, t:t + 1])
+                logits.append(out.logits)
+            assert out.cache.nbytes == cache.nbytes, name
+            runs[dt] = np.asarray(jnp.concatenate(logits, axis=1))
+        assert np.all(np.isfinite(runs[jnp.bfloat16])), name
+        np.testing.assert_allclose(runs[jnp.bfloat16], runs[jnp.float32], atol=0.05, err_msg=name)
