@@ -195,6 +195,24 @@ def maxtgt(args) -> None:
           f"(layer {args.layer}, KV head {args.kv_head})")
 
 
+def _fact_pairs(example, sinks: int, window: int) -> tuple[list[int], list[int]]:
+    """(queried facts, other binding values) eligible at the last prompt token (s <= t <= last - w): what
+    `rank` and `probe` compare. Either may be empty (a short prompt, a problem with one binding)."""
+    last = example["meta"]["n_prompt_tokens"] - 1
+    eligible = lambda p: sinks <= p <= last - window  # noqa: E731
+    needed = [p for p in _needed(example) if eligible(p)]
+    return needed, [p for p in example["meta"]["binding_value_positions"] if eligible(p) and p not in needed]
+
+
+def _print_auc(lines: dict[str, np.ndarray], n: int, skipped: int) -> None:
+    """Mean AUCs over the `n` problems that had pairs, and how many had none (their AUC is undefined: they
+    printed nan, which averaged every other problem's away)."""
+    if skipped:
+        print(f"  ({skipped} problems skipped: no eligible queried fact or no other eligible binding value)")
+    for name, value in lines.items():
+        print(f"  {name:7s}:", (value / n).round(3).tolist() if n else "undefined (no problem had a pair)")
+
+
 def _auc(ranks_H_S, needed, others) -> np.ndarray:
     """Per head: share of (needed, other) pairs where the needed token ranks better (lower)."""
     r = np.asarray(ranks_H_S)
@@ -209,22 +227,22 @@ def rank(args) -> None:
         model = Qwen3ForCausalLM(dataclasses.replace(config, kvpop=kv))
         tokenizer = checkpoint_tokenizer(path)
         shape = (config.num_hidden_layers, config.num_key_value_heads)
-        policy_auc, target_auc, n = np.zeros(shape), np.zeros(shape), 0
+        policy_auc, target_auc, n, skipped = np.zeros(shape), np.zeros(shape), 0, 0
         for ex in _problems(args):
+            needed, others = _fact_pairs(ex, kv.sinks, kv.window)
+            if not needed or not others:
+                skipped += 1
+                continue
             ids = tokenizer(ex["text"])["input_ids"]
             last = ex["meta"]["n_prompt_tokens"] - 1
             arr = policy_arrays(model, params, jnp.asarray([ids]), jnp.asarray([[last]]))
-            needed = _needed(ex)
-            others = [p for p in ex["meta"]["binding_value_positions"]
-                      if kv.sinks <= p <= last - kv.window and p not in needed]
             for layer in range(config.num_hidden_layers):
                 policy_auc[layer] += _auc(arr["ranks"][layer][0], needed, others)
                 target_auc[layer] += _auc(arr["teacher_ranks"][layer][0], needed, others)
             n += 1
         print(f"{path}: AUC of the queried facts against the other eligible binding values at the last prompt "
               f"token ({n} {args.task} problems), per [layer, kv head]:")
-        print("  policy :", (policy_auc / n).round(3).tolist())
-        print("  target :", (target_auc / n).round(3).tolist())
+        _print_auc({"policy": policy_auc, "target": target_auc}, n, skipped)
 
 
 def fact_ranks(config, params, ids, needed, layer: int, kv_head: int, offset: int = 0) -> list[int]:
@@ -594,13 +612,14 @@ def probe(args) -> None:
     w = args.window
     shape = (config.num_hidden_layers, config.num_key_value_heads)
     auc = {"key": np.zeros(shape), "value": np.zeros(shape)}
-    problems = _problems(args)
-    for ex in problems:
+    n, skipped = 0, 0
+    for ex in _problems(args):
+        needed, others = _fact_pairs(ex, args.sinks, w)
+        if not needed or not others:
+            skipped += 1
+            continue
+        n += 1
         ids = tokenizer(ex["text"])["input_ids"]
-        last = ex["meta"]["n_prompt_tokens"] - 1
-        needed = _needed(ex)
-        others = [p for p in ex["meta"]["binding_value_positions"]
-                  if args.sinks <= p <= last - w and p not in needed]
         cand = np.asarray(needed + others)
         for layer in range(config.num_hidden_layers):
             k, v = (np.asarray(x[0]) for x in layer_qkv(config, params, jnp.asarray([ids]), layer)[1:])  # [S, Hkv, D]
@@ -612,10 +631,9 @@ def probe(args) -> None:
                     auc[name][layer, h] += _auc(-feature[None, :, h], list(range(len(needed))),
                                                 list(range(len(needed), len(cand))))[0]
     print(f"{args.teacher}: AUC of the queried facts against the other eligible binding values for the max cosine "
-          f"of a token's cached key / value with the {w} tokens after it ({len(problems)} {args.task} problems), "
+          f"of a token's cached key / value with the {w} tokens after it ({n} {args.task} problems), "
           "per [layer, kv head]:")
-    for name, value in auc.items():
-        print(f"  {name:5s}:", (value / len(problems)).round(3).tolist())
+    _print_auc(auc, n, skipped)
 
 
 def group_probs(config, params, ids_BxS, layer: int, kv_head: int) -> np.ndarray:

@@ -678,3 +678,34 @@ def test_shift_still_runs_at_a_budget_above_the_prompt(monkeypatch):
     monkeypatch.setitem(diagnose.DIAGNOSTICS, "shift", lambda args: ran.append(1))
     diagnose.main(["shift", "--exports", "checkpoints/demo-kvpop-mlstm", "--task", "read_once", "--prompt_len", "115"])
     assert ran
+
+
+def test_rank_and_probe_skip_problems_without_a_pair_instead_of_printing_nan(monkeypatch, capsys):
+    """A problem with no eligible queried fact (or no other eligible binding) has no AUC: `rank` averaged
+    its nan into every head's line, and `probe` crashed on a fact inside the window ("all input arrays must
+    have the same shape"). Both now skip it and say so; the others' AUC is what they alone give. Facts inside
+    the window at the last prompt token are not compared (they are protected, not ranked)."""
+    import copy
+
+    from demo.task import generate_dataset
+    from eval import diagnose
+
+    problems = generate_dataset(3, 0, "test", task="read_once", seq_len=115)
+    for ex in problems:  # the pairs are the eligible facts and other binding values, by brute force
+        last = ex["meta"]["n_prompt_tokens"] - 1
+        needed, others = diagnose._fact_pairs(ex, 4, 32)
+        facts = {f["value_pos"] for f in ex["meta"]["facts"] if f["queried"]}
+        assert needed == sorted(p for p in facts if 4 <= p <= last - 32)
+        assert set(others) == {p for p in ex["meta"]["binding_value_positions"] if 4 <= p <= last - 32} - facts
+    bare = copy.deepcopy(problems[1])
+    for f in bare["meta"]["facts"]:
+        f["queried"] = False
+    lines = {}
+    for name, command in (("rank", ["rank", "--exports", "checkpoints/demo-kvpop-mlstm"]), ("probe", ["probe"])):
+        for key, given in (("alone", [problems[0]]), ("with", [problems[0], bare])):
+            monkeypatch.setattr(diagnose, "_problems", lambda args, given=given: given)
+            diagnose.main([*command, "--task", "read_once", "--prompt_len", "115"])
+            lines[name, key] = capsys.readouterr().out.splitlines()
+        alone, both = lines[name, "alone"], lines[name, "with"]
+        assert "(1 read_once problems)" in both[0] and "(1 problems skipped" in both[1], both
+        assert both[2:] == alone[1:] and "nan" not in " ".join(both), (alone, both)
