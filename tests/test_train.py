@@ -641,3 +641,18 @@ def test_documents_left_out_of_the_data_are_reported(tmp_path, arch, capsys):
     prepare_data(parse(tiny_flags(str(tmp_path / "run"), arch, data=str(kept_only), demo_seq_len=None,
                                   split_documents=False, max_length=None)), tokenizer)
     assert "left out" not in capsys.readouterr().err  # nothing left out, nothing said
+
+
+def test_more_query_samples_than_saturated_positions_gets_a_note(tmp_path, arch, capsys):
+    """--num_query_samples has no hard bound (positions are drawn with replacement), but past a row's S - B
+    saturated positions every extra sample repeats one and only costs memory: said once, before compiling."""
+    from train.setup import step_config
+
+    for num, noted in ((92, False), (93, True)):  # seq_len 128, B = 4 + 16 + 16 = 36: 92 positions
+        cfg = parse(tiny_flags(str(tmp_path / "run"), arch, num_query_samples=num))
+        step_config(cfg, load_model_config(cfg))
+        err = capsys.readouterr().err
+        assert ("--num_query_samples=93 exceeds the 92 saturated query positions" in err) is noted, err
+    dms = parse(tiny_flags(str(tmp_path / "dms"), arch, num_query_samples=500, retrofit="dms"))
+    step_config(dms, load_model_config(dms))
+    assert "num_query_samples" not in capsys.readouterr().err  # DMS samples no queries

@@ -27,6 +27,12 @@ def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
     """The step's static config; checks what needs the model (before anything compiles)."""
     if cfg.kvpop.kl_topk > model_config.vocab_size:
         raise FlagError(f"--kl_topk={cfg.kvpop.kl_topk} exceeds the model's vocab_size {model_config.vocab_size}")
+    saturated = cfg.seq_len - cfg.kvpop.budget  # query positions a row can sample (Eq. 25)
+    if cfg.retrofit == "kvpop" and cfg.kvpop.num_query_samples > saturated:
+        info(f"note: --num_query_samples={cfg.kvpop.num_query_samples} exceeds the {saturated} saturated query "
+             f"positions of a row (--seq_len={cfg.seq_len} minus B = {cfg.kvpop.budget}): positions repeat, about "
+             f"{cfg.kvpop.num_query_samples / saturated:.1f} draws each, and the retention loss's memory grows with "
+             "the samples (--dry_run shows it)")
     return st.StepConfig(
         model=cfg.model_retrofit(model_config),
         compute_dtype=DTYPES[cfg.compute_dtype], param_dtype=DTYPES[cfg.param_dtype],
