@@ -1,5 +1,6 @@
 """First-contact commands of a GPU user: `train.main --dry_run` and `train.throughput` on the shipped flagfiles."""
 
+import json
 import os
 import signal
 import subprocess
@@ -133,3 +134,28 @@ def test_bad_dms_overrides_of_a_dms_recipe_name_their_flags(tmp_path):
     for flag, value in (("dms_window", "0"), ("dms_ramp_fraction", "2"), ("dms_temperature", "0")):
         with pytest.raises(FlagError, match=f"^bad DMS flags: --{flag} must be"):
             _config([*recipe, f"--{flag}={value}"])
+
+
+def test_ctrl_c_stops_a_throughput_run_at_once_and_a_json_out_lands_in_a_new_folder(tmp_path):
+    """train.throughput writes nothing until its result: one Ctrl-C ends it, also inside the compile (it had no
+    handling: Python waited for XLA). A --json_out in a folder that does not exist yet passed the up-front
+    check and then failed with FileNotFoundError after the whole measurement; it is now written there."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    argv = [sys.executable, "-m", "train.throughput", f"--run_dir={tmp_path / 'run'}", *TINY_DRY[:1], *TINY_DRY[2:],
+            "--timed_steps=1", "--num_layers=1", "--data=demo:1"]
+    json_out = tmp_path / "new" / "folder" / "tp.json"
+    proc = subprocess.Popen([*argv, f"--json_out={json_out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("jax ")  # the backend line: flags checked, about to compile
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)
+    assert not json_out.exists() and not (tmp_path / "run").exists()
+    done = subprocess.run([*argv, f"--json_out={json_out}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(json_out.read_text())["tokens_per_s"] > 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -33,7 +34,7 @@ from absl import app, flags
 
 from eval import profile_ops
 from kvpop_jax import modeling
-from kvpop_jax.fileio import check_writable_file
+from kvpop_jax.fileio import atomic_write_bytes, check_writable_file
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.runtime import gpu_workload_reasons, report_backend
 from train import optim
@@ -200,8 +201,12 @@ def main(argv):
         # the flag as given (auto is float32 on a CPU): a recipe's bfloat16 or 16k rows on a CPU warn, as in train.main
         report_backend(gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len),
                        what="this throughput run")
+        # It writes nothing until the end: Ctrl-C stops it at once, also inside XLA's minutes-long compile
+        # (Python defers its own handler until the compile returns); restored before the results are written.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
                                     profile_dir=FLAGS.profile_dir)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -214,9 +219,9 @@ def main(argv):
         print(f"profiled step ({result['profile']['step_s']:.3f} s under the profiler), trace "
               f"{result['profile']['trace']}:\n{result['profile']['markdown']}")
     print(json.dumps(result))
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(result, f, indent=1)
+    if FLAGS.json_out:  # whole or not at all; its folder was checked creatable before the work
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
+        atomic_write_bytes(FLAGS.json_out, json.dumps(result, indent=1).encode())
 
 
 if __name__ == "__main__":
