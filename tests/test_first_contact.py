@@ -14,20 +14,26 @@ TINY_DRY = ["--init_checkpoint=random:tiny", "--dry_run", "--seq_len=256", "--si
             "--global_batch=2", "--steps=2", "--warmup_steps=1", "--kl_topk=32"]
 
 
-def test_ctrl_c_stops_a_dry_run_at_once_and_promises_no_resume(tmp_path):
-    """A dry run writes nothing: one Ctrl-C ends it, also inside the compile (Python defers a handler until XLA
-    returns, minutes for Qwen3-8B, and jax's GC callback can swallow the KeyboardInterrupt)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.Popen([sys.executable, "-m", "train.main", f"--run_dir={tmp_path / 'run'}", *TINY_DRY],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupted_once_compiling(argv) -> str:
+    """Runs `argv` (a CPU run) and sends one SIGINT a second after its backend line (flags checked, about to
+    compile); asserts that the signal ended it at once and returns its stderr."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("jax ")  # the backend line: flags checked, about to compile
+        assert proc.stdout.readline().startswith("jax ")
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)
+    return err
+
+
+def test_ctrl_c_stops_a_dry_run_at_once_and_promises_no_resume(tmp_path):
+    """A dry run writes nothing: one Ctrl-C ends it, also inside the compile (Python defers a handler until XLA
+    returns, minutes for Qwen3-8B, and jax's GC callback can swallow the KeyboardInterrupt)."""
+    err = _interrupted_once_compiling([sys.executable, "-m", "train.main", f"--run_dir={tmp_path / 'run'}", *TINY_DRY])
     assert "resume" not in err and not (tmp_path / "run").exists()
 
 
@@ -144,16 +150,7 @@ def test_ctrl_c_stops_a_throughput_run_at_once_and_a_json_out_lands_in_a_new_fol
     argv = [sys.executable, "-m", "train.throughput", f"--run_dir={tmp_path / 'run'}", *TINY_DRY[:1], *TINY_DRY[2:],
             "--timed_steps=1", "--num_layers=1", "--data=demo:1"]
     json_out = tmp_path / "new" / "folder" / "tp.json"
-    proc = subprocess.Popen([*argv, f"--json_out={json_out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().startswith("jax ")  # the backend line: flags checked, about to compile
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)
+    _interrupted_once_compiling([*argv, f"--json_out={json_out}"])
     assert not json_out.exists() and not (tmp_path / "run").exists()
     done = subprocess.run([*argv, f"--json_out={json_out}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
