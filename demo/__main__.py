@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from demo.oracles import oracle_recovery
-from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config, write_jsonl
+from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, generate_dataset, make_config, write_jsonl
 from demo.tokenizer import build_tokenizer
 
 SINKS = 4  # the oracles' s, as in the main job
@@ -25,8 +25,8 @@ def main(argv=None):
     parser.add_argument("--out", help="write the n examples to this jsonl file")
     parser.add_argument("--w", type=int, default=32, help="protected window for the oracle stats")
     args = parser.parse_args(argv)
-    if args.n < 1 or args.seed < 0 or args.w < 0:
-        parser.error(f"need --n >= 1, --seed >= 0 and --w >= 0, got {args.n}, {args.seed}, {args.w}")
+    if args.n < 1 or not 0 <= args.seed < SEED_LIMIT or args.w < 0:  # the generator's seed is one 32-bit word
+        parser.error(f"need --n >= 1, 0 <= --seed < 2**32 and --w >= 0, got {args.n}, {args.seed}, {args.w}")
     try:
         make_config(args.difficulty, args.task, seq_len=args.seq_len)
     except ValueError as e:

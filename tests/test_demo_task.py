@@ -301,7 +301,8 @@ def test_demo_cli_prints_the_main_task_and_refuses_bad_values(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "3 test examples, task reuse" in out and "prompt tokens 1024..1024" in out
     assert "CR 88% (B=123, s=4, w=32): oracle recovery" in out and len((tmp_path / "x.jsonl").read_text().splitlines()) == 3
-    for argv, message in ((["--n", "0"], "need --n >= 1"), (["--seq_len", "10"],
+    for argv, message in ((["--n", "0"], "need --n >= 1"), (["--seed", str(2**32)], "0 <= --seed < 2**32"),
+                          (["--seq_len", "10"],
                                                                  "the shortest seq_len for task 'reuse', "
                                                                  "difficulty 'medium' is 959"),
                           (["--w", "5000"], "--w 5000 does not fit"), (["--out", str(tmp_path / "no" / "x.jsonl")],
