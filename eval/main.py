@@ -22,7 +22,6 @@ import os
 import sys
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -74,7 +73,7 @@ def cmd_generate(argv: Sequence[str]) -> None:
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)
     tokens, lengths = generate(
         Qwen3ForCausalLM(config), params, jnp.asarray([ids]), max_new_tokens=args.max_new_tokens,
-        sampling=sampling, eos_ids=eos_ids, rng=jax.random.key(args.seed),
+        sampling=sampling, eos_ids=eos_ids, rng=args.seed,  # generate checks the seed's range
     )
     out = np.asarray(tokens[0, : int(lengths[0])]).tolist()
     kind = (f"KVpop (bounded cache: s + w + k = {config.kvpop.budget} slots, memory B = "

@@ -182,6 +182,17 @@ def _int_like(value) -> int | None:
         return None
 
 
+SEED_RANGE = (-2**63, 2**63)  # what jax.random.key takes (an int64); past it, a bare OverflowError
+
+
+def _seed(value) -> int:
+    """An int seed for `jax.random.key`; ValueError naming it outside int64 (where jax raises OverflowError)."""
+    seed = _int_like(value)
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"rng seed {seed} is outside jax.random.key's int64 range [-2**63, 2**63)")
+    return seed
+
+
 def _count(value, name: str) -> int:
     """A positive Python int from an int-like value; ValueError otherwise."""
     count = _int_like(value)
@@ -239,7 +250,7 @@ def generate(
     if rng is None:
         rng = jax.random.key(0)
     elif not isinstance(rng, jax.Array) and _int_like(rng) is not None:
-        rng = jax.random.key(_int_like(rng))  # a seed
+        rng = jax.random.key(_seed(rng))  # a seed
     elif isinstance(rng, np.ndarray) and rng.dtype == np.uint32 and rng.shape == (2,):
         rng = jnp.asarray(rng)  # a raw jax.random.PRNGKey that went through numpy
     elif not isinstance(rng, jax.Array):

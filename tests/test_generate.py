@@ -291,6 +291,8 @@ def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
         (dict(sampling={"temperature": 0}), "sampling must be a SamplingConfig"),
         (dict(rng="seed"), "rng must be a jax.random.key"),
+        (dict(rng=2**63), f"rng seed {2**63} is outside jax.random.key's int64 range"),  # was a bare OverflowError
+        (dict(rng=-2**63 - 1), "is outside jax.random.key's int64 range"),
     ]
     for kwargs, message in bad_calls:
         with pytest.raises(ValueError, match=message):
