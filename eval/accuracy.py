@@ -50,7 +50,7 @@ from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.config import KVpopConfig
-from kvpop_jax.generate import compile_generate, generate
+from kvpop_jax.generate import check_seed, compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 from kvpop_jax.runtime import background_worker
 from kvpop_jax.sampling import SamplingConfig
@@ -213,6 +213,7 @@ def run_accuracy(
     # must not surface after hours of the first one's rollouts.
     check_counts(problem_batch=problem_batch, n_rollouts=n_rollouts, context_len=context_len,
                  max_new_tokens=max_new_tokens, batch_size=1 if batch_size is None else batch_size)
+    seed = check_seed(seed, "seed")  # jax.random.key would refuse it only at the first rollout
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")

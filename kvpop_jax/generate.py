@@ -185,11 +185,14 @@ def _int_like(value) -> int | None:
 SEED_RANGE = (-2**63, 2**63)  # what jax.random.key takes (an int64); past it, a bare OverflowError
 
 
-def _seed(value) -> int:
-    """An int seed for `jax.random.key`; ValueError naming it outside int64 (where jax raises OverflowError)."""
+def check_seed(value, name: str = "rng seed") -> int:
+    """`value` as an int seed for `jax.random.key`; ValueError naming it if it is not an int or lies
+    outside int64 (where jax raises a bare OverflowError, or, in an evaluation, only at its first rollout)."""
     seed = _int_like(value)
+    if seed is None:
+        raise ValueError(f"{name} must be an int, got {value!r}")
     if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"rng seed {seed} is outside jax.random.key's int64 range [-2**63, 2**63)")
+        raise ValueError(f"{name} {seed} is outside jax.random.key's int64 range [-2**63, 2**63)")
     return seed
 
 
@@ -250,7 +253,7 @@ def generate(
     if rng is None:
         rng = jax.random.key(0)
     elif not isinstance(rng, jax.Array) and _int_like(rng) is not None:
-        rng = jax.random.key(_seed(rng))  # a seed
+        rng = jax.random.key(check_seed(rng))  # a seed
     elif isinstance(rng, np.ndarray) and rng.dtype == np.uint32 and rng.shape == (2,):
         rng = jnp.asarray(rng)  # a raw jax.random.PRNGKey that went through numpy
     elif not isinstance(rng, jax.Array):
@@ -309,4 +312,4 @@ def _bounded_budget(config: Qwen3Config) -> int:
     return config.dms.window
 
 
-__all__ = ["CACHE_KINDS", "compile_generate", "generate", "init_generation_cache", "resolve_cache"]
+__all__ = ["CACHE_KINDS", "check_seed", "compile_generate", "generate", "init_generation_cache", "resolve_cache"]
