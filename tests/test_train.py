@@ -65,6 +65,9 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(retention_loss_weight=-1), "--retention_loss_weight must be >= 0, got -1.0"),
     (dict(weight_decay=-0.1), "--weight_decay must be a finite number >= 0"),
     (dict(divergence_factor=0.5), "--divergence_factor must be 0 \\(off\\) or > 1"),
+    # a bare ValueError from the demo generator, and an OverflowError from jax.random.PRNGKey, at the first step
+    (dict(seed=2**32), r"--data=demo:24: the demo generator takes --seed in \[0, 2\*\*32\), got 4294967296"),
+    (dict(seed=2**70), r"--seed must be in \[0, 2\*\*63\), got 1180591620717411303424"),
 ])
 def test_bad_flags_raise_clear_errors(tmp_path, arch, overrides, message):
     with pytest.raises(FlagError, match=message.replace("-", r"\-")):

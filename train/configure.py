@@ -8,7 +8,7 @@ import os
 import jax
 from absl import flags
 
-from demo.task import TASKS, make_config
+from demo.task import SEED_LIMIT, TASKS, make_config
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
@@ -134,6 +134,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         + (" (a quarter of each with --quick)" if f.quick else "")
                         + ": the learning rates would never reach their peak; pass --warmup_steps <= --steps")
 
+    if not 0 <= f.seed < 2**63:  # jax.random.PRNGKey takes an int64: past it, an OverflowError at the first step
+        raise FlagError(f"--seed must be in [0, 2**63), got {f.seed}")
     demo_examples = 0
     demo_tasks = tuple(t.strip() for t in f.demo_tasks if t.strip())
     unknown = [t for t in demo_tasks if t not in TASKS] or ([] if demo_tasks else ["(none)"])
@@ -150,6 +152,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
             demo_examples = -1
         if demo_examples < 1:
             raise FlagError(f"--data={data_path}: demo:N needs a positive number of examples")
+        if f.seed >= SEED_LIMIT:  # the generator's seed is one 32-bit word: it refused it only when writing the data
+            raise FlagError(f"--data={data_path}: the demo generator takes --seed in [0, 2**32), got {f.seed}")
         for task in demo_tasks:  # before the run folder is locked and written, not while generating
             try:
                 make_config(task=task, seq_len=f.demo_seq_len)
