@@ -35,7 +35,10 @@ def test_variant_flags(tmp_path, arch):
                                (dict(variants="kvpop-mlp", eval_methods="kvpop-mlp", eval_prompt_len=160,
                                      eval_crs="0.9"), "does not fit kvpop-mlp"),
                                (dict(variants="streamingllm+", eval_methods="streamingllm+", eval_prompt_len=160,
-                                     eval_crs="0.99"), "does not fit streamingllm\\+")):
+                                     eval_crs="0.99"), "does not fit streamingllm\\+"),
+                               # the generator refused it after every variant had trained
+                               (dict(eval_methods="dense", seed=2**32), "--eval_methods: the held-out demo problems "
+                                                                        "are drawn with --seed")):
         with pytest.raises(FlagError, match=message):
             parse(tiny_flags(str(tmp_path), arch, **overrides))
     assert parse(tiny_flags(str(tmp_path), arch, eval_methods="dense,kvpop")).evaluation.methods == ("dense", "kvpop")

@@ -254,6 +254,9 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
         raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: not numbers") from e
     if not crs or any(not 0.0 < c < 1.0 for c in crs):
         raise FlagError(f"--eval_crs={','.join(f.eval_crs)}: need compression ratios in (0, 1)")
+    if not 0 <= f.seed < SEED_LIMIT:  # the generator refused it only after every variant had trained
+        raise FlagError(f"--eval_methods: the held-out demo problems are drawn with --seed, which the generator "
+                        f"takes in [0, 2**32), got {f.seed}")
     tasks = tuple(t.strip() for t in f.eval_tasks if t.strip())
     unknown = [t for t in tasks if t not in TASKS] or ([] if tasks else ["(none)"])
     if unknown:
