@@ -147,6 +147,31 @@ def test_an_init_checkpoint_without_tokenizer_files_is_named(tmp_path, arch):
         run_tokenizer(cfg, str(teacher))
 
 
+def test_a_demo_tokenizer_save_cut_short_leaves_no_folder_a_rerun_takes_for_whole(tmp_path, arch, monkeypatch):
+    """RUN_DIR/tokenizer is staged: a kill between its files (here: while the config is rewritten) left a
+    tokenizer.json beside an empty tokenizer_config.json, which every rerun then failed to load."""
+    import demo.tokenizer
+    from train.setup import run_tokenizer
+
+    class Cut(Exception):
+        pass
+
+    def cut(*args, **kwargs):
+        raise Cut
+
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
+    with monkeypatch.context() as m:
+        m.setattr(demo.tokenizer.json, "dump", cut)
+        with pytest.raises(Cut):
+            run_tokenizer(cfg, None)
+    assert not os.path.exists(tmp_path / "run" / "tokenizer")
+    tokenizer, path = run_tokenizer(cfg, None)
+    assert len(tokenizer) > 0 and path == str(tmp_path / "run" / "tokenizer")
+    with open(tmp_path / "run" / "tokenizer" / "tokenizer_config.json") as f:
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert os.listdir(tmp_path / "run") == ["tokenizer"]  # no temporary left beside it
+
+
 def test_output_folders_that_cannot_be_written_are_refused_before_any_work(tmp_path, arch, monkeypatch):
     """Not a traceback from os.makedirs in the lock, or from the export after the whole run trained."""
     a_file = tmp_path / "a_file"

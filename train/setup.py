@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 
 from demo.task import generate_mixture, write_jsonl
 from demo.tokenizer import save_tokenizer
-from kvpop_jax import modeling, save_pretrained
+from kvpop_jax import fileio, modeling, save_pretrained
 from kvpop_jax import sharding as shd
 from kvpop_jax.checkpoint import load_tokenizer
 from kvpop_jax.config import Qwen3Config
@@ -122,7 +122,11 @@ def run_tokenizer(cfg: TrainConfig, init_dir: str):
     if cfg.tokenizer == "demo":
         path = os.path.join(cfg.run_dir, "tokenizer")
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            save_tokenizer(path)
+            # Staged: the folder appears whole. Written in place, a kill between (or in) its files left a
+            # folder whose tokenizer.json passes the check above with a torn or unpatched config beside it.
+            with fileio.staged_directory(path) as stage:
+                save_tokenizer(stage.path)
+                stage.written.update(os.listdir(stage.path))
         return load_tokenizer(path), path
     path = cfg.tokenizer or init_dir
     try:
