@@ -7,7 +7,8 @@
 
 A failed rerun into an old `out_dir` (an exception, a kill) leaves the previous report whole:
 no truncated samples.jsonl next to an accuracy.md of another run. Temporaries are named
-`.tmp-PID-NAME` (same extension, so matplotlib picks the format) and removed on failure.
+`.tmp-PID-NAME` (same extension, so matplotlib picks the format) and removed on failure; those
+of a process killed before its renames are removed by the next report into the folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import contextlib
 import os
 from typing import Iterator
 
-from kvpop_jax.fileio import check_writable_dir, fsync_dir
+from kvpop_jax.fileio import check_writable_dir, fsync_dir, pid_alive
+
+TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
 
 
 class StagedOutputs:
@@ -27,13 +30,14 @@ class StagedOutputs:
         self.out_dir = os.fspath(out_dir)
         check_writable_dir(self.out_dir, "out_dir")
         os.makedirs(self.out_dir, exist_ok=True)
+        remove_dead_temporaries(self.out_dir)
         self.staged: dict[str, str] = {}  # final path -> temporary path
 
     def path(self, name: str) -> str:
         """Where to write the file `name` of the report now (renamed to out_dir/name at the end)."""
         final = os.path.join(self.out_dir, name)
         if final not in self.staged:
-            self.staged[final] = os.path.join(self.out_dir, f".tmp-{os.getpid()}-{name}")
+            self.staged[final] = os.path.join(self.out_dir, f"{TMP_PREFIX}{os.getpid()}-{name}")
         return self.staged[final]
 
     def final(self, name: str) -> str:
@@ -49,6 +53,16 @@ class StagedOutputs:
         for tmp in self.staged.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def remove_dead_temporaries(out_dir: str) -> None:
+    """Deletes the staged files `.tmp-PID-NAME` in `out_dir` whose process is gone: a SIGKILL skips the
+    clean-up, and every rerun has another PID, so a killed report's (large) samples would pile up."""
+    for entry in os.listdir(out_dir):
+        pid = entry[len(TMP_PREFIX):].split("-", 1)[0] if entry.startswith(TMP_PREFIX) else ""
+        path = os.path.join(out_dir, entry)
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and os.path.isfile(path):
+            os.unlink(path)
 
 
 def out_dir_arg(text: str) -> str:
