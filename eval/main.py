@@ -36,7 +36,7 @@ from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
 from kvpop_jax.generate import generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
-from kvpop_jax.runtime import report_backend
+from kvpop_jax.runtime import interrupt_outside_gc_callbacks, report_backend
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -277,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:2] == ["bench", "gpu"]:  # it shares the GPUs with its subprocesses: no preallocation
         for name, value in bench_gpu.PARENT_ENV.items():
             os.environ.setdefault(name, value)
+    interrupt_outside_gc_callbacks()
     report_backend()
     try:
         COMMANDS[argv[0]](argv[1:])

@@ -1,6 +1,7 @@
 """Which JAX this process runs on: the start-up line of `train.main` and `eval.main`, and the
 loud warning when a GPU-sized job is about to run on CPU. Also the worker thread that compiles
-the next program while the current one runs (`background_worker`).
+the next program while the current one runs (`background_worker`), and the Ctrl-C handler of the
+command-line tools (`interrupt_outside_gc_callbacks`).
 
 `pip install -e .` installs the CPU build of jaxlib everywhere, also on a GPU node; there a
 recipe silently trains on CPU. The start-up line names the backend and the devices, and
@@ -11,7 +12,10 @@ recipe silently trains on CPU. The start-up line names the backend and the devic
 from __future__ import annotations
 
 import contextlib
+import gc
+import signal
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, TextIO
@@ -82,3 +86,25 @@ def background_worker(enabled: bool = True, name: str = "background") -> Iterato
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGINT -> KeyboardInterrupt, raised outside any gc callback (jax registers one). An exception
+    from a gc callback cannot propagate: Python prints "Exception ignored in: _xla_gc_callback" and
+    goes on, so a Ctrl-C that landed after a long native call (tokenizing, loading data) was lost and
+    the run carried on (an --overwrite deleted what the user had stopped it to keep)."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:  # sent again 5 ms later, once the callback has returned
+            main = threading.main_thread().ident
+            threading.Timer(0.005, signal.pthread_kill, (main, signum)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def interrupt_outside_gc_callbacks() -> None:
+    """Installs the SIGINT handler of the command-line tools (their `except KeyboardInterrupt` then sees
+    every Ctrl-C); a SIGINT that the process ignores (started in the background) stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)

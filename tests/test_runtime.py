@@ -63,3 +63,37 @@ def test_background_worker_runs_work_and_does_not_hold_up_an_error():
             raise KeyboardInterrupt
     assert time.perf_counter() - t0 < 10 and queued.cancelled()
     release.set()
+
+
+def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
+    """jax registers a gc callback; Python only prints an exception raised in one ("Exception ignored in:
+    _xla_gc_callback") and goes on. A Ctrl-C handled there was lost: train.main kept running (and its
+    --overwrite deleted the run the user had stopped it to keep). Now it is raised after the callback."""
+    import gc
+    import signal
+    import time
+
+    from kvpop_jax.runtime import interrupt_outside_gc_callbacks
+
+    seen = []
+
+    def callback(phase, info):
+        if phase == "start" and not seen:
+            seen.append(phase)
+            signal.raise_signal(signal.SIGINT)  # handled at the callback's next bytecodes
+            total = 0
+            for i in range(100):
+                total += i
+
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    gc.callbacks.append(callback)
+    try:
+        interrupt_outside_gc_callbacks()
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            time.sleep(5)  # the interrupt comes here (a moment later), not inside the callback
+        assert seen == ["start"]
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, previous)

@@ -23,7 +23,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from kvpop_jax import sharding as shd
-from kvpop_jax.runtime import gpu_workload_reasons, report_backend
+from kvpop_jax.runtime import gpu_workload_reasons, interrupt_outside_gc_callbacks, report_backend
 from train import recipe
 from train.config import FlagError, parse_flags
 from train.configure import config_from_flags
@@ -41,6 +41,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]}: train.main takes only flags (--name=value)", file=sys.stderr)
         sys.exit(2)
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file it writes at INFO
+    interrupt_outside_gc_callbacks()
     cfg = None
     try:
         try:

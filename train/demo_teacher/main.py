@@ -13,6 +13,7 @@ from demo.atoms import VOCAB
 from kvpop_jax import load_pretrained
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import init_params
+from kvpop_jax.runtime import interrupt_outside_gc_callbacks
 from kvpop_jax.sampling import SamplingConfig
 from train.demo_teacher.config import PretrainConfig
 from train.demo_teacher.data import BOS_ID, EOS_ID, parse_curriculum
@@ -142,6 +143,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]}: train.pretrain takes only flags (--name=value)",
               file=sys.stderr)
         sys.exit(2)
+    interrupt_outside_gc_callbacks()
     saved_seconds = None  # training seconds of the state RUN_DIR holds
     try:  # a bad flag or input: one line, before any work
         cfg = config_from_flags(FLAGS)
