@@ -13,7 +13,7 @@ from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
 from kvpop_jax.config import Qwen3Config
 from train.config import FlagError
 from train.loop import train
-from train.run_dir import LOCK_FILE, check_resume, lock_run_dir, prepare_run_dir, read_metrics
+from train.run_dir import LOCK_FILE, check_resume, lock_run_dir, prepare_run_dir, read_metrics, resume_advice
 
 HOLD_LOCK = """
 import fcntl, os, sys, time
@@ -102,6 +102,26 @@ def test_starting_over_an_existing_run_needs_overwrite(tmp_path, arch):
     # above prepared nothing: it is checked before any input is)
     assert left == ["data", "export", "run.lock"], left
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # nothing left to lose
+
+
+def test_ctrl_c_advice_under_overwrite_depends_on_whether_it_deleted_anything(tmp_path, arch, monkeypatch):
+    """Stopped before --overwrite deleted the old run (while the data was read), Ctrl-C said to rerun without
+    --overwrite, which resumed and exported the old run as the new command's result."""
+    import train.run_dir
+
+    monkeypatch.setattr(train.run_dir, "_overwritten", set())
+    run = str(tmp_path / "run")
+    _fake_run(run)
+    cfg = parse(tiny_flags(run, arch, overwrite=True))
+    before = resume_advice(cfg.resume, cfg.overwrite, run)
+    assert before == f"interrupted before --overwrite deleted anything in {run}; rerun the same command to start over"
+    assert resume_advice(True, False, run) == f"interrupted; rerun the same command to resume from the last " \
+        f"checkpoint in {run}"
+    prepare_run_dir(cfg, delete=False)  # the check before the inputs are read deletes nothing
+    assert resume_advice(cfg.resume, cfg.overwrite, run) == before
+    prepare_run_dir(cfg)
+    assert resume_advice(cfg.resume, cfg.overwrite, run) == "interrupted; rerun the command without " \
+        f"--overwrite/--noresume (with them it would start over) to resume from the last checkpoint in {run}"
 
 
 def test_overwrite_deletes_nothing_before_every_flag_and_input_is_checked(tmp_path, arch):

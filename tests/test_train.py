@@ -596,25 +596,34 @@ def test_teacher_tiled_attention_equals_dense_model(monkeypatch, tied):
 
 def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path, arch, monkeypatch, capsys):
     """Not a KeyboardInterrupt traceback: which folder to resume from (RUN_DIR-quick under --quick),
-    and not to rerun with --overwrite, which would start over."""
+    and not to rerun with --overwrite once it has deleted the old run (it would start over again), but
+    to rerun it while it has not (without it, the old run would be resumed and exported as the new one)."""
     import train.main as train_main
+    import train.run_dir
 
     def interrupted(cfg):
+        if deleted:
+            train.run_dir.prepare_run_dir(cfg)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_main, "train", interrupted)
+    monkeypatch.setattr(train.run_dir, "_overwritten", set())
     run = str(tmp_path / "run")
+    resume = f" to resume from the last checkpoint in {run}-quick"
     try:
-        for extra, how in (([], "rerun the same command"), (["--overwrite"], "rerun the command without --overwrite")):
+        for extra, deleted, line in (
+                ([], False, "interrupted; rerun the same command" + resume),
+                (["--overwrite"], False, f"interrupted before --overwrite deleted anything in {run}-quick; rerun the "
+                                         "same command to start over"),
+                (["--overwrite"], True, "interrupted; rerun the command without --overwrite/--noresume (with them it "
+                                        "would start over)" + resume)):
             train_main.FLAGS.unparse_flags()
             train_main.FLAGS(["train", *tiny_flags(run, arch, quick=True), *extra])
             with pytest.raises(SystemExit) as exit_info:
                 train_main.main(["train"])
             assert exit_info.value.code == 130
             err = capsys.readouterr().err.strip().splitlines()
-            assert err[-1] == f"interrupted; {how}" + (
-                "/--noresume (with them it would start over)" if extra else "") + \
-                f" to resume from the last checkpoint in {run}-quick", err
+            assert err[-1] == line, err
     finally:
         train_main.FLAGS.unparse_flags()
 

@@ -30,6 +30,7 @@ from train.configure import config_from_flags
 from train.dry_run import dry_run
 from train.flags import define_flags
 from train.loop import TrainingAborted, train
+from train.run_dir import resume_advice
 from train.teacher_cache import write_teacher_logits
 
 FLAGS = flags.FLAGS
@@ -71,9 +72,7 @@ def main(argv):
         sys.exit(2)
     except KeyboardInterrupt:  # checkpoints already saved stay whole (orbax's writes land atomically)
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir  # --quick runs in RUN_DIR-quick
-        how = ("the same command" if FLAGS.resume and not FLAGS.overwrite else
-               "the command without --overwrite/--noresume (with them it would start over)")
-        print(f"\ninterrupted; rerun {how} to resume from the last checkpoint in {run_dir}", file=sys.stderr)
+        print(f"\n{resume_advice(FLAGS.resume, FLAGS.overwrite, run_dir)}", file=sys.stderr)
         sys.exit(130)
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)

@@ -58,6 +58,7 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "attention_bias")
 
 _held: dict[str, list] = {}  # lock path -> [fd, depth]
+_overwritten: set[str] = set()  # run folders whose outputs --overwrite deleted in this process
 
 
 @contextlib.contextmanager
@@ -95,6 +96,18 @@ def lock_run_dir(run_dir: str) -> Iterator[None]:
             os.close(fd)  # releases the flock; the file stays (unlinking it would race a waiting locker)
 
 
+def resume_advice(resume: bool, overwrite: bool, run_dir: str) -> str:
+    """What Ctrl-C prints: how to rerun the command (`--resume`, `--overwrite` as given) to go on where it
+    stopped. With --overwrite that depends on whether it has deleted a run's outputs yet: stopped before (while
+    it read the data, say), the folder still holds the old run, which a rerun without --overwrite would resume
+    (and export) as if it were the new one."""
+    if overwrite and not _overwritten:
+        return f"interrupted before --overwrite deleted anything in {run_dir}; rerun the same command to start over"
+    how = ("the same command" if resume and not overwrite else
+           "the command without --overwrite/--noresume (with them it would start over)")
+    return f"interrupted; rerun {how} to resume from the last checkpoint in {run_dir}"
+
+
 def checkpoint_steps(cfg: TrainConfig) -> list[int]:
     """Step directories under RUN_DIR/checkpoints (orbax's layout), without opening orbax."""
     if not os.path.isdir(cfg.checkpoint_dir):
@@ -110,6 +123,7 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
     logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
     if cfg.overwrite:
         for name in RUN_OUTPUTS if delete else ():
+            _overwritten.add(os.path.realpath(cfg.run_dir))  # from the first deletion on
             path = os.path.join(cfg.run_dir, name)
             if os.path.isdir(path):
                 shutil.rmtree(path)
@@ -233,4 +247,5 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics", "training_changes"]
+__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics", "resume_advice",
+           "training_changes"]
