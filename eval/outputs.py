@@ -30,7 +30,7 @@ class StagedOutputs:
         self.out_dir = os.fspath(out_dir)
         check_writable_dir(self.out_dir, "out_dir")
         os.makedirs(self.out_dir, exist_ok=True)
-        remove_dead_temporaries(self.out_dir)
+        remove_dead_staged_files(self.out_dir)
         self.staged: dict[str, str] = {}  # final path -> temporary path
 
     def path(self, name: str) -> str:
@@ -55,7 +55,7 @@ class StagedOutputs:
                 os.unlink(tmp)
 
 
-def remove_dead_temporaries(out_dir: str) -> None:
+def remove_dead_staged_files(out_dir: str) -> None:
     """Deletes the staged files `.tmp-PID-NAME` in `out_dir` whose process is gone: a SIGKILL skips the
     clean-up, and every rerun has another PID, so a killed report's (large) samples would pile up."""
     for entry in os.listdir(out_dir):

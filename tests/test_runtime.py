@@ -68,32 +68,33 @@ def test_background_worker_runs_work_and_does_not_hold_up_an_error():
 def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
     """jax registers a gc callback; Python only prints an exception raised in one ("Exception ignored in:
     _xla_gc_callback") and goes on. A Ctrl-C handled there was lost: train.main kept running (and its
-    --overwrite deleted the run the user had stopped it to keep). Now it is raised after the callback."""
-    import gc
-    import signal
-    import time
+    --overwrite deleted the run the user had stopped it to keep). Now it is raised after the callback.
+    In a fresh interpreter, as the tools run (a test worker's other threads and handlers would interfere)."""
+    import os
+    import sys
+    import textwrap
 
-    from kvpop_jax.runtime import interrupt_outside_gc_callbacks
-
-    seen = []
-
-    def callback(phase, info):
-        if phase == "start" and not seen:
-            seen.append(phase)
-            signal.raise_signal(signal.SIGINT)  # handled at the callback's next bytecodes
-            total = 0
-            for i in range(100):
-                total += i
-
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    gc.callbacks.append(callback)
-    try:
-        interrupt_outside_gc_callbacks()
-        with pytest.raises(KeyboardInterrupt):
+    script = textwrap.dedent("""
+        import gc, signal, sys, time
+        import jax  # its own gc callback too
+        from kvpop_jax.runtime import interrupt_outside_gc_callbacks
+        seen = []
+        def callback(phase, info):
+            if phase == "start" and not seen:
+                seen.append(phase)
+                signal.raise_signal(signal.SIGINT)  # handled at the callback's next bytecodes
+                total = sum(range(100))
+        gc.callbacks.append(callback)
+        if sys.argv[1] == "handler":
+            interrupt_outside_gc_callbacks()
+        try:
             gc.collect()
             time.sleep(5)  # the interrupt comes here (a moment later), not inside the callback
-        assert seen == ["start"]
-    finally:
-        gc.callbacks.remove(callback)
-        signal.signal(signal.SIGINT, previous)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        sys.exit(0 if seen else 1)
+    """)
+    for mode, code in (("handler", 130), ("python's own", 0)):  # without the handler the Ctrl-C is lost
+        proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == code, (mode, proc.returncode, proc.stderr[-2000:])
