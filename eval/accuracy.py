@@ -41,7 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval.answers import is_correct, math_verify_available
-from eval.benchmarks import benchmark_name, load_benchmark
+from eval.benchmarks import benchmark_name, held_out_note, load_benchmark
 from eval.outputs import staged_outputs
 from eval.plots import check_counts, write_text
 from eval.report import format_table, plot_bars, summarize
@@ -251,6 +251,10 @@ def run_accuracy(
                              "samples and records are keyed by: rename one of the files")
         named[name] = source
         benchmarks[name] = load_benchmark(source, split=split, limit=limit)
+    # Said now, not after the decodes: a train-split spec scores what the demo models learned from.
+    not_held_out = [note for note in map(held_out_note, named.values()) if note is not None]
+    for line in not_held_out:
+        print(f"warning: {line}", file=sys.stderr)
     tok = _shared_tokenizer(tokenizer, list(configs))
     encoded = {b: [_encode(tok, p["prompt"], chat_template) for p in probs] for b, probs in benchmarks.items()}
     top = max(max(ids, default=0) for enc in encoded.values() for ids in enc)
@@ -374,7 +378,8 @@ def run_accuracy(
                              checkpoints=[dict(method=m, cr=cr, path=os.path.abspath(p)) for m, cr, p in used])
         names = list(benchmarks)
         rows = summarize(records, names)
-        table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n" for line in unevicted + truncated)
+        table = format_table(rows, names) + "".join(f"\n**Warning:** {line}.\n"
+                                                   for line in not_held_out + unevicted + truncated)
         checker = "math_verify" if math_verify_available() else "normalized string compare"
         write_text(out.path("accuracy.md"),
                    f"# Accuracy (pass@1 over {n_rollouts} rollouts)\n\n"
@@ -387,6 +392,7 @@ def run_accuracy(
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
                                                               n_rollouts=n_rollouts, checker=checker,
                                                               unevicted=unevicted, truncated=truncated,
+                                                              not_held_out=not_held_out,
                                                               settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows

@@ -7,7 +7,9 @@ or a demo-task spec that generates fresh problems nobody has seen:
 
 e.g. `demo:reuse:test:seed=123:n=100:len=2048` (TASK in `demo.task.TASKS`: reuse, read_once;
 SPLIT train | validation | test, default test; seed 0, n 100, len 1024, difficulty medium).
-Different seeds and splits never share a problem.
+Different seeds and splits never share a problem. The train split is what the demo's trainings
+draw from (`--data=demo:N` with the run's seed), so its problems are not held out: `held_out_note`
+says so, and the accuracy report carries it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class DemoSpec:
     def __str__(self) -> str:
         return f"{DEMO_PREFIX}{self.task}:{self.split}:seed={self.seed}:n={self.n}:len={self.len}" + (
             f":difficulty={self.difficulty}" if self.difficulty != "medium" else "")
+
+    @property
+    def held_out(self) -> bool:
+        """False for the train split: `train.main --data=demo:N` and the demo teacher train on it."""
+        return self.split != "train"
 
     def config(self):
         """The task's DemoTaskConfig; a length too short for the task is a ValueError naming the
@@ -181,6 +188,15 @@ def _json_rows(source: str, text: str) -> list:
             raise ValueError(f"benchmark {source!r} line {number} is not valid JSON ({e.msg}): "
                              f"{line.strip()[:80]!r}") from None
     return rows
+
+
+def held_out_note(source: str) -> str | None:
+    """A warning for a demo spec whose problems are not held out (the train split), else None."""
+    if not source.startswith(DEMO_PREFIX) or parse_demo_spec(source).held_out:
+        return None
+    return (f"{source!r} draws its problems from the demo's train split, which the demo trainings learn from "
+            "(train.main's --data=demo:N and the demo teacher, by seed): they are not held out; use the "
+            "test or validation split for held-out problems")
 
 
 def benchmark_name(source: str) -> str:

@@ -332,6 +332,37 @@ def test_completions_cut_off_before_any_answer_are_reported(tmp_path, monkeypatc
         assert ("tova at CR 0.5: 4 of 4" in err) == warned, name
 
 
+def test_a_train_split_spec_is_flagged_as_not_held_out(tmp_path, monkeypatch, capsys):
+    """demo:TASK:train regenerates the problems the demo trainings learned from (train.main's
+    --data=demo:N with its seed): the warning comes before any decode, and the report carries it."""
+    import eval.accuracy as accuracy
+    from demo.task import generate_mixture
+
+    # the main job's recipe (configs/tiny_cpu.flags: --seed=0, --demo_tasks=reuse,read_once): its example 0 is
+    # the spec's first problem
+    trained = generate_mixture(2, 0, "train", ("reuse", "read_once"), seq_len=1000)[0]
+    assert load_benchmark("demo:reuse:train:n=1:len=1000")[0]["prompt"] == trained["prompt"]
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    decoded = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
+        decoded.append(capsys.readouterr().err)  # what was said before the first decode
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    kw = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=1000, max_new_tokens=2,
+              sampling=SamplingConfig.greedy(), progress=False)
+    for split, flagged in (("train", True), ("validation", False), ("test", False)):
+        out = tmp_path / split
+        spec = f"demo:reuse:{split}:n=1:len=1000"
+        decoded.clear()
+        run_accuracy(["dense"], {"dense": dense}, spec, out_dir=str(out), **kw)
+        line = f"'{spec}' draws its problems from the demo's train split"
+        assert (f"warning: {line}" in decoded[0]) == flagged, split
+        assert (line in (out / "accuracy.md").read_text()) == flagged, split
+        assert bool(json.loads((out / "accuracy.json").read_text())["not_held_out"]) == flagged, split
+
+
 def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkeypatch):
     import datasets
     import transformers
