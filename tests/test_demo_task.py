@@ -119,7 +119,11 @@ def test_config_validation():
            (lambda: dt.generate_example(None), "seed=None would draw a different trace every call"),
            (lambda: dt.make_config(task="reuse", seq_len=500),
             f"seq_len=500 is too short .*the shortest seq_len for task 'reuse', difficulty 'medium' is "
-            f"{dt.min_seq_len('reuse')}")]
+            f"{dt.min_seq_len('reuse')}"),
+           # easy reuse at 1000 has its marked bindings but no room left for the recalls: still too short
+           (lambda: dt.make_config("easy", "reuse", seq_len=1000),
+            f"no room to recall facts.*: the shortest seq_len for task 'reuse', difficulty 'easy' is "
+            f"{dt.min_seq_len('reuse', 'easy')}$")]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
             call()
