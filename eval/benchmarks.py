@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 
-from demo.task import DIFFICULTY, SPLITS, TASKS, generate_dataset, make_config
+from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, generate_dataset, make_config
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
@@ -42,8 +42,10 @@ class DemoSpec:
             raise ValueError(f"demo split must be one of {sorted(SPLITS)}, got {self.split!r}")
         if self.difficulty not in DIFFICULTY:
             raise ValueError(f"demo difficulty must be one of {sorted(DIFFICULTY)}, got {self.difficulty!r}")
-        if self.n < 1 or self.seed < 0:
-            raise ValueError(f"demo spec needs n >= 1 and seed >= 0, got n={self.n}, seed={self.seed}")
+        # the generator's seed words are 32 bits (larger ones would alias other splits): problem i is word 3
+        if not (1 <= self.n <= SEED_LIMIT and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"demo spec needs 1 <= n <= 2**32 and 0 <= seed < 2**32, got n={self.n}, "
+                             f"seed={self.seed}")
 
     @property
     def name(self) -> str:

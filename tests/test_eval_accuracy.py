@@ -164,6 +164,8 @@ def test_demo_benchmark_spec_generates_fresh_problems():
                          ("demo:reuse:n=1_0", "n='1_0' is not"), ("demo:reuse:seed=-1", "seed='-1' is not"),
                          ("demo:reuse:k=3", r"unknown key 'k' \(split, seed, n, len, difficulty\)"), ("demo:reuse:n=2:n=3", "n given twice"),
                          ("demo:reuse:test:train", "split given twice"),
+                         # caught while parsing, naming the spec, not later by the generator
+                         ("demo:reuse:seed=4294967296", r"^'demo:reuse:seed=4294967296': .*0 <= seed < 2\*\*32"),
                          ("demo:reuse:len=300",
                           r"len=300: .*too short.*: the shortest seq_len for task 'reuse', .* is 959$")):
         with pytest.raises(ValueError, match=message):
