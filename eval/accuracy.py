@@ -225,6 +225,12 @@ def run_accuracy(
     if not crs and any(m != "dense" for m in methods):
         raise ValueError("no compression ratios given")
     budgets = {cr: KVpopConfig.budget_at(cr, context_len) for cr in crs}  # CR in [0, 1): checked here
+    by_budget: dict[int, float] = {}
+    for cr, budget in budgets.items():  # two CRs at one B would decode the same setting twice, in rows labelled alike
+        if budget in by_budget:
+            raise ValueError(f"compression ratios {by_budget[budget]:g} and {cr:g} both give B {budget} at context_len "
+                             f"{context_len}: give each budget once")
+        by_budget[budget] = cr
     settings = [(m, None) if m == "dense" else (m, cr) for m in methods for cr in ([None] if m == "dense" else crs)]
     configs: dict[str, Any] = {}
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub

@@ -496,6 +496,9 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         methods, checkpoints, source, **{**kw, **over})
     with pytest.raises(ValueError, match=r"compression ratio must be in \[0, 1\), got 1.0"):
         run(["dense", "tova"], compression_ratios=(0.5, 1.0))
+    # decoded twice into two rows both labelled "50% | 8" before
+    with pytest.raises(ValueError, match=r"compression ratios 0.5 and 0.51 both give B 8 at context_len 16: give each"):
+        run(["dense", "tova"], compression_ratios=(0.5, 0.51))
     with pytest.raises(ValueError, match=r"method 'kv' at CR 0.5 \(B 8 of context_len 16\) with checkpoint .*kv'"):
         run(["dense", "tova", "kv"])  # B 8 < s + w + the mLSTM's state
     with pytest.raises(ValueError, match=r"method 'x' .* '.*dense'.*needs a KVpop or DMS checkpoint"):
