@@ -97,6 +97,12 @@ def parse_token_ids(text: str, flag: str) -> list[int]:
     return ids
 
 
+def _items(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']: a space after a comma is not part of a method or benchmark name (it sent
+    ' demo:reuse' to the hub as a dataset name), as --checkpoints already reads it."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -141,8 +147,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     run_accuracy(
-        [m for m in args.methods.split(",") if m], parse_checkpoints(args.checkpoints),
-        [b for b in args.benchmark.split(",") if b], n_rollouts=args.n_rollouts,
+        _items(args.methods), parse_checkpoints(args.checkpoints), _items(args.benchmark), n_rollouts=args.n_rollouts,
         compression_ratios=args.compression_ratios, context_len=args.context_len,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,

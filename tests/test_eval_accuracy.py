@@ -596,6 +596,13 @@ def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
     cli.main(base)
     cli.main(base + ["--no_compile_ahead"])
     assert seen == [True, False]
+    # "a, b" as --checkpoints reads it: ' demo:reuse' went to the hub as a dataset name, ' tova' had no checkpoint
+    lists = []
+    monkeypatch.setattr(cli, "run_accuracy", lambda methods, checkpoints, benchmarks, **kwargs: lists.append(
+        (methods, benchmarks)) or fake_run_accuracy(**kwargs))
+    cli.main(["accuracy", "--checkpoints", "dense=x", "--methods", "dense, tova,", "--benchmark",
+              "demo:reuse:n=1, b.jsonl ", "--out_dir", str(tmp_path / "out")])
+    assert lists == [(["dense", "tova"], ["demo:reuse:n=1", "b.jsonl"])]
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
