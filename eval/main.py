@@ -33,7 +33,7 @@ from eval.patterns import run_patterns
 from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
 from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
-from kvpop_jax.generate import generate
+from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
 from kvpop_jax.runtime import interrupt_outside_gc_callbacks, report_backend
@@ -67,13 +67,14 @@ def cmd_generate(argv: Sequence[str]) -> None:
         ids = tokenizer(args.prompt)["input_ids"]
     if not ids:
         parser.error("the prompt is empty")
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)  # checked before the weights
+    seed = check_seed(args.seed, "--seed")
     config, params = load_pretrained(args.checkpoint)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
-    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)
     tokens, lengths = generate(
         Qwen3ForCausalLM(config), params, jnp.asarray([ids]), max_new_tokens=args.max_new_tokens,
-        sampling=sampling, eos_ids=eos_ids, rng=args.seed,  # generate checks the seed's range
+        sampling=sampling, eos_ids=eos_ids, rng=seed,
     )
     out = np.asarray(tokens[0, : int(lengths[0])]).tolist()
     kind = (f"KVpop (bounded cache: s + w + k = {config.kvpop.budget} slots, memory B = "

@@ -410,6 +410,20 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     assert [p["prompt"] for p in load_benchmark(str(folder), split="train")] == ["t"]
 
 
+def test_cli_generate_checks_its_seed_and_sampling_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    """--seed past int64 was a bare OverflowError from jax.random.key after the weights had loaded; a bad
+    --top_p too was refused only then. Both are one line now, before `load_pretrained` runs."""
+    import eval.main as eval_main
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    monkeypatch.setattr(eval_main, "load_pretrained", lambda *a, **k: pytest.fail("the weights were loaded"))
+    for argv, message in ((["--seed", str(2**70)], f"--seed {2**70} is outside jax.random.key's int64 range"),
+                          (["--top_p", "1.5"], "top_p must be in (0, 1], got 1.5")):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_main.main(["generate", "--checkpoint", dense, "--prompt_ids", "1,5", *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, capsys):
     from eval.main import main
 
