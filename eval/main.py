@@ -248,8 +248,12 @@ def cmd_bench(argv: Sequence[str]) -> None:
         "train": bench_train.main,
         "gpu": bench_gpu.main,
     }
+    usage = f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{cmd_bench.__doc__}")
+        return
     if not argv or argv[0] not in benches:
-        raise SystemExit(f"usage: python -m eval.main bench {{{'|'.join(benches)}}} [--flags]; got {list(argv)}")
+        _usage_error(usage, f"bench wants one of {', '.join(benches)}, got {_first_word(argv)}")
     benches[argv[0]](argv[1:])
 
 
@@ -272,14 +276,30 @@ def _read_text(path: str) -> str:
         raise ValueError(f"--text_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _first_word(argv: Sequence[str]) -> str:
+    return repr(argv[0]) if argv else "none"
+
+
+def _usage_error(usage: str, message: str) -> None:
+    """A missing or unknown (sub)command: the usage, then one `error:` line, exit 2 (as every bad input)."""
+    print(usage, file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 # What a user's input can raise (missing or malformed files, bad values): one line, no traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    usage = f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return
     if not argv or argv[0] not in COMMANDS:
-        raise SystemExit(f"usage: python -m eval.main {{{'|'.join(COMMANDS)}}} ... [--flags]; got {argv}\n\n{__doc__}")
+        _usage_error(f"{usage}\n\n{__doc__}",
+                     f"the command must be one of {', '.join(COMMANDS)}, got {_first_word(argv)}")
     if argv[:2] == ["bench", "gpu"]:  # it shares the GPUs with its subprocesses: no preallocation
         for name, value in bench_gpu.PARENT_ENV.items():
             os.environ.setdefault(name, value)

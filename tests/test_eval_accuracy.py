@@ -632,3 +632,26 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     assert exit_info.value.code == 130
     err = capsys.readouterr().err.strip()
     assert err == "interrupted: eval.main recall stopped; reports it had not finished were not written", err
+
+
+@pytest.mark.parametrize("argv, named, got", [([], "accuracy", "none"), (["bogus"], "accuracy", "'bogus'"),
+                                              (["bench"], "decode", "none"), (["bench", "bogus"], "decode", "'bogus'")])
+def test_missing_or_unknown_command_is_an_error_line_and_exit_2(argv, named, got, capsys):
+    """`eval.main` without a (bench) command or with an unknown one is a bad input: the usage, one `error:` line
+    naming the commands, exit 2 (it exited 1 with no error line, unlike every other bad input)."""
+    import eval.main as eval_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main.main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and named in last and last.endswith(f"got {got}"), last
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["bench", "--help"]])
+def test_top_level_help_exits_0(argv, capsys):
+    """`python -m eval.main --help` prints the commands and exits 0 (it exited 1, as an error)."""
+    import eval.main as eval_main
+
+    eval_main.main(argv)
+    assert "usage: python -m eval.main" in capsys.readouterr().out
