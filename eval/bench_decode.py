@@ -439,7 +439,7 @@ def _budget_line(b: dict | None, dms: dict | None) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m eval.bench_decode [flags]` (also reachable as `python -m eval.main bench decode`)."""
     d = dict(inspect.signature(tiny_config).parameters)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.main bench decode", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="checkpoint dir (default: a random tiny model)")
     ap.add_argument("--lengths", default="1k,2k,4k,8k,16k,32k")
     ap.add_argument("--methods", default="dense,kvpop", help=f"comma-separated subset of {METHODS}")

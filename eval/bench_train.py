@@ -371,7 +371,7 @@ def benchmarks_target(flag: str | None, dry: bool) -> str | None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m eval.bench_train [flags]` (also `python -m eval.main bench train`)."""
     d = dict(inspect.signature(tiny_config).parameters)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.main bench train", description=__doc__.splitlines()[0])
     ap.add_argument("--seq_lens", default="1k,2k,4k,8k")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")

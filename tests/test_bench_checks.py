@@ -99,3 +99,12 @@ def test_parse_lengths_refuses_infinite_lengths_by_name():
     for text in ("infk", "1e400k", "nank"):
         with pytest.raises(ValueError, match=f"--lengths must be positive ints like '1k,2k,4096', got '{text}'"):
             bench_decode.parse_lengths(text)
+
+
+@pytest.mark.parametrize("bench", ["kernels", "decode", "train", "gpu"])
+def test_help_and_errors_name_the_command_to_run(bench, capsys):
+    """Each bench's usage line is the command a user types (decode and train printed `usage: main.py`)."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["bench", bench, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: python -m eval.main bench {bench} [-h]" in capsys.readouterr().out
