@@ -76,7 +76,8 @@ def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
 
     script = textwrap.dedent("""
         import gc, signal, sys, time
-        import jax  # its own gc callback too
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from a terminal: a test worker
+        import jax  # its own gc callback too                      # may ignore SIGINT, and children inherit that
         from kvpop_jax.runtime import interrupt_outside_gc_callbacks
         seen = []
         def callback(phase, info):
