@@ -18,7 +18,7 @@ import contextlib
 import os
 from typing import Iterator
 
-from kvpop_jax.fileio import check_writable_dir, fsync_dir, pid_alive
+from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir
 
 TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
 
@@ -57,11 +57,9 @@ class StagedOutputs:
 
 def remove_dead_staged_files(out_dir: str) -> None:
     """Deletes the staged files `.tmp-PID-NAME` in `out_dir` whose process is gone: a SIGKILL skips the
-    clean-up, and every rerun has another PID, so a killed report's (large) samples would pile up."""
-    for entry in os.listdir(out_dir):
-        pid = entry[len(TMP_PREFIX):].split("-", 1)[0] if entry.startswith(TMP_PREFIX) else ""
-        path = os.path.join(out_dir, entry)
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and os.path.isfile(path):
+    clean-up, so a killed report's (large) samples would pile up."""
+    for path in dead_temporaries(out_dir, TMP_PREFIX):
+        if os.path.isfile(path):
             os.unlink(path)
 
 

@@ -134,14 +134,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def dead_temporaries(directory: str, prefix: str) -> list[str]:
+    """Paths in `directory` named `PREFIX + PID + "-..."` whose process is gone (killed before it renamed or
+    removed them; every rerun has another PID, so they would pile up). This process's own are not listed."""
+    dead = []
+    for entry in os.listdir(directory):
+        pid = entry[len(prefix):].split("-", 1)[0] if entry.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            dead.append(os.path.join(directory, entry))
+    return dead
+
+
 def remove_dead_temporaries(path: str) -> None:
     """Temporaries of `staged_directory(path)` whose process is gone (killed before its swap)."""
     parent, name = os.path.split(path)
-    prefix = f".{name}{TMP_MARK}"
-    for entry in os.listdir(parent):
-        pid = entry[len(prefix):].split("-", 1)[0] if entry.startswith(prefix) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    for tmp in dead_temporaries(parent, f".{name}{TMP_MARK}"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _link_or_copy(src: str, dst: str) -> str:
