@@ -99,3 +99,29 @@ def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
         proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert proc.returncode == code, (mode, proc.returncode, proc.stderr[-2000:])
+
+
+def test_ctrl_c_kills_restores_the_handler_before_and_keeps_an_ignored_sigint_ignored():
+    """The dry run's and train.throughput's "Ctrl-C ends it at once" scope: SIG_DFL inside, the previous handler
+    after (also after an error), and a SIGINT the process ignores (started in the background) stays ignored."""
+    import signal
+
+    from kvpop_jax.runtime import ctrl_c_kills
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        def mine(signum, frame):
+            pass
+
+        signal.signal(signal.SIGINT, mine)
+        with pytest.raises(RuntimeError):
+            with ctrl_c_kills():
+                assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+                raise RuntimeError("the work failed")
+        assert signal.getsignal(signal.SIGINT) is mine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with ctrl_c_kills():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -16,14 +16,13 @@ RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recip
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 
 from kvpop_jax import sharding as shd
-from kvpop_jax.runtime import gpu_workload_reasons, interrupt_outside_gc_callbacks, report_backend
+from kvpop_jax.runtime import ctrl_c_kills, gpu_workload_reasons, interrupt_outside_gc_callbacks, report_backend
 from train import recipe
 from train.config import FlagError, parse_flags
 from train.configure import config_from_flags
@@ -53,20 +52,20 @@ def main(argv):
                             f"multi-host variables seen: {seen or 'none'}. If this is one host, pass "
                             "--distributed=off") from e
         cfg = config_from_flags(FLAGS, on_accelerator=True if FLAGS.dry_run else None)
-        if cfg.dry_run:  # it writes nothing: Ctrl-C stops it at once, even inside XLA's minutes-long compile
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # (Python defers its handler until the compile returns)
         # the flag as given: "auto" means float32 on CPU, an explicit bfloat16 means a GPU recipe
         reasons = gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len)
-        report_backend(reasons, what="this dry run (it compiles for this machine's devices)" if cfg.dry_run
-                       else "this training run")
-        if cfg.dry_run:
-            dry_run(cfg)
-        elif cfg.write_teacher_logits:
-            write_teacher_logits(cfg)
-        elif cfg.variants or cfg.evaluation is not None:
-            recipe.run(cfg)
+        if cfg.dry_run:  # it writes nothing: Ctrl-C stops it at once, even inside XLA's minutes-long compile
+            with ctrl_c_kills():
+                report_backend(reasons, what="this dry run (it compiles for this machine's devices)")
+                dry_run(cfg)
         else:
-            train(cfg)
+            report_backend(reasons, what="this training run")
+            if cfg.write_teacher_logits:
+                write_teacher_logits(cfg)
+            elif cfg.variants or cfg.evaluation is not None:
+                recipe.run(cfg)
+            else:
+                train(cfg)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

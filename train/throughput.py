@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from eval import profile_ops
 from kvpop_jax import modeling
 from kvpop_jax.fileio import atomic_write_bytes, check_writable_file
 from kvpop_jax.config import Qwen3Config
-from kvpop_jax.runtime import gpu_workload_reasons, report_backend
+from kvpop_jax.runtime import ctrl_c_kills, gpu_workload_reasons, report_backend
 from train import optim
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config, parse_flags
@@ -201,12 +200,9 @@ def main(argv):
         # the flag as given (auto is float32 on a CPU): a recipe's bfloat16 or 16k rows on a CPU warn, as in train.main
         report_backend(gpu_workload_reasons(compute_dtype=FLAGS.compute_dtype, seq_len=cfg.seq_len),
                        what="this throughput run")
-        # It writes nothing until the end: Ctrl-C stops it at once, also inside XLA's minutes-long compile
-        # (Python defers its own handler until the compile returns); restored before the results are written.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
-                                    profile_dir=FLAGS.profile_dir)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with ctrl_c_kills():  # it writes nothing until the end: Ctrl-C stops it at once, compile included
+            result = measure_throughput(cfg, num_layers=FLAGS.num_layers, timed_steps=FLAGS.timed_steps,
+                                        profile_dir=FLAGS.profile_dir)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
