@@ -12,6 +12,7 @@ from demo.task import SEED_LIMIT, TASKS, make_config
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
+from kvpop_jax.generate import SEED_RANGE
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
                           check_export_dir, check_output_dir, resolve_model_config, variant_dms, variant_kvpop)
 
@@ -134,7 +135,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         + (" (a quarter of each with --quick)" if f.quick else "")
                         + ": the learning rates would never reach their peak; pass --warmup_steps <= --steps")
 
-    if not 0 <= f.seed < 2**63:  # jax.random.PRNGKey takes an int64: past it, an OverflowError at the first step
+    if not 0 <= f.seed < SEED_RANGE[1]:  # jax.random.PRNGKey takes an int64: past it, an OverflowError at step 1
         raise FlagError(f"--seed must be in [0, 2**63), got {f.seed}")
     demo_examples = 0
     demo_tasks = tuple(t.strip() for t in f.demo_tasks if t.strip())
