@@ -107,10 +107,9 @@ def _interrupt(signum, frame) -> None:
 def ctrl_c_kills() -> Iterator[None]:
     """Inside: Ctrl-C ends the process at once (SIG_DFL), also inside XLA's minutes-long compile, where Python
     defers its own handler until the compile returns. For work that writes nothing (a dry run, a throughput
-    measurement). A SIGINT the process ignores stays ignored; the handler before is restored after."""
+    measurement). The handler before is restored after."""
     previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         yield
     finally:
