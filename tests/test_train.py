@@ -2,6 +2,7 @@
 kill (subprocesses), export, NaN abort."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -438,6 +439,30 @@ def test_divergence_stops_the_run_naming_step_and_term(tmp_path, arch):
         train(parse(tiny_flags(run, arch, new_lr=1e6, steps=8, checkpoint_every=4, divergence_warmup=2)))
     assert _steps(run) == [] and not os.path.exists(os.path.join(run, "export"))
     assert [m["step"] for m in _metrics(run)] == [1, 2]
+
+
+def test_a_resume_seeds_the_divergence_guard_with_every_step_whatever_log_every(tmp_path, arch, monkeypatch):
+    """With --log_every=2 the metrics hold every other step; the guard's history comes from the
+    checkpoint, so the resumed run judges step 3 against steps 1 and 2, as the uninterrupted run does."""
+    from train import loop
+    from train.checkpointing import Checkpointer
+
+    run = str(tmp_path / "run")
+    train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, log_every=2, export=False)))
+    assert [m["step"] for m in _metrics(run)] == [2]
+    saved = Checkpointer(os.path.join(run, "checkpoints")).restore_meta(2)[loop.GUARD_META_KEY]
+    assert all(len(saved[t]) == 2 and all(math.isfinite(v) and v >= 0 for v in saved[t]) for t in loop.GUARDED_TERMS)
+    assert all(saved[t][1] == _metrics(run)[0][t] for t in loop.GUARDED_TERMS)
+    seeded = []
+
+    class Recording(loop.DivergenceGuard):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seeded.append(self.saved())
+
+    monkeypatch.setattr(loop, "DivergenceGuard", Recording)
+    train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=2, log_every=2, export=False)))
+    assert seeded == [saved]
 
 
 def test_pair_accuracy_and_regression_rmse_are_logged_only_with_their_losses(tmp_path, arch):

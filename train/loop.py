@@ -40,6 +40,7 @@ from train.teacher_cache import check_teacher_dir, read_teacher_topk
 CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
 # Not dms_loss: it starts at 0 and grows with its target by design, a "divergence" to a median guard.
 GUARDED_TERMS = ("kl", "retention_loss", "loss")
+GUARD_META_KEY = "divergence_history"  # a checkpoint's meta: DivergenceGuard.saved()
 BATCH_KEYS = ("input_ids", "positions", "loss_mask", "segment_ids")
 
 
@@ -122,14 +123,23 @@ def check_finite(step: int, metrics: dict[str, float]) -> None:
 
 class DivergenceGuard:
     """Stops a run whose kl, retention_loss or loss exceeds `factor` x its running median (the last
-    `window` steps) once `warmup` steps are known; factor 0 turns it off. Seeded from the records
-    of a resumed run, so a resume judges like the uninterrupted run."""
+    `window` steps) once `warmup` steps are known; factor 0 turns it off. A resume seeds it from the
+    checkpoint's `saved()` history (every step's terms, whatever --log_every), so that it judges like
+    the uninterrupted run; `history` (metric records) seeds checkpoints written before that."""
 
-    def __init__(self, factor: float, warmup: int, history=(), window: int = 100):
+    def __init__(self, factor: float, warmup: int, history=(), window: int = 100, saved: dict | None = None):
         self.factor, self.warmup = factor, warmup
         self.history = {t: collections.deque(maxlen=window) for t in GUARDED_TERMS}
+        if saved is not None:
+            for t in GUARDED_TERMS:
+                self.history[t].extend(float(v) for v in saved.get(t, ()))
+            return
         for record in history:
             self.add(record)
+
+    def saved(self) -> dict[str, list[float]]:
+        """The history as JSON, for a checkpoint's meta."""
+        return {t: list(seen) for t, seen in self.history.items()}
 
     def add(self, metrics: dict[str, float]) -> None:
         for t in GUARDED_TERMS:
@@ -215,7 +225,7 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
                           out_shardings=teacher_sh)(base)
     if latest is not None:
         del base
-        state, data_state, _ = ckpt.restore(latest, abstract_state)
+        state, data_state, restored_meta = ckpt.restore(latest, abstract_state)
         try:
             batches.restore(data_state)
         except ValueError as e:
@@ -223,6 +233,7 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
                             "the old ones, or start over with --overwrite)") from e
         info(f"resumed from {cfg.checkpoint_dir}/{latest}")
     else:
+        restored_meta = {}
         params = modeling.retrofit_params(kv_config, base, jax.random.PRNGKey(cfg.seed))
         del base
         state = jax.jit(lambda p: st.init_state(p, tx, cfg.seed), out_shardings=state_sh)(params)
@@ -238,7 +249,8 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
             "train_config": run_json, "init_fingerprint": init_fingerprint}
 
     log = MetricsLog(cfg, start)
-    guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records)
+    guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records,
+                            saved=restored_meta.get(GUARD_META_KEY))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
                disable=not cfg.progress or jax.process_index() != 0, dynamic_ncols=True)
@@ -262,7 +274,8 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
                             auc=f"{metrics['boundary_auc']:.3f}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
-            ckpt.save(state, batches.state(), meta, force=step + 1 == cfg.steps)
+            ckpt.save(state, batches.state(), dict(meta, **{GUARD_META_KEY: guard.saved()}),
+                      force=step + 1 == cfg.steps)
         ckpt.wait()
     finally:
         bar.close()
