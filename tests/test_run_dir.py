@@ -74,6 +74,25 @@ def test_two_runs_into_one_folder_the_second_fails_at_once_with_one_line(tmp_pat
     assert not os.path.exists(os.path.join(run, "checkpoints"))
 
 
+def test_a_second_teacher_top_k_writer_is_refused_before_any_work(tmp_path, arch):
+    """Two --write_teacher_logits into one folder would write each step's file together."""
+    from train.teacher_cache import write_teacher_logits
+
+    teacher_dir = str(tmp_path / "teacher")
+    holder = _hold_lock(teacher_dir)
+    try:
+        cfg = parse(tiny_flags(str(tmp_path / "run"), arch, steps=2, write_teacher_logits=True,
+                               teacher_logits_dir=teacher_dir))
+        with pytest.raises(FlagError, match=f"teacher top-k folder {teacher_dir} in use by PID {holder.pid} .*"
+                                            "choose another --teacher_logits_dir"):
+            write_teacher_logits(cfg)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert os.listdir(teacher_dir) == [LOCK_FILE]
+
+
 def _fake_run(run_dir):
     """A run folder as a killed run leaves it: a checkpoint step, metrics, a config and an export."""
     os.makedirs(os.path.join(run_dir, "checkpoints", "2"))

@@ -62,9 +62,10 @@ _overwritten: set[str] = set()  # run folders whose outputs --overwrite deleted 
 
 
 @contextlib.contextmanager
-def lock_run_dir(run_dir: str) -> Iterator[None]:
-    """Holds RUN_DIR/run.lock (creating RUN_DIR) or raises FlagError naming the PID that holds it.
-    Only process 0 of a multi-host run locks (the others share its folder)."""
+def lock_run_dir(run_dir: str, what: str = "run folder", flag: str = "--run_dir") -> Iterator[None]:
+    """Holds RUN_DIR/run.lock (creating RUN_DIR) or raises FlagError naming the PID that holds it
+    (the folder called `what`, chosen by `flag`). Only process 0 of a multi-host run locks (the
+    others share its folder)."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
     if jax.process_index() != 0:
@@ -82,8 +83,8 @@ def lock_run_dir(run_dir: str) -> Iterator[None]:
                 raise
             with open(path) as f:
                 owner = f.read().strip() or "?"
-            raise FlagError(f"run folder {run_dir} in use by PID {owner} (lock {path}); wait for that run, "
-                            "or stop it, or choose another --run_dir") from None
+            raise FlagError(f"{what} {run_dir} in use by PID {owner} (lock {path}); wait for that run, "
+                            f"or stop it, or choose another {flag}") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _held[path] = [fd, 1]

@@ -29,6 +29,7 @@ from kvpop_jax.checkpoint import checkpoint_fingerprint
 from kvpop_jax.fileio import atomic_write_bytes
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config
+from train.run_dir import lock_run_dir
 from train.setup import build_mesh, next_rows, prepare_data, prepare_init_checkpoint, run_tokenizer, step_config
 
 
@@ -133,7 +134,14 @@ def read_teacher_topk(cfg: TrainConfig, step: int, input_ids: np.ndarray) -> dic
 
 
 def write_teacher_logits(cfg: TrainConfig) -> int:
-    """Runs the frozen teacher over the batches of steps [0, steps) and writes their top-k."""
+    """Runs the frozen teacher over the batches of steps [0, steps) and writes their top-k, holding
+    the directory's lock: a second writer is refused at once (two would write one step's file
+    together)."""
+    with lock_run_dir(cfg.teacher_logits_dir, what="teacher top-k folder", flag="--teacher_logits_dir"):
+        return _write_teacher_logits(cfg)
+
+
+def _write_teacher_logits(cfg: TrainConfig) -> int:
     mesh = build_mesh(cfg)
     init_dir = prepare_init_checkpoint(cfg)
     model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
