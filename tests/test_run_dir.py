@@ -349,6 +349,40 @@ def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_t
         assert Checkpointer(directory, read_only=True).latest_step() == 2  # the advice works
 
 
+def test_a_killed_saves_unfinished_step_folder_is_swept_quietly_when_the_run_reopens(tmp_path, caplog):
+    """A kill during an async save leaves N.orbax-checkpoint-tmp. The resume's own save of step N then
+    met it with a `W... Attempted to create temporary directory ... which already exists` line; the
+    folder is now swept when a writer opens the checkpoints (before its first save), and a reader
+    (train.export) leaves the folder as it is."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train.checkpointing import Checkpointer
+    from train.step import TrainState
+
+    directory = tmp_path / "checkpoints"
+    rng = np.random.default_rng(1)
+    state = lambda step: TrainState(step=jnp.asarray(step, jnp.int32),  # noqa: E731
+                                    params={"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)},
+                                    opt_state={"m": jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
+                                    rng=jnp.asarray([1, 2], jnp.uint32))
+    ckpt = Checkpointer(str(directory), async_save=False)
+    ckpt.save(state(2), {"pos": 2}, {"note": "x"}, force=True)
+    ckpt.close()
+    unfinished = directory / "3.orbax-checkpoint-tmp"
+    (unfinished / "params").mkdir(parents=True)
+    (unfinished / "params" / "part").write_bytes(rng.bytes(64))
+    Checkpointer(str(directory), read_only=True).close()
+    assert unfinished.is_dir()
+    caplog.clear()
+    ckpt = Checkpointer(str(directory), async_save=False)
+    assert ckpt.latest_step() == 2
+    ckpt.save(state(3), {"pos": 3}, {"note": "x"}, force=True)
+    ckpt.close()
+    assert sorted(os.listdir(directory)) == ["2", "3"]
+    assert not [r for r in caplog.records if "already exists" in r.getMessage()], caplog.text
+
+
 def test_orbax_bare_exception_on_a_damaged_array_is_the_same_one_error(tmp_path):
     """orbax wraps some failed array reads (a half-truncated data file of a real run's step) in a bare
     Exception; that is damage too. Other errors (a RuntimeError such as running out of memory) pass."""

@@ -40,6 +40,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save,
             create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only,  # a killed save's unfinished step folder, quietly
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
