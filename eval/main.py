@@ -46,6 +46,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
     parser.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", default=None, help="prompt text (uses the checkpoint's tokenizer)")
+    prompt.add_argument("--prompt_file", default=None,
+                        help="a UTF-8 file holding the prompt text (longer than one shell argument may be)")
     prompt.add_argument("--prompt_ids", default=None, help="comma-separated token ids (no tokenizer needed)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
@@ -64,7 +66,11 @@ def cmd_generate(argv: Sequence[str]) -> None:
             tokenizer = load_tokenizer(args.checkpoint)
         except ValueError as e:
             parser.error(f"{e}; pass --prompt_ids instead of --prompt")
-        ids = tokenizer(args.prompt)["input_ids"]
+        if args.prompt_file is not None:
+            text = _read_text(args.prompt_file, "--prompt_file")
+        else:
+            text = _utf8_arg(args.prompt, "--prompt")
+        ids = tokenizer(text)["input_ids"]
     if not ids:
         parser.error("the prompt is empty")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)  # checked before the weights
@@ -222,7 +228,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
             tokenizer = checkpoint_tokenizer(args.checkpoint)
             if tokenizer is None:
                 parser.error(f"no tokenizer in {args.checkpoint!r}; pass --ids or --data")
-            text = _read_text(args.text_file) if args.text_file else args.text
+            text = _read_text(args.text_file) if args.text_file else _utf8_arg(args.text, "--text")
             data = np.asarray([tokenizer(text)["input_ids"]])
         run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
                          out_dir=args.out_dir, rows=args.rows, text_field=args.text_field)
@@ -235,7 +241,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     elif args.text_file:
         source = _read_text(args.text_file)
     else:
-        source = args.text
+        source = _utf8_arg(args.text, "--text")
     run_patterns(args.checkpoint, source, out_dir=args.out_dir, last_n=112 if args.last_n is None else args.last_n)
     print(open(f"{args.out_dir}/patterns.md").read())
 
@@ -267,13 +273,25 @@ COMMANDS: dict[str, Callable[[Sequence[str]], None]] = {
 }
 
 
-def _read_text(path: str) -> str:
-    """--text_file's text; a file that is not UTF-8 is named (not a bare codec error)."""
+def _read_text(path: str, flag: str = "--text_file") -> str:
+    """The text of a file flag; a file that is not UTF-8 is named (not a bare codec error)."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--text_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ValueError(f"{flag} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _utf8_arg(text: str, flag: str) -> str:
+    """A text flag as given; bytes of it that are not UTF-8 reach Python as lone surrogates (PEP 383), which
+    the tokenizer refuses with a bare TypeError, so they are named here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        what = f"byte {bad - 0xDC00:#04x}" if 0xDC80 <= bad <= 0xDCFF else f"lone surrogate {chr(bad)!r}"
+        raise ValueError(f"{flag} is not UTF-8 text ({what} at character {e.start})") from None
+    return text
 
 
 def _first_word(argv: Sequence[str]) -> str:

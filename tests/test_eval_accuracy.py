@@ -452,7 +452,7 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
     # --prompt and --prompt_ids together: --prompt was dropped without a word; neither: a prompt of nothing
     for argv, message in ((["--prompt", "x3", "--prompt_ids", "1,5"], "argument --prompt_ids: not allowed with "
                                                                       "argument --prompt"),
-                          ([], "one of the arguments --prompt --prompt_ids is required"),
+                          ([], "one of the arguments --prompt --prompt_file --prompt_ids is required"),
                           (["--prompt_ids", ""], "error: --prompt_ids: '' is not an integer token id")):
         with pytest.raises(SystemExit) as exit_info:
             main(["generate", "--checkpoint", dense, *argv])
@@ -655,3 +655,43 @@ def test_top_level_help_exits_0(argv, capsys):
 
     eval_main.main(argv)
     assert "usage: python -m eval.main" in capsys.readouterr().out
+
+
+def test_cli_generate_names_a_prompt_that_is_not_utf8(tmp_path, capsys, monkeypatch):
+    """Bytes of a --prompt that are not UTF-8 reach Python as lone surrogates (PEP 383); the tokenizer
+    refused them with a bare TypeError traceback. Now one line naming the flag, before the weights load."""
+    import eval.main as eval_main
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    monkeypatch.setattr(eval_main, "load_pretrained", lambda *a, **k: pytest.fail("the weights were loaded"))
+    prompt = os.fsdecode(b"x3\xff\xfey5")  # what `python -m eval.main generate --prompt $'x3\xff\xfey5'` sees
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main.main(["generate", "--checkpoint", dense, "--prompt", prompt])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.strip() == "error: --prompt is not UTF-8 text (byte 0xff at character 2)", err
+    with pytest.raises(SystemExit) as exit_info:  # patterns --text took the same path to the tokenizer
+        eval_main.main(["patterns", "--checkpoint", "checkpoints/demo-kvpop-mlstm", "--text", prompt,
+                        "--out_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: --text is not UTF-8 text (byte 0xff at character 2)" in err, err
+
+
+def test_cli_generate_reads_a_prompt_file(tmp_path, capsys):
+    """--prompt_file: a prompt longer than one shell argument may be (128 KiB on Linux), read as UTF-8
+    and tokenized as --prompt is: the same completion as --prompt with its text; a non-UTF-8 file named."""
+    from eval.main import main
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    text = "x3y5\nask x\n"
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    outputs = []
+    for argv in (["--prompt", text], ["--prompt_file", str(tmp_path / "prompt.txt")]):
+        main(["generate", "--checkpoint", dense, *argv, "--max_new_tokens", "3", "--temperature", "0"])
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "generated ids:" in outputs[0]
+    (tmp_path / "bad.txt").write_bytes(b"x3\xffy5")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--checkpoint", dense, "--prompt_file", str(tmp_path / "bad.txt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--prompt_file '{tmp_path / 'bad.txt'}' is not UTF-8 text" in err
