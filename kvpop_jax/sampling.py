@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+FLOAT32_TINY = float(jnp.finfo(jnp.float32).tiny)  # the smallest normal float32 (~1.2e-38)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 disable those filters."""
+    """temperature 0 means greedy (so does one too small for a float32, below ~1.2e-38: greedy is its limit).
+    top_k 0 and top_p 1 and min_p 0 disable those filters."""
 
     temperature: float = 0.6
     top_p: float = 0.95
@@ -78,9 +80,11 @@ def filter_min_p(logits: jax.Array, min_p: float) -> jax.Array:
 def sample(rng: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
     """logits [B, V] float -> token ids int32 [B]."""
     logits = logits.astype(jnp.float32)
-    if config.temperature == 0.0:
+    if config.temperature < FLOAT32_TINY:  # 0, or below float32's normal range (flushed to 0): greedy, its limit
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / config.temperature
+    # Shifted so the best logit is 0 before the division: a tiny temperature then sends the others to
+    # -inf (never drawn) rather than every logit to +-inf (a NaN softmax, and token 0 drawn).
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / config.temperature
     logits = filter_top_k(logits, config.top_k)
     logits = filter_top_p(logits, config.top_p)
     logits = filter_min_p(logits, config.min_p)

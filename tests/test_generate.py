@@ -303,3 +303,15 @@ def test_generate_arguments_are_checked_and_int_like_values_taken(rng):
         with pytest.raises(ValueError, match=message):
             SamplingConfig(**kwargs)
     assert SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3)).top_k == 3
+
+
+def test_a_tiny_temperature_samples_the_argmax(rng):
+    """temperature -> 0 tends to greedy. A tiny positive temperature (valid: finite and > 0) overflowed
+    logits / T to +-inf, the softmax to NaN, and `categorical` returned token 0 whatever the logits."""
+    logits = jnp.asarray(rng.normal(size=(6, 40)).astype(np.float32) * 4 + 20)
+    best = np.argmax(np.asarray(logits), -1)
+    assert (best != 0).any()
+    for temperature in (1e-30, 1e-38, 1e-45):
+        for cfg in (SamplingConfig(temperature, 1.0, 0, 0.0), SamplingConfig(temperature, 0.95, 20, 0.05)):
+            tok = np.asarray(sample(jax.random.key(int(rng.integers(1 << 30))), logits, cfg))
+            np.testing.assert_array_equal(tok, best, err_msg=f"{cfg}")
