@@ -48,7 +48,7 @@ from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
-from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer, load_tokenizer
+from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer, load_tokenizer, stop_token_ids
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import check_seed, compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
@@ -293,12 +293,12 @@ def run_accuracy(
     def prepare(k: int, ahead: bool):
         """Setting k's (model, params, cache, eos); `ahead`: also compile its first decode program."""
         method, cr = settings[k]
-        config, params = loaded[_checkpoint_for(checkpoints, method, cr)]
+        path = _checkpoint_for(checkpoints, method, cr)
+        config, params = loaded[path]
         model, mparams, cache = method_setup(method, config, params, None if cr is None else budgets[cr],
                                              sinks=sinks, dtype=dtype)
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        eos |= set(config.eos_token_id if isinstance(config.eos_token_id, tuple) else
-                   [config.eos_token_id] if config.eos_token_id is not None else [])
+        eos |= set(stop_token_ids(path, config))  # config.json's and generation_config.json's
         eos = tuple(sorted(eos))
         if ahead:
             compile_generate(model, mparams, first_rows, first_len, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -32,7 +32,7 @@ from eval.outputs import out_dir_arg
 from eval.patterns import run_patterns
 from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
-from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer
+from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer, stop_token_ids
 from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
@@ -76,8 +76,7 @@ def cmd_generate(argv: Sequence[str]) -> None:
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)  # checked before the weights
     seed = check_seed(args.seed, "--seed")
     config, params = load_pretrained(args.checkpoint)
-    eos = config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
+    eos_ids = stop_token_ids(args.checkpoint, config)
     tokens, lengths = generate(
         Qwen3ForCausalLM(config), params, jnp.asarray([ids]), max_new_tokens=args.max_new_tokens,
         sampling=sampling, eos_ids=eos_ids, rng=seed,

@@ -533,6 +533,33 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in _LOADABLE)
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def stop_token_ids(directory: str | os.PathLike, config: Qwen3Config) -> tuple[int, ...]:
+    """The ids that end a generation from this checkpoint: config.json's `eos_token_id` and those of
+    its generation_config.json, as transformers' `generate` stops (Qwen3's file lists <|im_end|> and
+    <|endoftext|>, config.json only one). Ids are not checked here (`generate` names a bad one)."""
+    ids = []
+    for eos in (config.eos_token_id, _generation_config(directory).get("eos_token_id")):
+        ids.extend(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return tuple(dict.fromkeys(ids))
+
+
+def _generation_config(directory: str | os.PathLike) -> dict:
+    path = os.path.join(os.fspath(directory), GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON file: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def checkpoint_tokenizer(checkpoint):
     """The checkpoint directory's tokenizer, or None when it ships none."""
     if not isinstance(checkpoint, (str, os.PathLike)) or not has_tokenizer(checkpoint):

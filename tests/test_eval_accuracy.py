@@ -695,3 +695,53 @@ def test_cli_generate_reads_a_prompt_file(tmp_path, capsys):
         main(["generate", "--checkpoint", dense, "--prompt_file", str(tmp_path / "bad.txt")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--prompt_file '{tmp_path / 'bad.txt'}' is not UTF-8 text" in err
+
+
+def test_cli_generate_stops_at_the_generation_configs_eos_ids(tmp_path, capsys):
+    """transformers' `generate` stops at generation_config.json's eos_token_id (Qwen3's lists
+    <|im_end|> and <|endoftext|>, config.json one of them); `eval.main generate` read config.json's
+    only and ran on past the second. Its ids now stop it too (with config.json's)."""
+    from eval.main import main
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense", eos_token_id=None)  # no stop but the file's
+
+    def generated(*argv):
+        main(["generate", "--checkpoint", dense, "--prompt_ids", "1,30,41,7", "--max_new_tokens", "8",
+              "--temperature", "0", *argv])
+        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("generated ids:")][0]
+        return json.loads(line.split(":", 1)[1])
+
+    free = generated()
+    assert len(free) == 8
+    stop = next(i for i in range(1, 8) if free[i] not in free[:i])
+    (tmp_path / "dense" / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[stop]]}))
+    assert generated() == free[: stop + 1]
+    (tmp_path / "dense" / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**9}))
+    with pytest.raises(SystemExit) as exit_info:
+        generated()
+    assert exit_info.value.code == 2
+    assert "holds 1000000000; expected token ids in" in capsys.readouterr().err
+
+
+def test_accuracy_stops_at_the_generation_configs_eos_ids_too(tmp_path, monkeypatch):
+    """run_accuracy stopped at the tokenizer's and config.json's EOS ids only: a Qwen3 rollout ran past
+    <|endoftext|> (generation_config.json's second id) to max_new_tokens. Its ids now stop it too."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    (tmp_path / "dense" / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11]}))
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")
+    seen = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, eos_ids, **kwargs):
+        seen.append(eos_ids)
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    run_accuracy(["dense"], {"dense": dense}, str(bench), out_dir=str(tmp_path / "out"), n_rollouts=1,
+                 compression_ratios=(0.5,), context_len=24, max_new_tokens=4, sampling=SamplingConfig.greedy(),
+                 progress=False, compile_ahead=False)
+    from demo.atoms import VOCAB
+
+    assert seen and all(set(eos) == {VOCAB["<eos>"], 7, 11} for eos in seen), seen
