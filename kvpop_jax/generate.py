@@ -250,15 +250,7 @@ def generate(
         warnings.warn(f"the prompt plus max_new_tokens reach {reach} tokens, beyond the model's "
                       f"max_position_embeddings {model.config.max_position_embeddings}", stacklevel=2)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
-    if rng is None:
-        rng = jax.random.key(0)
-    elif not isinstance(rng, jax.Array) and _int_like(rng) is not None:
-        rng = jax.random.key(check_seed(rng))  # a seed
-    elif isinstance(rng, np.ndarray) and rng.dtype == np.uint32 and rng.shape == (2,):
-        rng = jnp.asarray(rng)  # a raw jax.random.PRNGKey that went through numpy
-    elif not isinstance(rng, jax.Array):
-        raise ValueError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__}")
-    return _generate(model, params, prompt_ids, rng, _eos_array(eos), max_new_tokens=max_new_tokens,
+    return _generate(model, params, prompt_ids, _as_key(rng), _eos_array(eos), max_new_tokens=max_new_tokens,
                      sampling=sampling, cache=kind, stream_from=stream_from)
 
 
@@ -287,6 +279,25 @@ def compile_generate(
     _generate.lower(model, params, jnp.zeros((batch, prompt_len), jnp.int32), jax.random.key(0),
                     _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling, cache=kind,
                     stream_from=stream_from).compile()
+
+
+def _as_key(rng) -> jax.Array:
+    """`generate`'s rng as one PRNG key: None (seed 0), an int seed (Python, numpy or a jax integer
+    scalar), a jax.random.key, or a raw jax.random.PRNGKey (uint32 [2], through numpy too)."""
+    if rng is None:
+        return jax.random.key(0)
+    typed = isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if not typed and _int_like(rng) is not None:
+        return jax.random.key(check_seed(rng))  # a seed
+    raw = isinstance(rng, (np.ndarray, jax.Array)) and rng.dtype == np.uint32 and rng.shape[-1:] == (2,)
+    if not (typed or raw):
+        raise ValueError(f"rng must be a jax.random.key (or an int seed), got {type(rng).__name__}"
+                         + (f" {rng.dtype}{list(rng.shape)}" if isinstance(rng, (np.ndarray, jax.Array)) else ""))
+    shape = rng.shape if typed else rng.shape[:-1]
+    if shape != ():  # one key per row was jax's "split accepts a single key ... use jax.vmap"
+        raise ValueError(f"rng must be one key, got a batch of keys of shape {shape}: every row of the batch "
+                         "already draws its own noise from one key")
+    return jnp.asarray(rng)
 
 
 def _eos_array(eos_ids) -> jax.Array:

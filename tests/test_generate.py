@@ -1,6 +1,7 @@
 """Sampling filters against numpy, and the jitted decode loop against the full forward."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -315,3 +316,26 @@ def test_a_tiny_temperature_samples_the_argmax(rng):
         for cfg in (SamplingConfig(temperature, 1.0, 0, 0.0), SamplingConfig(temperature, 0.95, 20, 0.05)):
             tok = np.asarray(sample(jax.random.key(int(rng.integers(1 << 30))), logits, cfg))
             np.testing.assert_array_equal(tok, best, err_msg=f"{cfg}")
+
+
+def test_rng_takes_a_jax_integer_seed_and_names_a_batch_of_keys(rng):
+    """A jax integer scalar is an int seed (it was a TypeError about PRNG key data), and one key per row
+    (`jax.random.split(key, B)`) is named: jax's own error said to use jax.vmap."""
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(1))
+    model = Qwen3ForCausalLM(config)
+    prompt = rng.integers(0, config.vocab_size, size=(2, 5))
+    sampled = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)
+    seed = int(rng.integers(1 << 30))
+    want = np.asarray(generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=seed)[0])
+    for same in (jnp.int32(seed), jnp.asarray(seed, jnp.uint32), np.asarray(seed)):
+        got = generate(model, params, prompt, max_new_tokens=4, sampling=sampled, rng=same)[0]
+        np.testing.assert_array_equal(np.asarray(got), want)
+    for keys, shape in ((jax.random.split(jax.random.key(seed), 2), (2,)),
+                        (jax.random.split(jax.random.PRNGKey(seed), 2), (2,)),
+                        (np.zeros((3, 2), np.uint32), (3,))):
+        with pytest.raises(ValueError, match=re.escape(f"rng must be one key, got a batch of keys of shape {shape}")):
+            generate(model, params, prompt, max_new_tokens=2, sampling=sampled, rng=keys)
+    for bad in (jnp.float32(1.0), np.zeros(4, np.uint32), 0.5):
+        with pytest.raises(ValueError, match="rng must be a jax.random.key"):
+            generate(model, params, prompt, max_new_tokens=2, sampling=sampled, rng=bad)
