@@ -339,3 +339,101 @@ def test_rng_takes_a_jax_integer_seed_and_names_a_batch_of_keys(rng):
     for bad in (jnp.float32(1.0), np.zeros(4, np.uint32), 0.5):
         with pytest.raises(ValueError, match="rng must be a jax.random.key"):
             generate(model, params, prompt, max_new_tokens=2, sampling=sampled, rng=bad)
+
+
+def _nucleus_reference(logits, cfg):
+    """The sampling distribution of `cfg` by numpy, in transformers' order: temperature, top-k, top-p, min-p."""
+    x = logits.astype(np.float64) / cfg.temperature
+    if 0 < cfg.top_k < x.size:
+        x = np.where(x < np.sort(x)[::-1][cfg.top_k - 1], -np.inf, x)
+    if cfg.top_p < 1:
+        probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]  # the smallest set whose mass reaches p
+        keep = np.zeros(x.size, bool)
+        keep[order[before < cfg.top_p]] = True
+        x = np.where(keep, x, -np.inf)
+    if cfg.min_p > 0:
+        x = np.where(np.exp(x - x.max()) < cfg.min_p, -np.inf, x)
+    probs = np.exp(x - x.max())
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0, 1.0, 0, 0.0), SamplingConfig(0.6, 0.95, 5, 0.0),
+                                 SamplingConfig(1.3, 0.7, 0, 0.0), SamplingConfig(0.8, 1.0, 0, 0.2),
+                                 SamplingConfig(2.0, 0.9, 8, 0.05)])
+def test_sampled_frequencies_match_the_reference_distribution(rng, cfg):
+    """20k draws of one row: no token outside the reference's support, and a chi-square within the
+    0.999 quantile of its degrees of freedom (the test fails by chance about once in 1000 seeds)."""
+    logits = rng.normal(size=12).astype(np.float32) * 0.6
+    n = 20_000
+    tokens = np.asarray(sample(jax.random.key(int(rng.integers(1 << 30))), jnp.asarray(np.tile(logits, (n, 1))), cfg))
+    counts = np.bincount(tokens, minlength=logits.size)
+    expected = _nucleus_reference(logits, cfg) * n
+    assert not counts[expected == 0].any()
+    support = expected > 0
+    dof = int(support.sum()) - 1
+    chi2 = ((counts[support] - expected[support]) ** 2 / expected[support]).sum()
+    bound = {0: 1e-9, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+             10: 29.59, 11: 31.26}[dof]
+    assert chi2 < bound, (chi2, dof, counts, expected)
+
+
+def test_sampled_generate_with_a_bounded_cache_matches_a_reference_loop(rng):
+    """Sampling through the KVpop cache (prompt past B, 5 B new tokens, EOS per row) draws what a plain
+    loop over the masked parallel forward draws with the same key schedule; tokens after a row's EOS
+    are 0, and two rows with the same prompt draw different continuations."""
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=3, topk=3, scorer="mlp"))
+    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        if "kvpop" in jax.tree_util.keystr(path) else x, params)
+    model = Qwen3ForCausalLM(config)
+    cfg, n, seed = SamplingConfig(1.0, 0.9, 30, 0.0), 40, int(rng.integers(1 << 30))
+    prompt = rng.integers(0, config.vocab_size, size=(3, 9))
+    prompt[1] = prompt[0]
+    forward = jax.jit(lambda ids: model.apply({"params": params}, ids).logits)
+    free = np.zeros((3, 9 + n), np.int32)  # the reference, with no EOS: pick EOS ids it draws
+    free[:, :9] = prompt
+    key = jax.random.key(seed)
+    keys = []
+    for t in range(9, 9 + n):
+        key, k = jax.random.split(key)
+        keys.append(k)
+        free[:, t] = np.asarray(sample(k, forward(jnp.asarray(free))[:, t - 1], cfg))
+    assert (free[0, 9:] != free[1, 9:]).any()
+    eos = (int(free[0, 12]), int(free[2, 30]))
+    tokens, lengths = generate(model, params, prompt, max_new_tokens=n, sampling=cfg, rng=seed, eos_ids=eos)
+    want = free[:, 9:].copy()
+    for row in range(3):
+        stop = np.flatnonzero(np.isin(want[row], eos))
+        if stop.size:
+            want[row, stop[0] + 1:] = 0
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+    for row in range(3):
+        stop = np.flatnonzero(np.isin(want[row], eos))
+        assert int(lengths[row]) == (stop[0] + 1 if stop.size else n)
+    assert int(lengths[0]) <= 4
+
+
+@pytest.mark.parametrize("prompt_len", [7, 8, 9])
+def test_greedy_kvpop_at_the_budget_and_past_it_over_a_long_generation(rng, prompt_len):
+    """Prompts one short of B = s + w + k, exactly B and one past it, then 5 B greedy tokens (the cache
+    rolls five times): the masked parallel forward's argmax at every step."""
+    from kvpop_jax import KVpopConfig
+    from kvpop_jax.modeling import retrofit_params
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=3, topk=3, scorer="mlp"))
+    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        if "kvpop" in jax.tree_util.keystr(path) else x, params)
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, prompt_len)))
+    tokens, _ = generate(model, params, prompt, max_new_tokens=40, sampling=SamplingConfig.greedy())
+    np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 40))
