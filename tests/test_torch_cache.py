@@ -5,6 +5,7 @@ slots hold the same token positions after every step, through prompts shorter an
 B; greedy `generate` on the shipped demo exports gives the tokens of `eval.main generate`.
 """
 
+import json
 import os
 
 import jax
@@ -293,6 +294,36 @@ def test_greedy_generate_on_demo_exports_matches_eval_generate(capsys, name):
     got = out[0, len(prompt):].tolist()
     assert len(prompt) > 123 and len(want) > 3
     assert got[: len(want)] == want and (len(got) == len(want) or got[len(want)] == 0)
+
+
+def test_eval_generate_stops_where_transformers_generate_stops(tmp_path, capsys):
+    """A generation_config.json naming a second EOS id (as Qwen3's does): transformers' `generate` stops
+    there, and so does `python -m eval.main generate` (it read config.json's eos_token_id only)."""
+    import shutil
+
+    from demo import task as demo_task
+    from kvpop_jax.checkpoint import checkpoint_tokenizer
+
+    directory = str(tmp_path / "teacher")
+    shutil.copytree(os.path.join(REPO, "checkpoints", "demo-teacher"), directory)
+    example = demo_task.generate_example(demo_task.example_seed(0, "test", 5), seq_len=384)
+    prompt = checkpoint_tokenizer(directory)(example["prompt"])["input_ids"]
+
+    def cli():
+        eval_main.main(["generate", "--checkpoint", directory, "--prompt_ids", ",".join(map(str, prompt)),
+                        "--max_new_tokens", "16", "--temperature", "0"])
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("generated ids:"))
+        return [int(t) for t in line.split(":", 1)[1].strip(" []").split(",") if t.strip()]
+
+    free = cli()
+    stop = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, free[stop]], "pad_token_id": 0}, f)
+    want = cli()
+    model, make_cache = kvpop_torch.load(directory)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), cache=make_cache(), max_new_tokens=16, do_sample=False)
+    assert out[0, len(prompt):].tolist() == want == free[: stop + 1]
 
 
 def test_rope_is_read_as_transformers_reads_it_and_weights_come_from_one_place(tmp_path, rng):
