@@ -130,8 +130,10 @@ def _shared_tokenizer(tokenizer, paths: Sequence[str]):
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
+        # transformers 5 returns a BatchEncoding by default, 4 a list of ids: ask both for the dict
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt + CHAT_INSTRUCTION}],
-                                                  add_generation_prompt=True, tokenize=True))
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
 

@@ -745,3 +745,33 @@ def test_accuracy_stops_at_the_generation_configs_eos_ids_too(tmp_path, monkeypa
     from demo.atoms import VOCAB
 
     assert seen and all(set(eos) == {VOCAB["<eos>"], 7, 11} for eos in seen), seen
+
+
+def test_chat_template_prompts_are_token_ids(tmp_path, monkeypatch):
+    """--chat_template: transformers 5's apply_chat_template(tokenize=True) returns a BatchEncoding, and
+    list() of it gave the prompt ['input_ids', 'attention_mask']; the prompt is now the template's ids
+    (as transformers 4 returned them)."""
+    import eval.accuracy as accuracy
+    from kvpop_jax.checkpoint import load_tokenizer
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    tok = load_tokenizer(dense)
+    tok.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}" \
+                        "{% if add_generation_prompt %}a:{% endif %}"
+    tok.save_pretrained(dense)
+    problem = "x3y5\nask x\n"
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem=problem, answer="3")) + "\n")
+    seen = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
+        seen.append(np.asarray(prompt_ids).tolist())
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    run_accuracy(["dense"], {"dense": dense}, str(bench), out_dir=str(tmp_path / "out"), n_rollouts=1,
+                 compression_ratios=(0.5,), context_len=64, max_new_tokens=2, sampling=SamplingConfig.greedy(),
+                 progress=False, compile_ahead=False, chat_template=True)
+    text = f"u:{problem}{accuracy.CHAT_INSTRUCTION}\na:"
+    want = load_tokenizer(dense)(text, add_special_tokens=False)["input_ids"]
+    assert seen == [[want]]
