@@ -49,6 +49,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
     prompt.add_argument("--prompt_file", default=None,
                         help="a UTF-8 file holding the prompt text (longer than one shell argument may be)")
     prompt.add_argument("--prompt_ids", default=None, help="comma-separated token ids (no tokenizer needed)")
+    parser.add_argument("--chat_template", action="store_true",
+                        help="the prompt text as one user turn of the tokenizer's chat template")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=0.95)
@@ -59,6 +61,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
     config = Qwen3Config.from_hf(args.checkpoint)  # cheap: bad ids fail before the weights load
     tokenizer = None
     if args.prompt_ids is not None:
+        if args.chat_template:
+            parser.error("--chat_template needs --prompt or --prompt_file (the text it wraps), not --prompt_ids")
         ids = parse_token_ids(args.prompt_ids, "--prompt_ids")
         check_token_ids(ids, config.vocab_size, f"--prompt_ids (for {args.checkpoint})")
     else:
@@ -70,7 +74,13 @@ def cmd_generate(argv: Sequence[str]) -> None:
             text = _read_text(args.prompt_file, "--prompt_file")
         else:
             text = _utf8_arg(args.prompt, "--prompt")
-        ids = tokenizer(text)["input_ids"]
+        if not args.chat_template:
+            ids = tokenizer(text)["input_ids"]
+        elif not getattr(tokenizer, "chat_template", None):
+            parser.error(f"--chat_template: the tokenizer in {args.checkpoint} has no chat template")
+        else:  # return_dict: transformers 5 returns a BatchEncoding by default, 4 a list of ids
+            ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"])
     if not ids:
         parser.error("the prompt is empty")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)  # checked before the weights

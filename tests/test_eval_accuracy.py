@@ -775,3 +775,26 @@ def test_chat_template_prompts_are_token_ids(tmp_path, monkeypatch):
     text = f"u:{problem}{accuracy.CHAT_INSTRUCTION}\na:"
     want = load_tokenizer(dense)(text, add_special_tokens=False)["input_ids"]
     assert seen == [[want]]
+
+
+def test_cli_generate_wraps_a_prompt_in_the_chat_template(tmp_path, capsys):
+    """--chat_template: the prompt text as one user turn of the tokenizer's chat template, with the
+    assistant's opening (as `accuracy --chat_template`, without its \\boxed{} instruction); refused with
+    --prompt_ids (no text to wrap) and named for a tokenizer that has no template."""
+    from eval.main import main
+    from kvpop_jax.checkpoint import load_tokenizer
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--checkpoint", dense, "--prompt", "x3", "--chat_template"])
+    assert exit_info.value.code == 2 and "has no chat template" in capsys.readouterr().err
+    tok = load_tokenizer(dense)
+    tok.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}" \
+                        "{% if add_generation_prompt %}a:{% endif %}"
+    tok.save_pretrained(dense)
+    main(["generate", "--checkpoint", dense, "--prompt", "x3y5\nask x\n", "--chat_template", "--max_new_tokens", "2"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prompt ids:"))
+    assert json.loads(line.split(":", 1)[1]) == tok("u:x3y5\nask x\n\na:", add_special_tokens=False)["input_ids"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--checkpoint", dense, "--prompt_ids", "1,5", "--chat_template"])
+    assert exit_info.value.code == 2 and "--chat_template needs --prompt or --prompt_file" in capsys.readouterr().err
