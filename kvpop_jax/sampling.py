@@ -62,9 +62,9 @@ def filter_top_p(logits: jax.Array, p: float) -> jax.Array:
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < p
-    keep = jnp.zeros_like(keep_sorted).at[..., 0].set(True)
-    keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
+    # The best token always: a p below float32's normal range compares as 0 and would keep none.
+    keep_sorted = (mass_before < p).at[..., 0].set(True)
+    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
     return jnp.where(keep, logits, NEG_INF)
 
 

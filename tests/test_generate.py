@@ -437,3 +437,17 @@ def test_greedy_kvpop_at_the_budget_and_past_it_over_a_long_generation(rng, prom
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, prompt_len)))
     tokens, _ = generate(model, params, prompt, max_new_tokens=40, sampling=SamplingConfig.greedy())
     np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 40))
+
+
+def test_a_tiny_top_p_keeps_the_top_token(rng):
+    """top_p keeps the smallest set whose mass reaches p, never fewer than one token. A p below float32's
+    normal range (valid: > 0) compares as 0, so no token was kept, and every row drew token 0; the one
+    token the filter meant to keep was written at index 0 of the unsorted row, then overwritten."""
+    logits = jnp.asarray(rng.normal(size=(6, 40)).astype(np.float32) * 3)
+    best = np.argmax(np.asarray(logits), -1)
+    assert (best != 0).any()
+    for p in (1e-6, 1e-38, 1e-45, 1e-300):
+        kept = np.asarray(filter_top_p(logits, p)) > -1e29
+        np.testing.assert_array_equal(kept, np.eye(40, dtype=bool)[best], err_msg=f"top_p={p}")
+        tok = sample(jax.random.key(int(rng.integers(1 << 30))), logits, SamplingConfig(1.0, p, 0, 0.0))
+        np.testing.assert_array_equal(np.asarray(tok), best, err_msg=f"top_p={p}")
