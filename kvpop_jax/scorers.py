@@ -28,6 +28,9 @@ import numpy as np
 from kvpop_jax.config import KVpopConfig
 
 NO_WRITE = -1e30  # log input gate of a padding token: writes nothing, keeps m finite
+# Below m = -MAX_NEG_LOG_SCALE, exp(-m) would overflow float32; |q^T n| <= 2S there, so the floor
+# decides the readout either way (num * exp(m), below 1e-37 |num|) and clamping it changes nothing.
+MAX_NEG_LOG_SCALE = 87.0
 MLSTM_MODES = ("chunkwise", "recurrent", "quadratic")
 
 
@@ -89,6 +92,35 @@ def mlstm_step(state: MLSTMState, k: jax.Array, v: jax.Array, i: jax.Array, log_
     return MLSTMState(C, n, m)
 
 
+def stabilized_normalize(num: jax.Array, den: jax.Array, m: jax.Array) -> jax.Array:
+    """`num / max(|den|, exp(-m))` (Eq. 41 on the stabilized state), finite with finite
+    gradients at any gate pre-activation: num [..., dv], den and m [...].
+
+    Where both terms are 0 (exp(-m) underflows once m > ~104, and a one-hot query can miss
+    every written key exactly, so den = 0 and num = 0), the true readout `num_true / 1` is 0:
+    returned as 0 instead of 0/0. The floor's exponent is clamped where exp(-m) would be inf,
+    whose derivative would turn the backward pass into 0 * inf = NaN.
+    """
+    denom = jnp.maximum(jnp.abs(den), jnp.exp(-jnp.maximum(m, -MAX_NEG_LOG_SCALE)))
+    empty = denom == 0
+    return jnp.where(empty[..., None], 0.0, _divide(num, jnp.where(empty, 1.0, denom)))
+
+
+@jax.custom_jvp
+def _divide(num: jax.Array, denom: jax.Array) -> jax.Array:
+    """num [..., dv] / denom [...] (denom > 0)."""
+    return num / denom[..., None]
+
+
+@_divide.defjvp
+def _divide_jvp(primals, tangents):
+    # The quotient rule as (dnum - out * dden) / den: JAX's own -num / den**2 is inf (then NaN)
+    # once den**2 underflows, e.g. den ~ 1e-32 from near-orthogonal one-hot features.
+    (num, denom), (dnum, dden) = primals, tangents
+    out = num / denom[..., None]
+    return out, (dnum - out * dden[..., None]) / denom[..., None]
+
+
 def mlstm_readout(state: MLSTMState, q: jax.Array) -> jax.Array:
     """Reads the memory with query features q [B, H, d] -> h [B, H, dv] (Eq. 41).
 
@@ -98,7 +130,7 @@ def mlstm_readout(state: MLSTMState, q: jax.Array) -> jax.Array:
     """
     num = jnp.einsum("bhd,bhde->bhe", q, state.C)
     den = jnp.einsum("bhd,bhd->bh", q, state.n)
-    return num / jnp.maximum(jnp.abs(den), jnp.exp(-state.m))[..., None]
+    return stabilized_normalize(num, den, state.m)
 
 
 def _shift_for_delay(q, k, v, i, log_f, delay: int, length: int):
@@ -144,7 +176,7 @@ def _chunk(carry: MLSTMState, xs):
     P = jnp.exp(D - m_row[..., None]) * jnp.einsum("bhjd,bhsd->bhjs", q, k)
     num = inter[..., None] * jnp.einsum("bhjd,bhde->bhje", q, C) + jnp.einsum("bhjs,bhse->bhje", P, v)
     den = inter * jnp.einsum("bhjd,bhd->bhj", q, n) + P.sum(axis=-1)
-    out = num / jnp.maximum(jnp.abs(den), jnp.exp(-m_row))[..., None]
+    out = stabilized_normalize(num, den, m_row)
     m_new = m_row[..., -1]
     decay = jnp.exp(g[..., -1] - m_new)
     w = jnp.exp(b[..., -1:] - b + i - m_new[..., None])  # [B, H, L] weight of each write
@@ -180,7 +212,7 @@ def mlstm_quadratic(q, k, v, i, log_f, delay: int) -> jax.Array:
     m = jnp.maximum(Ft, D.max(axis=-1))
     P = jnp.exp(D - m[..., None]) * jnp.einsum("bhud,bhsd->bhus", q, k)
     num = jnp.einsum("bhus,bhse->bhue", P, v)
-    return num / jnp.maximum(jnp.abs(P.sum(axis=-1)), jnp.exp(-m))[..., None]
+    return stabilized_normalize(num, P.sum(axis=-1), m)
 
 
 _MLSTM_FORMS = {"recurrent": mlstm_recurrent, "quadratic": mlstm_quadratic}

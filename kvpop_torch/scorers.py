@@ -24,6 +24,7 @@ from torch import nn
 from kvpop_torch.config import KVpopSettings
 
 NO_WRITE = -1e30  # log input gate of a padding token: writes nothing, keeps m finite
+MAX_NEG_LOG_SCALE = 87.0  # exp(-m) overflows float32 below m = -87 (kvpop_jax.scorers.MAX_NEG_LOG_SCALE)
 
 
 class MLSTMState(NamedTuple):
@@ -70,11 +71,24 @@ def mlstm_step(state: MLSTMState, k, v, i, log_f) -> MLSTMState:
     return MLSTMState(C, n, m)
 
 
+def stabilized_normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`num / max(|den|, exp(-m))`: num [..., dv], den, m [...] (as `kvpop_jax.scorers`).
+
+    Where both terms are 0 (m > ~104 and a one-hot query missing every written key: num = 0
+    too) the readout is 0, not 0/0; exp(-m) is clamped at exp(87) below m = -87, where it decides
+    the readout either way (|den| <= 2S).
+    """
+    denom = torch.maximum(den.abs(), torch.exp(-m.clamp(min=-MAX_NEG_LOG_SCALE)))
+    empty = denom == 0
+    out = num / torch.where(empty, torch.ones_like(denom), denom)[..., None]
+    return torch.where(empty[..., None], torch.zeros_like(out), out)
+
+
 def mlstm_readout(state: MLSTMState, q: torch.Tensor) -> torch.Tensor:
     """q [B, H, d] -> h [B, H, dv] (Eq. 41), denominator max(|q^T n|, exp(-m))."""
     num = torch.einsum("bhd,bhde->bhe", q, state.C)
     den = torch.einsum("bhd,bhd->bh", q, state.n)
-    return num / torch.maximum(den.abs(), torch.exp(-state.m))[..., None]
+    return stabilized_normalize(num, den, state.m)
 
 
 def _pad_time(x: torch.Tensor, before: int, length: int, value: float = 0.0) -> torch.Tensor:
@@ -98,7 +112,7 @@ def _chunk(state: MLSTMState, q, k, v, i, log_f):
     P = torch.exp(D - m_row[..., None]) * torch.einsum("bhjd,bhsd->bhjs", q, k)
     num = inter[..., None] * torch.einsum("bhjd,bhde->bhje", q, C) + torch.einsum("bhjs,bhse->bhje", P, v)
     den = inter * torch.einsum("bhjd,bhd->bhj", q, n) + P.sum(dim=-1)
-    out = num / torch.maximum(den.abs(), torch.exp(-m_row))[..., None]
+    out = stabilized_normalize(num, den, m_row)
     m_new = m_row[..., -1]
     decay = torch.exp(g[..., -1] - m_new)
     w = torch.exp(b[..., -1:] - b + i - m_new[..., None])

@@ -352,3 +352,38 @@ def test_unrotated_scorer_keys_need_rope_theta():
         KVpopHead(_config(scorer_keys="unrotated"), H, D).init(jax.random.key(0), k, k)
     with pytest.raises(ValueError, match="scorer_keys must be one of"):
         _config(scorer_keys="pre_rope")
+
+
+def _extreme_mlstm_inputs(rng, s, delay, gap, dv=5):
+    """Gates far outside the soft-cap, as a scorer trained with `mlstm_gate_softcap=0` (or with
+    weights scaled x100) produces: f ~ exp(-200), so each state holds one write; head 0 writes
+    with i ~ +150 (exp(-m) underflows to 0), head 1 with i ~ -300 (exp(-m) overflows to inf).
+    Features are Hedgehog maps of [c, -c] with 2|c| >= gap, so the query of u is (up to
+    exp(-gap)) orthogonal to the key it reads, k_{u+delay}: q^T n ~ 4 exp(-gap) is exactly 0 for
+    gap 120, and for gap 72 a normal float whose square underflows."""
+    sign = rng.choice([-1.0, 1.0], size=(B, H, s, 1))
+    c = sign * (gap / 2 + 0.5 * np.abs(rng.normal(size=(B, H, s, 1))))
+    z = jnp.asarray(np.concatenate([c, -c], axis=-1), jnp.float32)
+    k = hedgehog(z)
+    q = hedgehog(-z[:, :, np.minimum(np.arange(s) + delay, s - 1)])
+    v = jnp.asarray(rng.normal(size=(B, H, s, dv)), jnp.float32)
+    loc = np.array([150.0, -300.0])[None, :, None]
+    i = jnp.asarray(loc + rng.normal(scale=5.0, size=(B, H, s)), jnp.float32)
+    log_f = jax.nn.log_sigmoid(jnp.asarray(rng.normal(loc=-200.0, size=(B, H, s)), jnp.float32))
+    return q, k, v, i, log_f
+
+
+@pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunkwise"])
+@pytest.mark.parametrize("delay,gap", [(0, 120.0), (2, 120.0), (0, 72.0), (2, 72.0)])
+def test_mlstm_forms_are_finite_at_extreme_gates(rng, form, delay, gap):
+    s = 24
+    inputs = _extreme_mlstm_inputs(rng, s, delay, gap)
+    fn = {"quadratic": mlstm_quadratic, "recurrent": mlstm_recurrent,
+          "chunkwise": functools.partial(mlstm_chunkwise, chunk=8)}[form]
+    fn = jax.jit(functools.partial(fn, delay=delay))
+    out = fn(*inputs)
+    np.testing.assert_allclose(out, _numpy_unstabilized(*inputs, delay=delay), rtol=1e-4, atol=1e-4)
+    weights = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    grads = jax.grad(lambda *x: jnp.sum(fn(*x) * weights), argnums=(0, 1, 2, 3, 4))(*inputs)
+    for name, g in zip(("q", "k", "v", "i", "log_f"), grads):
+        assert bool(jnp.all(jnp.isfinite(g))), f"non-finite gradient for {name}"

@@ -11,9 +11,11 @@ from flax import traverse_util
 
 from kvpop_jax import KVpopConfig
 from kvpop_jax.kvpop import KVpopHead as JaxHead
+from kvpop_jax import scorers as jax_scorers
 from kvpop_jax.scorers import mlstm_step
 from kvpop_torch import config as torch_config
 from kvpop_torch.config import KVpopSettings
+from kvpop_torch import scorers as torch_scorers
 from kvpop_torch.scorers import KVpopHead
 
 HKV, D = 2, 16
@@ -107,3 +109,29 @@ def test_scores_states_and_steps_match_kvpop_jax(rng, options):
     for a, b in zip(state, want[3]):
         close(a, b)
     close(head.scorer.readout(state, torch.from_numpy(k[:, 3]), torch.from_numpy(v[:, 3])), want[4])
+
+
+@pytest.mark.parametrize("gap", [120.0, 72.0])
+def test_mlstm_readout_is_finite_at_extreme_gates(rng, gap):
+    """Gates far outside the soft-cap (i ~ +150: exp(-m) underflows to 0; i ~ -300: it overflows)
+    and Hedgehog features whose query is orthogonal to the key it reads (q^T n = 0 for gap 120):
+    the torch prefill and decode give kvpop_jax's finite readout, not 0/0 = NaN."""
+    b, h, s, delay, dv = 2, 2, 24, 2, 5
+    sign = rng.choice([-1.0, 1.0], size=(b, h, s, 1))
+    c = sign * (gap / 2 + 0.5 * np.abs(rng.normal(size=(b, h, s, 1))))
+    z = np.concatenate([c, -c], axis=-1).astype(np.float32)
+    k = np.array(jax_scorers.hedgehog(jnp.asarray(z)))
+    q = np.array(jax_scorers.hedgehog(jnp.asarray(-z[:, :, np.minimum(np.arange(s) + delay, s - 1)])))
+    v = rng.normal(size=(b, h, s, dv)).astype(np.float32)
+    i = (np.array([150.0, -300.0])[None, :, None] + rng.normal(scale=5.0, size=(b, h, s))).astype(np.float32)
+    log_f = np.array(jax.nn.log_sigmoid(jnp.asarray(rng.normal(loc=-200.0, size=(b, h, s)), jnp.float32)))
+    want = np.asarray(jax_scorers.mlstm_quadratic(q, k, v, i, log_f, delay=delay))
+    assert np.isfinite(want).all()
+    got, _ = torch_scorers.mlstm_chunkwise(*(torch.tensor(x) for x in (q, k, v, i, log_f)), delay=delay, chunk=8)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    state = torch_scorers.mlstm_init_state(b, h, 4, dv, torch.device("cpu"))
+    for t in range(s):
+        state = torch_scorers.mlstm_step(state, *(torch.from_numpy(x[:, :, t]) for x in (k, v, i, log_f)))
+        if t >= delay:
+            got = torch_scorers.mlstm_readout(state, torch.from_numpy(q[:, :, t - delay])).numpy()
+            np.testing.assert_allclose(got, want[:, :, t - delay], rtol=1e-5, atol=1e-5)
