@@ -28,9 +28,12 @@ import numpy as np
 from kvpop_jax.config import KVpopConfig
 
 NO_WRITE = -1e30  # log input gate of a padding token: writes nothing, keeps m finite
-# Below m = -MAX_NEG_LOG_SCALE, exp(-m) would overflow float32; |q^T n| <= 2S there, so the floor
-# decides the readout either way (num * exp(m), below 1e-37 |num|) and clamping it changes nothing.
-MAX_NEG_LOG_SCALE = 87.0
+# The readout floor exp(-m) is taken at m clipped to [-MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE]
+# (`stabilized_normalize`). Below -87 exp(-m) overflows float32; |q^T n| <= 2S there, so the floor
+# decides the readout either way and clipping changes it by < 1e-37 |num|. Above 60 (a gate
+# pre-activation past 60: only with mlstm_gate_softcap = 0 or > 60) the floor stays at e^-60.
+MIN_FLOOR_LOG_SCALE = 87.0
+MAX_FLOOR_LOG_SCALE = 60.0
 MLSTM_MODES = ("chunkwise", "recurrent", "quadratic")
 
 
@@ -96,14 +99,15 @@ def stabilized_normalize(num: jax.Array, den: jax.Array, m: jax.Array) -> jax.Ar
     """`num / max(|den|, exp(-m))` (Eq. 41 on the stabilized state), finite with finite
     gradients at any gate pre-activation: num [..., dv], den and m [...].
 
-    Where both terms are 0 (exp(-m) underflows once m > ~104, and a one-hot query can miss
-    every written key exactly, so den = 0 and num = 0), the true readout `num_true / 1` is 0:
-    returned as 0 instead of 0/0. The floor's exponent is clamped where exp(-m) would be inf,
-    whose derivative would turn the backward pass into 0 * inf = NaN.
+    On the true state this is `num_true / max(|q^T n_true|, 1, exp(m - 60))`: the floor's
+    exponent is clipped (`MAX_FLOOR_LOG_SCALE`, `MIN_FLOOR_LOG_SCALE`). Unclipped, once m > ~104
+    (i > 104 without the soft-cap) exp(-m) is 0 and a one-hot query that misses every written
+    key gave 0/0 = NaN; and a query matching its memory at ~1e-32 of the strongest write gave a
+    ratio whose gradient overflows float32. Such a query now reads about 0. With the default
+    soft-cap (|i| <= 15, so m <= 15) the upper clip never acts.
     """
-    denom = jnp.maximum(jnp.abs(den), jnp.exp(-jnp.maximum(m, -MAX_NEG_LOG_SCALE)))
-    empty = denom == 0
-    return jnp.where(empty[..., None], 0.0, _divide(num, jnp.where(empty, 1.0, denom)))
+    floor = jnp.exp(-jnp.clip(m, -MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE))
+    return _divide(num, jnp.maximum(jnp.abs(den), floor))
 
 
 @jax.custom_jvp
@@ -115,7 +119,7 @@ def _divide(num: jax.Array, denom: jax.Array) -> jax.Array:
 @_divide.defjvp
 def _divide_jvp(primals, tangents):
     # The quotient rule as (dnum - out * dden) / den: JAX's own -num / den**2 is inf (then NaN)
-    # once den**2 underflows, e.g. den ~ 1e-32 from near-orthogonal one-hot features.
+    # once den**2 underflows, as it does for any den < 1e-19.
     (num, denom), (dnum, dden) = primals, tangents
     out = num / denom[..., None]
     return out, (dnum - out * dden[..., None]) / denom[..., None]

@@ -24,7 +24,7 @@ from torch import nn
 from kvpop_torch.config import KVpopSettings
 
 NO_WRITE = -1e30  # log input gate of a padding token: writes nothing, keeps m finite
-MAX_NEG_LOG_SCALE = 87.0  # exp(-m) overflows float32 below m = -87 (kvpop_jax.scorers.MAX_NEG_LOG_SCALE)
+MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE = 87.0, 60.0  # the readout floor's clip (kvpop_jax.scorers)
 
 
 class MLSTMState(NamedTuple):
@@ -72,16 +72,11 @@ def mlstm_step(state: MLSTMState, k, v, i, log_f) -> MLSTMState:
 
 
 def stabilized_normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """`num / max(|den|, exp(-m))`: num [..., dv], den, m [...] (as `kvpop_jax.scorers`).
-
-    Where both terms are 0 (m > ~104 and a one-hot query missing every written key: num = 0
-    too) the readout is 0, not 0/0; exp(-m) is clamped at exp(87) below m = -87, where it decides
-    the readout either way (|den| <= 2S).
-    """
-    denom = torch.maximum(den.abs(), torch.exp(-m.clamp(min=-MAX_NEG_LOG_SCALE)))
-    empty = denom == 0
-    out = num / torch.where(empty, torch.ones_like(denom), denom)[..., None]
-    return torch.where(empty[..., None], torch.zeros_like(out), out)
+    """`num / max(|den|, exp(-m))`: num [..., dv], den, m [...], with the floor's exponent m clipped
+    to [-87, 60] as in `kvpop_jax.scorers.stabilized_normalize`: finite at any gate pre-activation
+    (unclipped, m > ~104 and a one-hot query missing every written key gave 0/0 = NaN)."""
+    floor = torch.exp(-m.clamp(min=-MIN_FLOOR_LOG_SCALE, max=MAX_FLOOR_LOG_SCALE))
+    return num / torch.maximum(den.abs(), floor)[..., None]
 
 
 def mlstm_readout(state: MLSTMState, q: torch.Tensor) -> torch.Tensor:

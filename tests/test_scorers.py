@@ -50,24 +50,29 @@ def _mlstm_inputs(rng, s, d=6, dv=5):
 
 
 def _numpy_unstabilized(q, k, v, i, log_f, delay):
-    """Eq. 38-41 on the true (unstabilized) state, denominator max(|q^T n|, 1)."""
-    q, k, v, i, f = (np.asarray(x, np.float64) for x in (q, k, v, i, jnp.exp(log_f)))
+    """Eq. 38-41 on the true (unstabilized) state, denominator max(|q^T n|, 1, exp(m - 60)) with m
+    the log of the largest write weight (the max-state, m_0 = 0): the floor of
+    `scorers.stabilized_normalize`, which is 1 unless a gate pre-activation exceeds 60."""
+    q, k, v, i, log_f = (np.asarray(x, np.float64) for x in (q, k, v, i, log_f))
+    f = np.exp(log_f)
     s = q.shape[2]
     C = np.zeros(k.shape[:2] + (k.shape[-1], v.shape[-1]))
     n = np.zeros(k.shape[:2] + (k.shape[-1],))
+    m = np.zeros(k.shape[:2])
     states = []
     for t in range(s):
         write = np.exp(i[:, :, t])
         kv = np.einsum("bhd,bhe->bhde", k[:, :, t], v[:, :, t])
         C = f[:, :, t, None, None] * C + write[..., None, None] * kv
         n = f[:, :, t, None] * n + write[..., None] * k[:, :, t]
-        states.append((C, n))
+        m = np.maximum(log_f[:, :, t] + m, i[:, :, t])
+        states.append((C, n, m))
     out = np.zeros(q.shape[:3] + (v.shape[-1],))
     for u in range(s):
-        C, n = states[min(u + delay, s - 1)]
+        C, n, m = states[min(u + delay, s - 1)]
         num = np.einsum("bhd,bhde->bhe", q[:, :, u], C)
         den = np.einsum("bhd,bhd->bh", q[:, :, u], n)
-        out[:, :, u] = num / np.maximum(np.abs(den), 1.0)[..., None]
+        out[:, :, u] = num / np.maximum(np.maximum(np.abs(den), 1.0), np.exp(m - 60.0))[..., None]
     return out
 
 
@@ -360,7 +365,8 @@ def _extreme_mlstm_inputs(rng, s, delay, gap, dv=5):
     with i ~ +150 (exp(-m) underflows to 0), head 1 with i ~ -300 (exp(-m) overflows to inf).
     Features are Hedgehog maps of [c, -c] with 2|c| >= gap, so the query of u is (up to
     exp(-gap)) orthogonal to the key it reads, k_{u+delay}: q^T n ~ 4 exp(-gap) is exactly 0 for
-    gap 120, and for gap 72 a normal float whose square underflows."""
+    gap 120 (the readout was 0/0), for gap 72 a float whose square underflows (the gradient was
+    inf), and for gap 30 above the floor exp(-60) (the readout is the value read, not ~0)."""
     sign = rng.choice([-1.0, 1.0], size=(B, H, s, 1))
     c = sign * (gap / 2 + 0.5 * np.abs(rng.normal(size=(B, H, s, 1))))
     z = jnp.asarray(np.concatenate([c, -c], axis=-1), jnp.float32)
@@ -374,7 +380,7 @@ def _extreme_mlstm_inputs(rng, s, delay, gap, dv=5):
 
 
 @pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunkwise"])
-@pytest.mark.parametrize("delay,gap", [(0, 120.0), (2, 120.0), (0, 72.0), (2, 72.0)])
+@pytest.mark.parametrize("delay,gap", [(0, 120.0), (2, 120.0), (0, 72.0), (2, 72.0), (2, 30.0)])
 def test_mlstm_forms_are_finite_at_extreme_gates(rng, form, delay, gap):
     s = 24
     inputs = _extreme_mlstm_inputs(rng, s, delay, gap)
@@ -387,3 +393,21 @@ def test_mlstm_forms_are_finite_at_extreme_gates(rng, form, delay, gap):
     grads = jax.grad(lambda *x: jnp.sum(fn(*x) * weights), argnums=(0, 1, 2, 3, 4))(*inputs)
     for name, g in zip(("q", "k", "v", "i", "log_f"), grads):
         assert bool(jnp.all(jnp.isfinite(g))), f"non-finite gradient for {name}"
+
+
+def test_unsoftcapped_scorer_with_large_weights_has_finite_scores_and_gradients(rng):
+    """mlstm_gate_softcap=0 and weights x100: gate pre-activations in the hundreds and near one-hot
+    features. The scores were NaN (0/0 readouts) in every form, so the retention loss and the
+    training step were NaN."""
+    s = 64
+    module = MLSTMScorer(num_kv_heads=H, head_dim=16, config=_config(mlstm_gate_softcap=0.0, mlstm_chunk=16))
+    k, v = _kv(rng, s, d=16)
+    variables = jax.tree.map(lambda x: 100.0 * x, _randomized(module, rng, k, v))
+    weights = jnp.asarray(rng.normal(size=(B, H, s)), jnp.float32)
+    for mode in MLSTM_MODES:
+        apply = jax.jit(functools.partial(module.apply, mode=mode))
+        scores = apply(variables, k, v)
+        assert bool(jnp.all(jnp.isfinite(scores))), mode
+        grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, k, v) * weights)))(variables)  # noqa: B023
+        for path, g in jax.tree_util.tree_leaves_with_path(grads):
+            assert bool(jnp.all(jnp.isfinite(g))), (mode, jax.tree_util.keystr(path))
