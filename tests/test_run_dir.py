@@ -194,12 +194,21 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
     # learning rates, loss weights and the step count may change on resume (deliberately)
     check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, base_lr=1e-5, steps=80,
                                          retention_loss_weight=0.5)), model, "ckpt/2")
+    # and so may how it runs: the mesh, remat, scanning, checkpointing and logging cadence, the teacher's source
+    os.makedirs(tmp_path / "t")
+    check_resume(saved, parse(tiny_flags(str(tmp_path / "run"), arch, mesh_fsdp=1, mesh_data=-1, remat="full",
+                                         scan_layers=True, checkpoint_every=5, keep_checkpoints=1, log_every=3,
+                                         async_checkpointing=False, teacher_logits_dir=str(tmp_path / "t"))),
+                 model, "ckpt/2")
     for overrides, message in ((dict(topk=24), "--topk 16 -> 24"), (dict(scorer="mlstm"), "--scorer 'mlp' -> 'mlstm'"),
                                (dict(window=8, topk=24), "--window 16 -> 8; --topk 16 -> 24"),
                                (dict(scorer_hidden=8), "--scorer_hidden 64 -> 8"),
                                (dict(seq_len=256, max_length=256), "--seq_len 128 -> 256"),
                                (dict(demo_seq_len=512), "--demo_seq_len 256 -> 512"),
                                (dict(target_reduce="max"), "--target_reduce 'sum' -> 'max'"),
+                               # each micro-batch's KL mean and query samples: another split trains otherwise
+                               (dict(micro_batch=4), "--micro_batch 2 -> 4"),
+                               (dict(micro_batch=1), "--micro_batch 2 -> 1"),
                                (dict(demo_tasks="read_once,reuse", demo_seq_len=1000),
                                 "--demo_seq_len 256 -> 1000; --demo_tasks \\['read_once'\\] -> "
                                 "\\['read_once', 'reuse'\\]")):

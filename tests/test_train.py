@@ -210,6 +210,9 @@ def test_batch_must_divide_over_data_parallel_devices(tmp_path, arch):
     check_devices(cfg, 2, {"data": 1, "fsdp": 2, "tensor": 1})
     with pytest.raises(FlagError, match="not divisible by the 4 data-parallel devices"):
         check_devices(cfg, 8, {"data": 2, "fsdp": 2, "tensor": 2})
+    # a resume on fewer devices keeps --micro_batch (check_resume refuses another): say which mesh fits it
+    with pytest.raises(FlagError, match=r"data x fsdp must divide 2.*--mesh_fsdp.*a resumed run keeps --micro_batch"):
+        check_devices(cfg, 3, {"data": 1, "fsdp": 3, "tensor": 1})
 
 
 def test_paper_recipes_parse(tmp_path, monkeypatch):

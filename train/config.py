@@ -297,5 +297,6 @@ def check_devices(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int]
         raise FlagError(
             f"--micro_batch={cfg.micro_batch} (global_batch {cfg.global_batch} / accumulation {cfg.grad_accum}) "
             f"is not divisible by the {dp} data-parallel devices (mesh data={mesh_shape['data']} x "
-            f"fsdp={mesh_shape['fsdp']} of {num_devices} devices)"
+            f"fsdp={mesh_shape['fsdp']} of {num_devices} devices): data x fsdp must divide {cfg.micro_batch}; "
+            "pick --mesh_data/--mesh_fsdp/--mesh_tensor to fit (a resumed run keeps --micro_batch)"
         )

@@ -44,8 +44,10 @@ RESUME_KVPOP_FIELDS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "sc
 KVPOP_FLAGS = ("sinks", "window", "topk", "scorer", "scorer_hidden", "scorer_keys", "mlstm_dim", "mlstm_feature_map",
                "mlstm_value", "mlstm_skip", "mlstm_norm", "mlstm_init", "mlstm_gate_softcap", "gamma_min", "gamma_max", "aggregate",
                "normalizer", "target_reduce", "target_lookahead")
-RESUME_RUN_FIELDS = ("seq_len", "global_batch", "param_dtype", "demo_examples", "demo_seq_len", "demo_tasks",
-                     "retrofit")
+# --micro_batch too: the KL is a mean of per-micro-batch means, each micro-batch with its own query
+# samples, so another split trains other weights (a resume would silently leave the uninterrupted run).
+RESUME_RUN_FIELDS = ("seq_len", "global_batch", "micro_batch", "param_dtype", "demo_examples", "demo_seq_len",
+                     "demo_tasks", "retrofit")
 # Where the documents come from (train_config.json's `data` block) -> its flag. The data iterator's own
 # fingerprint counts documents, so another file with as many kept documents would pass without these.
 RESUME_DATA_FIELDS = {"data": "--data", "text_field": "--text_field", "split": "--data_split",
@@ -187,8 +189,8 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
                 changes.append(f"the model's {field} (--init_checkpoint/--model_config) {a!r} -> {b!r}")
     if changes:
         raise FlagError(f"cannot resume {where}: {'; '.join(changes)}. A resumed run keeps its budget, scorer, "
-                        "widths, sequence length and model: rerun with the old values, or start over with "
-                        "--overwrite (or another --run_dir)")
+                        "widths, sequence length, batch split and model: rerun with the old values, or start over "
+                        "with --overwrite (or another --run_dir)")
 
 
 # TrainConfig fields (to_json) that change how a run is carried out, not what it trains: a finished
