@@ -240,3 +240,86 @@ def test_dms_recipes_dry_run_on_8_fake_devices(tmp_path, model, cr, memory):
     assert f"dry run: 36 layers, hidden {hidden}, S=16384" in proc.stdout
     assert f"DMS (w=256, memory {memory} per KV head" in proc.stdout
     assert "mesh data=1 x fsdp=8 x tensor=1 on 8 cpu devices" in proc.stdout and "peak_estimate" in proc.stdout
+
+
+# train.main that exits hard (as a preempted job) right after checkpoint CRASH_AT is on disk, and prints
+# how the restored parameters are placed.
+PREEMPTED_MAIN = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    import train.checkpointing as C
+    from absl import app
+    from train import main
+    from train.config import parse_flags
+
+    crash_at = int(os.environ.get("CRASH_AT", "0"))
+    save, restore = C.Checkpointer.save, C.Checkpointer.restore
+
+    def saving(self, state, *args, **kwargs):
+        saved = save(self, state, *args, **kwargs)
+        if crash_at and int(jax.device_get(state.step)) == crash_at:
+            self.wait()
+            os._exit(9)
+        return saved
+
+    def restoring(self, step, abstract_state):
+        out = restore(self, step, abstract_state)
+        q = out[0].params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+        wrong = [jax.tree_util.keystr(p) for (p, x), a in zip(jax.tree_util.tree_leaves_with_path(out[0]),
+                                                                jax.tree.leaves(abstract_state))
+                 if not x.sharding.is_equivalent_to(a.sharding, x.ndim)]
+        print("RESTORED " + json.dumps({"spec": str(q.sharding.spec), "devices": len(q.sharding.device_set),
+                                        "shard": list(q.addressable_shards[0].data.shape), "wrong": wrong}))
+        return out
+
+    C.Checkpointer.save, C.Checkpointer.restore = saving, restoring
+    app.run(main.main, flags_parser=parse_flags)
+""")
+
+
+@pytest.mark.long
+def test_a_run_preempted_on_8_devices_resumes_on_4_with_their_shardings_and_the_4_device_losses(tmp_path):
+    """A checkpoint written on one mesh restores onto another's shardings (not all on one device) and goes on
+    as the uninterrupted run on the new mesh does, to float rounding (reduction order)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import TINY_ARCH, tiny_flags
+
+    (tmp_path / "arch.json").write_text(json.dumps(TINY_ARCH))
+
+    def run(name, devices, crash_at=0, **mesh):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", CRASH_AT=str(crash_at),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                   JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+        argv = tiny_flags(str(tmp_path / name), str(tmp_path / "arch.json"), steps=4, global_batch=8, micro_batch=4,
+                          tensorboard=False, **mesh)
+        return subprocess.run([sys.executable, "-c", PREEMPTED_MAIN] + argv, cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    four = dict(mesh_data=1, mesh_fsdp=2, mesh_tensor=2)
+    full = run("full", 4, **four)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = run("moved", 8, crash_at=2, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+    assert killed.returncode == 9, killed.stderr[-3000:]
+    resumed = run("moved", 4, **four)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "checkpoints/2" in resumed.stderr
+    placed = json.loads(resumed.stdout.split("RESTORED ", 1)[1].splitlines()[0])
+    assert placed == {"spec": str(P("fsdp", "tensor", None)), "devices": 4, "shard": [16, 2, 8], "wrong": []}
+
+    def metrics(name):
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = metrics("full"), metrics("moved")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+    for ma, mb in zip(a, b):
+        for k in ("loss", "kl", "retention_loss", "grad_norm", "keep_rate", "teacher_recall", "lr_new"):
+            assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-6), (ma["step"], k)
+    from kvpop_jax import load_pretrained
+
+    _, pa = load_pretrained(str(tmp_path / "full" / "export"))
+    _, pb = load_pretrained(str(tmp_path / "moved" / "export"))
+    flat_a, flat_b = traverse_util.flatten_dict(pa), traverse_util.flatten_dict(pb)
+    for key in flat_a:
+        if "b2" in key:  # the MLP scorer's output bias: no gradient from the ranking losses, Adam moves it on noise
+            continue
+        np.testing.assert_allclose(flat_b[key], flat_a[key], rtol=1e-5, atol=1e-6, err_msg=str(key))
