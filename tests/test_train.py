@@ -52,6 +52,10 @@ def test_flags_map_onto_configs(tmp_path, arch):
     (dict(loss_chunk=100), "--loss_chunk"),
     (dict(gamma_min=0.9999999), "gamma_min"),
     (dict(steps=0), "--steps"),
+    # cadence flags a resume may lower: the bad one named with its value
+    (dict(keep_checkpoints=0), "--keep_checkpoints must be >= 1, got 0"),
+    (dict(checkpoint_every=-2), "--checkpoint_every must be >= 1, got -2"),
+    (dict(log_every=0, keep_checkpoints=0), "--keep_checkpoints must be >= 1, got 0; --log_every must be >= 1, got 0"),
     (dict(warmup_steps=41), "--warmup_steps=41 exceeds --steps=40: the learning rates would never reach their peak"),
     (dict(warmup_steps=None, steps=50), r"--warmup_steps=100 \(its default\) exceeds --steps=50"),
     # issue 13: every float flag is finite (NaN slips through `< 0`, inf through `> 0`), named

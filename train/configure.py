@@ -80,8 +80,10 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise FlagError("--write_teacher_logits needs --teacher_logits_dir (where to write)")
     if f.teacher_logits_dir and not os.path.isdir(f.teacher_logits_dir) and not (f.dry_run or f.write_teacher_logits):
         raise FlagError(f"--teacher_logits_dir={f.teacher_logits_dir}: no such directory")
-    if f.checkpoint_every < 1 or f.keep_checkpoints < 1 or f.log_every < 1:
-        raise FlagError("--checkpoint_every, --keep_checkpoints and --log_every must be >= 1")
+    cadence = {"checkpoint_every": f.checkpoint_every, "keep_checkpoints": f.keep_checkpoints, "log_every": f.log_every}
+    bad_cadence = "; ".join(f"--{k} must be >= 1, got {v}" for k, v in cadence.items() if v < 1)
+    if bad_cadence:
+        raise FlagError(bad_cadence)
     if f.divergence_factor < 0 or (0 < f.divergence_factor <= 1) or f.divergence_warmup < 1:
         raise FlagError(f"--divergence_factor must be 0 (off) or > 1 and --divergence_warmup >= 1, got "
                         f"{f.divergence_factor}, {f.divergence_warmup}")
