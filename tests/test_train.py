@@ -427,6 +427,16 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
     assert [m["step"] for m in _metrics(run)] == [1, 2]  # the torn line is gone
     assert all(m["state_finite"] == 1.0 for m in _metrics(run))
     assert json.load(open(os.path.join(run, "train_config.json")))["log_every"] == 2  # rewritten after the restore
+    # a finished run given more --steps goes on and exports again; a lowered keep count prunes once it saves
+    from safetensors.numpy import load_file
+
+    exported = os.path.join(run, "export", "model.safetensors")
+    before = load_file(exported)
+    out = train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=2, keep_checkpoints=1)))
+    assert out["resumed_from"] == 2 and _steps(run) == [3]
+    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    after = load_file(exported)
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
 
 
 def test_non_finite_updated_state_aborts_without_saving_or_exporting(tmp_path, arch):
