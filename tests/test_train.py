@@ -735,3 +735,17 @@ def test_more_query_samples_than_saturated_positions_gets_a_note(tmp_path, arch,
     dms = parse(tiny_flags(str(tmp_path / "dms"), arch, num_query_samples=500, retrofit="dms"))
     step_config(dms, load_model_config(dms))
     assert "num_query_samples" not in capsys.readouterr().err  # DMS samples no queries
+
+
+def test_train_export_prints_its_result_not_orbaxs_logs(tmp_path, arch):
+    """`python -m train.export` after a run printed some 36 lines of orbax INFO and read-only warnings on stderr
+    (train.main silences them); now only its own lines."""
+    import sys
+
+    run = str(tmp_path / "run")
+    train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, export=False)))
+    proc = subprocess.run([sys.executable, "-m", "train.export", f"--checkpoint={run}", f"--out={tmp_path / 'out'}"],
+                          cwd=REPO, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"exported step 2 (1 layers, kvpop) to {tmp_path / 'out'}"
+    assert proc.stderr.strip() == "", proc.stderr[-3000:]

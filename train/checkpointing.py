@@ -37,8 +37,9 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save,
+        options = ocp.CheckpointManagerOptions(  # read-only: what orbax would reset, with a warning, anyway
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save,
             create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only,  # a killed save's unfinished step folder, quietly
         )

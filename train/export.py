@@ -16,6 +16,7 @@ import sys
 
 import jax
 from absl import app, flags
+from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
 from kvpop_jax import fileio, save_pretrained
@@ -116,6 +117,8 @@ flags.DEFINE_enum("dtype", None, list(DTYPES), "Cast the weights (default: as tr
 
 def main(argv):
     del argv
+    # orbax logs every read at INFO and warns that a read-only checkpoint folder is read-only: its own errors only
+    absl_logging.set_verbosity(absl_logging.ERROR)
     if not FLAGS.checkpoint or not FLAGS.out:
         raise app.UsageError("--checkpoint and --out are required")
     try:
