@@ -106,23 +106,43 @@ def stabilized_normalize(num: jax.Array, den: jax.Array, m: jax.Array) -> jax.Ar
     ratio whose gradient overflows float32. Such a query now reads about 0. With the default
     soft-cap (|i| <= 15, so m <= 15) the upper clip never acts.
     """
-    floor = jnp.exp(-jnp.clip(m, -MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE))
-    return _divide(num, jnp.maximum(jnp.abs(den), floor))
+    return _divide(num, jnp.maximum(jnp.abs(den), _floor(m))[..., None])
+
+
+@jax.custom_jvp
+def _floor(m: jax.Array) -> jax.Array:
+    """exp(-m) at m clipped to [-MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE]: finite, as is its gradient."""
+    return jnp.exp(-jnp.clip(m, -MIN_FLOOR_LOG_SCALE, MAX_FLOOR_LOG_SCALE))
+
+
+@_floor.defjvp
+def _floor_jvp(primals, tangents):
+    # exp's own rule (-dm * exp(-m)) inside the range, so gradients keep their bits there; 0 outside.
+    (m,), (dm,) = primals, tangents
+    out = _floor(m)
+    inside = (m >= -MIN_FLOOR_LOG_SCALE) & (m <= MAX_FLOOR_LOG_SCALE)
+    return out, jnp.where(inside, jax.lax.mul(jax.lax.neg(dm), out), 0.0)
 
 
 @jax.custom_jvp
 def _divide(num: jax.Array, denom: jax.Array) -> jax.Array:
-    """num [..., dv] / denom [...] (denom > 0)."""
-    return num / denom[..., None]
+    """num / denom, both [..., dv] (denom > 0)."""
+    return num / denom
 
 
 @_divide.defjvp
 def _divide_jvp(primals, tangents):
-    # The quotient rule as (dnum - out * dden) / den: JAX's own -num / den**2 is inf (then NaN)
-    # once den**2 underflows, as it does for any den < 1e-19.
+    # JAX's own rule for div, term for term (so gradients keep their bits where it is finite), but
+    # where denom**-2 overflows (denom < ~1e-19) the denominator's term as -(out * dden) / denom:
+    # JAX's -dden * num * denom**-2 is inf there (then NaN). The unused branch's factor is zeroed
+    # so its transpose multiplies no inf.
     (num, denom), (dnum, dden) = primals, tangents
-    out = num / denom[..., None]
-    return out, (dnum - out * dden[..., None]) / denom[..., None]
+    out = num / denom
+    inv_sq = jax.lax.integer_pow(denom, -2)
+    fine = jnp.isfinite(inv_sq)
+    from_den = jnp.where(fine, jax.lax.mul(jax.lax.mul(jax.lax.neg(dden), num), jnp.where(fine, inv_sq, 0.0)),
+                         -(out * dden) / denom)
+    return out, jax.lax.div(dnum, denom) + from_den
 
 
 def mlstm_readout(state: MLSTMState, q: jax.Array) -> jax.Array:
