@@ -379,6 +379,26 @@ def _extreme_mlstm_inputs(rng, s, delay, gap, dv=5):
     return q, k, v, i, log_f
 
 
+def test_stabilized_normalize_is_the_plain_readout_bit_for_bit_in_the_normal_range(rng):
+    """Its guards act only where the plain `num / max(|den|, exp(-m))` or its gradient is not finite:
+    elsewhere value and gradients keep their bits, so training with the default soft-cap computes
+    what it did before them (the main job reproduces its shipped export)."""
+    from kvpop_jax.scorers import stabilized_normalize
+
+    num = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)
+    den = jnp.asarray(rng.normal(size=(3, 4)) * 2.0, jnp.float32)
+    m = jnp.asarray(rng.uniform(-20.0, 20.0, size=(3, 4)), jnp.float32)  # both sides of |den| win the max
+    w = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)
+    plain = lambda a, b, c: a / jnp.maximum(jnp.abs(b), jnp.exp(-c))[..., None]  # noqa: E731
+    for f in (plain, stabilized_normalize):
+        assert jnp.all(jnp.isfinite(f(num, den, m)))
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))  # noqa: E731
+    (want, want_grads), (got, got_grads) = loss(plain)(num, den, m), loss(stabilized_normalize)(num, den, m)
+    assert np.array_equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert np.array_equal(a, b) and np.any(a != 0)
+
+
 @pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunkwise"])
 @pytest.mark.parametrize("delay,gap", [(0, 120.0), (2, 120.0), (0, 72.0), (2, 72.0), (2, 30.0)])
 def test_mlstm_forms_are_finite_at_extreme_gates(rng, form, delay, gap):
