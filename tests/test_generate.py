@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from helpers import TINY_HF_CONFIGS, logged_compiles
-from kvpop_jax import Qwen3Config
+from kvpop_jax import KVpopConfig, Qwen3Config
 from kvpop_jax.generate import generate
-from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig, filter_min_p, filter_top_k, filter_top_p, sample
 
 
@@ -73,21 +73,21 @@ def test_greedy_generate_matches_full_forward(rng):
     assert int(lengths[0]) == 1
 
 
-def test_greedy_generate_with_kvpop_cache_matches_masked_forward(rng):
-    """Greedy decoding with the bounded cache == argmax of the masked parallel forward, step by step."""
-    import dataclasses
-
-    from kvpop_jax import KVpopConfig
-    from kvpop_jax.modeling import retrofit_params
-
+def _kvpop_model_with_random_scorers(rng, **kvpop):
+    """A tiny KVpop model whose scorer weights are random (they start at zero = pure recency), so
+    eviction is by learned score: (model, params, config)."""
     base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
-    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=1, window=3, topk=4, scorer="mlp"))
+    config = dataclasses.replace(base, kvpop=KVpopConfig(**kvpop))
     params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
-    # Random scorer heads (they start at zero = pure recency) so eviction is by learned score.
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
         if "kvpop" in jax.tree_util.keystr(path) else x, params)
-    model = Qwen3ForCausalLM(config)
+    return Qwen3ForCausalLM(config), params, config
+
+
+def test_greedy_generate_with_kvpop_cache_matches_masked_forward(rng):
+    """Greedy decoding with the bounded cache == argmax of the masked parallel forward, step by step."""
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, 10)))  # longer than B = 8
     tokens, _ = generate(model, params, prompt, max_new_tokens=8, sampling=SamplingConfig.greedy())
     np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 8))
@@ -165,11 +165,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(rng):
 def test_training_only_knobs_do_not_change_decoding(rng):
     """KVpopConfig.for_decoding resets what only training reads: a model decodes bit for bit the same
     with every such knob changed, so eval shares one compile between exports trained differently."""
-    import dataclasses
-
     from eval.accuracy import method_config
-    from kvpop_jax import KVpopConfig
-    from kvpop_jax.modeling import retrofit_params
 
     trained = KVpopConfig(
         sinks=1, window=3, topk=4, scorer="mlstm", mlstm_chunk=4, mlstm_init="random", loss_temperature=0.5,
@@ -383,16 +379,7 @@ def test_sampled_generate_with_a_bounded_cache_matches_a_reference_loop(rng):
     """Sampling through the KVpop cache (prompt past B, 5 B new tokens, EOS per row) draws what a plain
     loop over the masked parallel forward draws with the same key schedule; tokens after a row's EOS
     are 0, and two rows with the same prompt draw different continuations."""
-    from kvpop_jax import KVpopConfig
-    from kvpop_jax.modeling import retrofit_params
-
-    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
-    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=3, topk=3, scorer="mlp"))
-    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
-        if "kvpop" in jax.tree_util.keystr(path) else x, params)
-    model = Qwen3ForCausalLM(config)
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=3, topk=3, scorer="mlp")
     cfg, n, seed = SamplingConfig(1.0, 0.9, 30, 0.0), 40, int(rng.integers(1 << 30))
     prompt = rng.integers(0, config.vocab_size, size=(3, 9))
     prompt[1] = prompt[0]
@@ -424,16 +411,7 @@ def test_sampled_generate_with_a_bounded_cache_matches_a_reference_loop(rng):
 def test_greedy_kvpop_at_the_budget_and_past_it_over_a_long_generation(rng, prompt_len):
     """Prompts one short of B = s + w + k, exactly B and one past it, then 5 B greedy tokens (the cache
     rolls five times): the masked parallel forward's argmax at every step."""
-    from kvpop_jax import KVpopConfig
-    from kvpop_jax.modeling import retrofit_params
-
-    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
-    config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=3, topk=3, scorer="mlp"))
-    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
-        if "kvpop" in jax.tree_util.keystr(path) else x, params)
-    model = Qwen3ForCausalLM(config)
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=3, topk=3, scorer="mlp")
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(2, prompt_len)))
     tokens, _ = generate(model, params, prompt, max_new_tokens=40, sampling=SamplingConfig.greedy())
     np.testing.assert_array_equal(np.asarray(tokens), greedy_reference(model, params, prompt, 40))
