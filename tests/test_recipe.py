@@ -111,8 +111,8 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     assert proc.returncode == 0, proc.stderr[-4000:]
     # The two variants read the same rows: the teacher ran once, into files both distilled from.
     assert "shared by the variants" in proc.stderr
-    assert sorted(os.listdir(os.path.join(run, "teacher_topk"))) == [f"step_{i:08d}.npz" for i in range(3)] + [
-        "teacher.json"]  # the steps' top-k and the teacher they came from
+    assert sorted(os.listdir(os.path.join(run, "teacher_topk"))) == ["run.lock"] + [
+        f"step_{i:08d}.npz" for i in range(3)] + ["teacher.json"]  # the writer's lock, the steps' top-k, their teacher
     for name, topk in (("kvpop-mlp", 16), ("streamingllm+", 0)):
         config, _ = load_pretrained(os.path.join(run, name, "export"))
         assert json.load(open(os.path.join(run, name, "train_config.json")))["teacher_logits_dir"] == \

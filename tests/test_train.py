@@ -560,7 +560,7 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
                                           f"--teacher_logits_dir={logits_dir}"] + extra),
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (name, proc.stderr[-4000:])
-    assert sorted(os.listdir(logits_dir)) == [f"step_{i:08d}.npz" for i in range(40)] + ["teacher.json"]
+    assert sorted(os.listdir(logits_dir)) == ["run.lock"] + [f"step_{i:08d}.npz" for i in range(40)] + ["teacher.json"]
     with np.load(os.path.join(logits_dir, "step_00000000.npz")) as f:
         assert f["values"].shape == (4, 128, 16) and f["indices"].dtype == np.int32
         assert np.all(np.diff(f["values"], axis=-1) <= 0)  # best first
