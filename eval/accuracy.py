@@ -48,7 +48,8 @@ from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
-from kvpop_jax.checkpoint import check_checkpoint, checkpoint_tokenizer, load_tokenizer, stop_token_ids
+from kvpop_jax.checkpoint import (chat_prompt_ids, check_checkpoint, checkpoint_tokenizer, load_tokenizer,
+                                  stop_token_ids)
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import check_seed, compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
@@ -130,10 +131,7 @@ def _shared_tokenizer(tokenizer, paths: Sequence[str]):
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        # transformers 5 returns a BatchEncoding by default, 4 a list of ids: ask both for the dict
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt + CHAT_INSTRUCTION}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return chat_prompt_ids(tokenizer, prompt + CHAT_INSTRUCTION)
     return list(tokenizer(prompt)["input_ids"])
 
 

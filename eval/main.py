@@ -32,7 +32,7 @@ from eval.outputs import out_dir_arg
 from eval.patterns import run_patterns
 from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
-from kvpop_jax.checkpoint import checkpoint_tokenizer, load_tokenizer, stop_token_ids
+from kvpop_jax.checkpoint import chat_prompt_ids, checkpoint_tokenizer, load_tokenizer, stop_token_ids
 from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
@@ -78,9 +78,8 @@ def cmd_generate(argv: Sequence[str]) -> None:
             ids = tokenizer(text)["input_ids"]
         elif not getattr(tokenizer, "chat_template", None):
             parser.error(f"--chat_template: the tokenizer in {args.checkpoint} has no chat template")
-        else:  # return_dict: transformers 5 returns a BatchEncoding by default, 4 a list of ids
-            ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=True)["input_ids"])
+        else:
+            ids = chat_prompt_ids(tokenizer, text)
     if not ids:
         parser.error("the prompt is empty")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p)  # checked before the weights

@@ -533,6 +533,13 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in _LOADABLE)
 
 
+def chat_prompt_ids(tokenizer, content: str) -> list[int]:
+    """`content` as one user turn of the tokenizer's chat template, with the assistant's opening: its
+    token ids. transformers 5 returns a BatchEncoding by default, 4 a list of ids: both asked for the dict."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
 GENERATION_CONFIG = "generation_config.json"
 
 
