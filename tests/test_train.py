@@ -405,13 +405,14 @@ def _steps(run_dir):
     return sorted(int(s) for s in os.listdir(path) if s.isdigit()) if os.path.isdir(path) else []
 
 
-def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metrics_line(tmp_path, arch):
+def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metrics_line(tmp_path, arch, capsys):
     run = str(tmp_path / "run")
     train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2)))
     saved_config = open(os.path.join(run, "train_config.json")).read()
     for overrides, message in ((dict(topk=24), "--topk 16 -> 24"), (dict(scorer="mlstm"), "--scorer 'mlp' -> 'mlstm'"),
                                (dict(scorer_keys="unrotated"), "--scorer_keys 'rotated' -> 'unrotated'"),
-                               (dict(demo_seq_len=384), "--demo_seq_len 256 -> 384")):
+                               (dict(demo_seq_len=384), "--demo_seq_len 256 -> 384"),
+                               (dict(freeze_base=True), "--freeze_base False -> True")):
         with pytest.raises(FlagError, match=f"cannot resume {run}/checkpoints/2: {message}"):
             train(parse(tiny_flags(run, arch, steps=3, **overrides)))
         assert open(os.path.join(run, "train_config.json")).read() == saved_config  # not overwritten
@@ -426,17 +427,30 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
     assert out["resumed_from"] == 2 and _steps(run) == [2]
     assert [m["step"] for m in _metrics(run)] == [1, 2]  # the torn line is gone
     assert all(m["state_finite"] == 1.0 for m in _metrics(run))
-    assert json.load(open(os.path.join(run, "train_config.json")))["log_every"] == 2  # rewritten after the restore
+    saved = json.load(open(os.path.join(run, "train_config.json")))
+    assert saved["log_every"] == 2 and "resume_changes" not in saved  # rewritten after the restore; no training change
     # a finished run given more --steps goes on and exports again; a lowered keep count prunes once it saves
     from safetensors.numpy import load_file
 
     exported = os.path.join(run, "export", "model.safetensors")
     before = load_file(exported)
-    out = train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=2, keep_checkpoints=1)))
+    capsys.readouterr()
+    out = train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=2, keep_checkpoints=1, clip_norm=0.5)))
     assert out["resumed_from"] == 2 and _steps(run) == [3]
+    # the accepted changes are said (cadence is not a training change) and kept with the run
+    said = [line for line in capsys.readouterr().err.splitlines() if "changed training settings" in line]
+    assert said == [f"resuming {run}/checkpoints/2 with changed training settings (its first 2 steps ran with the old "
+                    "ones): optim.steps 2 -> 3; optim.clip_norm 1.0 -> 0.5"]
+    record = json.load(open(os.path.join(run, "train_config.json")))
+    assert record["resume_changes"] == [{"step": 2, "changes": ["optim.steps 2 -> 3", "optim.clip_norm 1.0 -> 0.5"]}]
+    assert record["optim"]["clip_norm"] == 0.5
     assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
     after = load_file(exported)
     assert any(not np.array_equal(before[k], after[k]) for k in before)
+    train(parse(tiny_flags(run, arch, steps=4, checkpoint_every=2, keep_checkpoints=1, clip_norm=0.5, export=False)))
+    record = json.load(open(os.path.join(run, "train_config.json")))  # the history goes on from the checkpoint's
+    assert record["resume_changes"] == [{"step": 2, "changes": ["optim.steps 2 -> 3", "optim.clip_norm 1.0 -> 0.5"]},
+                                        {"step": 3, "changes": ["optim.steps 3 -> 4"]}]
 
 
 def test_non_finite_updated_state_aborts_without_saving_or_exporting(tmp_path, arch):

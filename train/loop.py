@@ -31,8 +31,8 @@ from train import step as st
 from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
-from train.run_dir import (METRICS_FILE, TRAIN_CONFIG_FILE, check_resume, lock_run_dir, prepare_run_dir,
-                           read_metrics)
+from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_resume, lock_run_dir,
+                           prepare_run_dir, read_metrics, training_changes)
 from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
                          run_tokenizer, step_config, to_global)
 from train.teacher_cache import check_teacher_dir, read_teacher_topk
@@ -240,6 +240,15 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
         del params
     start = int(jax.device_get(state.step))
     run_json = json.loads(json.dumps(cfg.to_json(), default=str))
+    saved_run = restored_meta.get("train_config") or {}
+    history = list(saved_run.get(RESUME_CHANGES_KEY) or [])
+    changes = training_changes(saved_run, cfg) if latest is not None else []
+    if changes:  # accepted changes (check_resume refused the rest): said, and kept with the run
+        info(f"resuming {cfg.checkpoint_dir}/{latest} with changed training settings (its first {start} steps ran "
+             f"with the old ones): {'; '.join(changes)}")
+        history.append({"step": start, "changes": changes})
+    if history:
+        run_json[RESUME_CHANGES_KEY] = history
     if jax.process_index() == 0:  # only now: a refused or failed resume leaves the old one in place
         atomic_write_bytes(os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE), json.dumps(run_json, indent=2).encode())
     # The tokenizer's folder as an absolute path (train.export may run elsewhere), and what the run

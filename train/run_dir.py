@@ -32,6 +32,8 @@ from train.config import FlagError, TrainConfig
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
 TRAIN_CONFIG_FILE = "train_config.json"
+# train_config.json's record of settings changed at resumes: [{"step": N, "changes": ["FIELD OLD -> NEW", ...]}].
+RESUME_CHANGES_KEY = "resume_changes"
 # What a run writes into its folder and --overwrite deletes (init/, data/ and tokenizer/ are inputs).
 RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tb", TRAIN_CONFIG_FILE)
 
@@ -175,6 +177,10 @@ def check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: Qwen3Con
         if field in old_run and old_run[field] != new_run[field]:
             name = "--data=demo:N" if field == "demo_examples" else f"--{field}"
             changes.append(f"{name} {old_run[field]!r} -> {new_run[field]!r}")
+    # --freeze_base drops the base weights' Adam moments: the saved optimizer state has another structure.
+    old_frozen = (old_run.get("optim") or {}).get("freeze_base")
+    if old_frozen is not None and old_frozen != cfg.optim.freeze_base:
+        changes.append(f"--freeze_base {old_frozen!r} -> {cfg.optim.freeze_base!r} (the optimizer state's structure)")
     old_data, new_data = old_run.get("data") or {}, new_run.get("data") or {}
     for field, name in RESUME_DATA_FIELDS.items():
         if field == "data" and on_demo:
@@ -250,5 +256,5 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics", "resume_advice",
-           "training_changes"]
+__all__ = ["RESUME_CHANGES_KEY", "check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics",
+           "resume_advice", "training_changes"]
