@@ -14,8 +14,9 @@ Cache kinds (the `cache` argument of `generate`):
 caches evict as if it were generated); the default is one parallel prefill. StreamingLLM's
 streamed read is done in one banded pass (`BaselineConfig.banded_prefill`), which equals it.
 
-Prompts are a rectangular [B, P] batch (equal lengths). Ragged prompts are rejected rather
-than left-padded: pad tokens would occupy sinks and compete for the bounded caches' slots.
+Prompts are a rectangular [B, P] batch, or a list of rows of any lengths. Ragged rows are not
+padded (pad tokens would occupy sinks and compete for the bounded caches' slots): the rows of each
+length run as one batch of their own, so each row decodes as it would alone.
 """
 
 from __future__ import annotations
@@ -130,16 +131,24 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
     return tokens, first_eos
 
 
+def _length_groups(prompt_ids) -> list[list[int]] | None:
+    """For a list of rows of unequal lengths, the row indices of each length (in order of first
+    appearance); None for a rectangular batch (an array, or rows of one length)."""
+    if not isinstance(prompt_ids, (list, tuple)):
+        return None
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(prompt_ids):
+        try:
+            groups.setdefault(len(row), []).append(i)
+        except TypeError:
+            raise ValueError(f"prompt_ids row {i} is {type(row).__name__}, expected a sequence of token ids") from None
+    return list(groups.values()) if len(groups) > 1 else None
+
+
 def _as_prompt_array(prompt_ids, vocab_size: int) -> jax.Array:
     """The prompt as int32 [B, P], its ids checked against the vocabulary before the cast (an int64
     id past 2**31 would otherwise wrap into the vocabulary)."""
     if isinstance(prompt_ids, (list, tuple)):
-        lengths = {len(row) for row in prompt_ids}
-        if len(lengths) > 1:
-            raise ValueError(
-                f"ragged prompts (lengths {sorted(lengths)}) are not supported: batch prompts of equal "
-                "length, or generate them one at a time"
-            )
         prompt_ids = np.asarray(prompt_ids)
     if not isinstance(prompt_ids, jax.Array):
         prompt_ids = np.asarray(prompt_ids)  # host ids keep their width until checked
@@ -227,10 +236,13 @@ def generate(
     cache: CacheSpec = "auto",
     stream_prompt: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Samples continuations of equal-length prompts.
+    """Samples continuations of prompts.
 
     Args:
-      prompt_ids: int [B, P] (or a list of B equal-length lists), ids in [0, vocab) (checked: ValueError).
+      prompt_ids: int [B, P], or a list of B lists of ids (of any lengths >= 1); ids in [0, vocab)
+        (checked: ValueError). Rows of unequal lengths are not padded: the rows of each length run as
+        one batch (a compile per distinct length), with the key `jax.random.fold_in(rng, i)` where i
+        is the first such row, so a greedy row gives what it gives alone.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -244,14 +256,24 @@ def generate(
       the first EOS).
     """
     max_new_tokens, eos = _checked_call(model, max_new_tokens, sampling, eos_ids)
-    prompt_ids = _as_prompt_array(prompt_ids, model.config.vocab_size)
-    reach = prompt_ids.shape[1] + max_new_tokens
+    groups = _length_groups(prompt_ids)
+    rows = [prompt_ids] if groups is None else [[prompt_ids[i] for i in group] for group in groups]
+    rows = [_as_prompt_array(r, model.config.vocab_size) for r in rows]  # every row checked before any runs
+    reach = max(r.shape[1] for r in rows) + max_new_tokens
     if reach > model.config.max_position_embeddings:  # RoPE runs past it, but the model never trained there
         warnings.warn(f"the prompt plus max_new_tokens reach {reach} tokens, beyond the model's "
                       f"max_position_embeddings {model.config.max_position_embeddings}", stacklevel=2)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
-    return _generate(model, params, prompt_ids, _as_key(rng), _eos_array(eos), max_new_tokens=max_new_tokens,
-                     sampling=sampling, cache=kind, stream_from=stream_from)
+    key, eos = _as_key(rng), _eos_array(eos)
+    def run(prompt, k):  # positional, as compile_generate lowers it, so that its compile is found
+        return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
+                         cache=kind, stream_from=stream_from)
+
+    if groups is None:
+        return run(rows[0], key)
+    outs = [run(r, jax.random.fold_in(key, group[0])) for r, group in zip(rows, groups)]
+    order = np.argsort(np.concatenate([np.asarray(g) for g in groups]), kind="stable")  # back to the caller's rows
+    return tuple(jnp.concatenate([o[j] for o in outs])[order] for j in (0, 1))
 
 
 def compile_generate(

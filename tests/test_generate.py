@@ -99,7 +99,7 @@ def test_greedy_generate_with_kvpop_cache_matches_masked_forward(rng):
         generate(model, params, prompt, max_new_tokens=2, cache="dense")
 
 
-def test_streaming_with_large_budget_equals_dense_and_ragged_is_rejected(rng):
+def test_streaming_with_large_budget_equals_dense(rng):
     from kvpop_jax.baselines import BaselineConfig
 
     config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
@@ -110,10 +110,37 @@ def test_streaming_with_large_budget_equals_dense_and_ragged_is_rejected(rng):
     stream, _ = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(),
                          cache=BaselineConfig("streaming", 11, sinks=2))
     np.testing.assert_array_equal(np.asarray(stream), np.asarray(dense))
-    with pytest.raises(ValueError, match="ragged prompts"):
-        generate(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=2)
     with pytest.raises(ValueError, match="cache must be one of"):
         generate(model, params, prompt, max_new_tokens=2, cache="paged")
+
+
+def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
+    """A list of rows of unequal lengths (past the KVpop budget, and under it) runs one batch per length: each
+    row's tokens are those of the row alone (greedy), and a sampled row those of its length's batch under the key
+    folded with that batch's first row, in the caller's order."""
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+    rows = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (12, 5, 12, 9, 5)]
+    tokens, lengths = generate(model, params, rows, max_new_tokens=6, sampling=SamplingConfig.greedy())
+    assert tokens.shape == (5, 6) and lengths.shape == (5,)
+    for i, row in enumerate(rows):
+        alone, alone_len = generate(model, params, [row], max_new_tokens=6, sampling=SamplingConfig.greedy())
+        np.testing.assert_array_equal(np.asarray(tokens[i]), np.asarray(alone[0]))
+        assert int(lengths[i]) == int(alone_len[0])
+    # EOS per row: the first generated token of row 3 stops it at length 1, the others as they stop alone
+    eos = int(tokens[3, 0])
+    _, lengths = generate(model, params, rows, max_new_tokens=6, sampling=SamplingConfig.greedy(), eos_ids=eos)
+    assert int(lengths[3]) == 1
+    sampling = SamplingConfig(temperature=1.0)
+    key = jax.random.key(7)
+    drawn, _ = generate(model, params, rows, max_new_tokens=6, sampling=sampling, rng=key)
+    for group in ([0, 2], [1, 4], [3]):
+        batch, _ = generate(model, params, [rows[i] for i in group], max_new_tokens=6, sampling=sampling,
+                            rng=jax.random.fold_in(key, group[0]))
+        np.testing.assert_array_equal(np.asarray(drawn[np.asarray(group)]), np.asarray(batch))
+    with pytest.raises(ValueError, match=r"prompt_ids row 1 is int, expected a sequence of token ids"):
+        generate(model, params, [[1, 2], 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_ids holds"):  # an id outside the vocabulary, in any group
+        generate(model, params, [[1, 2], [3, config.vocab_size]], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
