@@ -330,7 +330,7 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError("segment_ids are not supported together with a decoding cache")
             if row_lengths is not None:  # the caches never read it: padding would be cached and attended, silently
                 raise ValueError("row_lengths is not supported together with a decoding cache: a cache serves rows "
-                                 "of equal length (decode ragged prompts one at a time)")
+                                 "of equal length (`generate` takes ragged prompt lists, one batch per length)")
             if cache.batch != b:
                 raise ValueError(f"the cache holds {cache.batch} rows but the input has {b}; a cache serves the "
                                  f"batch it was made for (init it with batch={b})")
