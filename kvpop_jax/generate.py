@@ -89,13 +89,18 @@ def _prefill(model, params, prompt_ids, state, stream_from: int | None):
     out = model.apply({"params": params}, prompt_ids[:, :n0], cache=state)
     if n0 == p:
         return out.logits[:, -1], out.cache
+    return _feed(model, params, prompt_ids[:, n0:], out.cache, out.logits[:, -1])
+
+
+def _feed(model, params, ids, cache, logits):
+    """(last logits, cache) after one decode step per token of `ids` [B, n] on a started cache;
+    `logits` (of the last token before them) sets the carried logits' dtype."""
 
     def feed(carry, tok):
         o = model.apply({"params": params}, tok[:, None], cache=carry[0], method=Qwen3ForCausalLM.decode_step)
         return (o.cache, o.logits[:, -1].astype(carry[1].dtype)), None
 
-    (cache, logits), _ = jax.lax.scan(feed, (out.cache, out.logits[:, -1]), prompt_ids[:, n0:].T,
-                                      unroll=STREAM_UNROLL)
+    (cache, logits), _ = jax.lax.scan(feed, (cache, logits), ids.T, unroll=STREAM_UNROLL)
     return logits, cache
 
 
@@ -105,6 +110,15 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
     b, p = prompt_ids.shape
     state = init_generation_cache(model.config, cache, b, p + max_new_tokens, dtype=model.dtype)
     last_logits, prompt_cache = _prefill(model, params, prompt_ids, state, stream_from)
+    tokens, first_eos, _ = _decode(model, params, prompt_cache, last_logits, rng, eos, max_new_tokens, sampling)
+    return tokens, first_eos
+
+
+def _decode(model, params, cache, last_logits, rng, eos, max_new_tokens, sampling):
+    """Samples up to `max_new_tokens` from `last_logits` on, feeding each token to `cache` before the
+    next, until every row has drawn an EOS: (tokens, lengths, cache). The last token drawn (an EOS, or
+    the max_new_tokens-th) is not fed; in a batch, rows that stopped early are fed 0s until the last stops."""
+    b = last_logits.shape[0]
     rng, key = jax.random.split(rng)
     first = sample(key, last_logits, sampling)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
@@ -124,11 +138,11 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], i, axis=1)
         return i + 1, tokens, out.cache, rng, done | jnp.isin(nxt, eos)
 
-    _, tokens, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tokens, prompt_cache, rng, done))
+    _, tokens, cache, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tokens, cache, rng, done))
     is_eos = jnp.isin(tokens, eos)
     # Length up to and including the first EOS (max_new_tokens if none).
     first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
-    return tokens, first_eos
+    return tokens, first_eos, cache
 
 
 def _length_groups(prompt_ids) -> list[list[int]] | None:
@@ -303,6 +317,89 @@ def compile_generate(
                     stream_from=stream_from).compile()
 
 
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from"))
+def _turn(model, params, cache, ids, rng, eos, *, max_new_tokens, sampling, stream_from):
+    """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
+    decode step per id), then `_decode`."""
+    if cache.started:
+        logits, cache = _feed(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32))
+    else:
+        logits, cache = _prefill(model, params, ids, cache, stream_from)
+    return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
+
+
+class Conversation:
+    """Multi-turn decoding of one conversation on one cache: each `send` reads only the new turn.
+
+    With a bounded cache (KVpop, DMS, a training-free baseline) memory stays constant however long the
+    conversation runs: that is the method's point. A dense cache holds `max_len` tokens in all.
+
+        chat = Conversation(model, params)                    # cache="auto", as `generate`
+        reply, n = chat.send(prompt_ids, max_new_tokens=64, eos_ids=eos)
+        reply, n = chat.send(next_turn_ids, max_new_tokens=64, eos_ids=eos)
+
+    The first `send` is `generate` on one row (the same prefill, `stream_prompt` included); each later
+    one first feeds the previous reply's last token (drawn, not yet read), then the turn's ids, one
+    decode step per token. So a reply is the one `generate` gives with the whole history as its prompt:
+    for KVpop and DMS (whose prefill equals their decode) and dense caches; for a training-free
+    baseline, with `stream_prompt=True` in both (the later turns are always read token by token).
+    Every `send` of a new turn length or `max_new_tokens` compiles once.
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, params, *, cache: CacheSpec = "auto", max_len: int | None = None,
+                 stream_prompt: bool = False, dtype=None):
+        self.model, self.params = model, params
+        self.kind, self._stream_from = _plan(model.config, cache, stream_prompt)
+        if self.kind == "dense":
+            if max_len is None:
+                raise ValueError("a Conversation on a dense cache needs max_len (the tokens it may hold in all: "
+                                 "every turn and reply); a bounded cache needs none")
+            max_len = _count(max_len, "max_len")
+        self.max_len = max_len if self.kind == "dense" else None
+        self.cache = init_generation_cache(model.config, self.kind, 1, max_len or 1,
+                                           dtype=model.dtype if dtype is None else dtype)
+        self.length = 0  # tokens of the conversation so far: every turn and reply (the last reply's last token
+        # is drawn but not read: the next send reads it first)
+        self._pending: list[int] = []  # the last reply's last token, not yet read
+        self._turns = 0
+
+    def send(self, ids, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), eos_ids=(),
+             rng=None) -> tuple[jax.Array, int]:
+        """The reply to the turn `ids` (token ids: a list, or int [n] / [1, n]; at least one on the first
+        turn, none allowed later to let the model go on): (tokens int32 [max_new_tokens], zeros after the
+        EOS, and its length through the EOS). `rng` as `generate`'s; None draws from key(turn number)."""
+        max_new_tokens, eos = _checked_call(self.model, max_new_tokens, sampling, eos_ids)
+        turn = np.asarray(ids) if isinstance(ids, (list, tuple)) else ids
+        if isinstance(turn, (np.ndarray, jax.Array)) and turn.ndim == 2 and turn.shape[0] == 1:
+            turn = turn[0]
+        if not isinstance(turn, (np.ndarray, jax.Array)) or turn.ndim != 1:
+            got = f"shape {tuple(turn.shape)}" if isinstance(turn, (np.ndarray, jax.Array)) else type(ids).__name__
+            raise ValueError(f"a turn's ids must be one row (a list, [n] or [1, n]), got {got}: a Conversation "
+                             "holds one conversation")
+        if not self._pending and turn.shape[0] == 0:
+            raise ValueError("the first turn of a Conversation needs at least one token id")
+        if turn.shape[0] and not jnp.issubdtype(turn.dtype, jnp.integer):
+            raise ValueError(f"a turn's ids must be integer token ids, got {turn.dtype}")
+        row = np.concatenate([np.asarray(self._pending, np.int64), np.asarray(turn, np.int64)])
+        prompt = _as_prompt_array(row[None], self.model.config.vocab_size)
+        reach = self.length + turn.shape[0] + max_new_tokens  # positions, the last drawn token's included
+        if self.max_len is not None and reach - 1 > self.max_len:  # the last drawn token is not read
+            raise ValueError(f"this turn would bring the conversation to {reach - 1} tokens read, past the dense "
+                             f"cache's max_len {self.max_len}: start a Conversation with a larger max_len")
+        if reach > self.model.config.max_position_embeddings:
+            warnings.warn(f"the conversation reaches {reach} tokens, beyond the model's max_position_embeddings "
+                          f"{self.model.config.max_position_embeddings}", stacklevel=2)
+        key = jax.random.key(self._turns) if rng is None else _as_key(rng)
+        tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, key, _eos_array(eos),
+                                            max_new_tokens=max_new_tokens, sampling=sampling,
+                                            stream_from=self._stream_from)
+        n = int(lengths[0])
+        self._pending = [int(tokens[0, n - 1])]
+        self.length += turn.shape[0] + n
+        self._turns += 1
+        return tokens[0], n
+
+
 def _as_key(rng) -> jax.Array:
     """`generate`'s rng as one PRNG key: None (seed 0), an int seed (Python, numpy or a jax integer
     scalar), a jax.random.key, or a raw jax.random.PRNGKey (uint32 [2], through numpy too)."""
@@ -345,4 +442,5 @@ def _bounded_budget(config: Qwen3Config) -> int:
     return config.dms.window
 
 
-__all__ = ["CACHE_KINDS", "check_seed", "compile_generate", "generate", "init_generation_cache", "resolve_cache"]
+__all__ = ["CACHE_KINDS", "Conversation", "check_seed", "compile_generate", "generate", "init_generation_cache",
+           "resolve_cache"]

@@ -143,6 +143,57 @@ def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
         generate(model, params, [[1, 2], [3, config.vocab_size]], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("kind", ["kvpop", "dense", "tova"])
+def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
+    """Each turn read into the kept cache (the previous reply's last token first) gives the reply `generate`
+    gives the whole history as one prompt; a bounded cache keeps its size across turns."""
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import Conversation
+
+    if kind == "kvpop":
+        model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+        spec, options = "auto", {}
+    else:
+        config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+        model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
+        spec = "dense" if kind == "dense" else BaselineConfig("tova", 8, sinks=1)
+        options = {"max_len": 40} if kind == "dense" else {"stream_prompt": True}
+    greedy = SamplingConfig.greedy()
+    chat = Conversation(model, params, cache=spec, **options)
+    history = rng.integers(0, config.vocab_size, size=10).tolist()  # past the budget of 8
+    turns = [(history, 4, ()), (rng.integers(0, config.vocab_size, size=3).tolist(), 5, ()), ([], 3, ())]
+    sizes = []
+    for i, (turn, new, eos) in enumerate(turns):
+        prompt = history if i == 0 else history + turn
+        if i == 1:  # stop this reply at its own second token
+            probe, _ = generate(model, params, [prompt], max_new_tokens=new, sampling=greedy, cache=spec,
+                                stream_prompt=kind == "tova")
+            eos = int(probe[0, 1])
+        expected, expected_n = generate(model, params, [prompt], max_new_tokens=new, sampling=greedy, cache=spec,
+                                        stream_prompt=kind == "tova", eos_ids=eos)
+        reply, n = chat.send(turn, max_new_tokens=new, sampling=greedy, eos_ids=eos)
+        np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]), err_msg=f"turn {i}")
+        assert n == int(expected_n[0]) and (n <= 2 if i == 1 else n == new)  # turn 1 stops at its EOS
+        history = prompt + np.asarray(reply[:n]).tolist()
+        assert chat.length == len(history)
+        sizes.append(chat.cache.nbytes)
+    if kind != "dense":
+        assert len(set(sizes)) == 1
+    with pytest.raises(ValueError, match="a turn's ids must be one row"):
+        chat.send(np.zeros((2, 3), np.int32), max_new_tokens=1)
+    with pytest.raises(ValueError, match="must be integer token ids"):
+        chat.send([1.5], max_new_tokens=1)
+    if kind == "dense":
+        with pytest.raises(ValueError, match=r"to 41 tokens read, past the dense cache's max_len 40"):
+            chat.send([1] * (40 - len(history) + 1), max_new_tokens=1)
+        _, n = chat.send([1] * (40 - len(history)), max_new_tokens=1)  # 40 read: full; the reply is drawn, not read
+        assert n == 1 and chat.length == 41 and np.isfinite(np.asarray(chat.cache.layers[0].k)).all()
+        with pytest.raises(ValueError, match="needs max_len"):
+            Conversation(model, params, cache="dense")
+        with pytest.raises(ValueError, match="the first turn of a Conversation needs at least one token id"):
+            Conversation(model, params, cache="dense", max_len=8).send([], max_new_tokens=1)
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
