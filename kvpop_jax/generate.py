@@ -341,7 +341,8 @@ class Conversation:
     The first `send` is `generate` on one row (the same prefill, `stream_prompt` included); each later
     one first feeds the previous reply's last token (drawn, not yet read), then the turn's ids, one
     decode step per token. So a reply is the one `generate` gives with the whole history as its prompt:
-    for KVpop and DMS (whose prefill equals their decode) and dense caches; for a training-free
+    for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow) and
+    dense caches; for a training-free
     baseline, with `stream_prompt=True` in both (the later turns are always read token by token).
     Every `send` of a new turn length or `max_new_tokens` compiles once.
     """

@@ -143,7 +143,7 @@ def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
         generate(model, params, [[1, 2], [3, config.vocab_size]], max_new_tokens=2)
 
 
-@pytest.mark.parametrize("kind", ["kvpop", "dense", "tova"])
+@pytest.mark.parametrize("kind", ["kvpop", "dms", "dense", "tova"])
 def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
     """Each turn read into the kept cache (the previous reply's last token first) gives the reply `generate`
     gives the whole history as one prompt; a bounded cache keeps its size across turns."""
@@ -153,6 +153,16 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
     if kind == "kvpop":
         model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
         spec, options = "auto", {}
+    elif kind == "dms":  # random gates with offset 0 evict about half; a pool that never overflows (DMS exact)
+        from kvpop_jax.config import DMSConfig
+
+        base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+        config = dataclasses.replace(base, dms=DMSConfig(window=2, budget=32, gate_hidden=8, logit_offset=0.0))
+        params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if "dms" in jax.tree_util.keystr(path)
+            else x, params)
+        model, spec, options = Qwen3ForCausalLM(config), "auto", {}
     else:
         config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
         model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
