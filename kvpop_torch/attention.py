@@ -23,13 +23,14 @@ QUERY_BLOCK = 512
 class KVpopMask:
     """Which keys each query of one attention call may read, per KV head.
 
-    Either `slot_valid` bool [B, Hkv, 1, N] (decode: the non-empty slots) or the prompt's
-    `prefill_last_kept` int [B, Hkv, P] (`policy.last_kept_query`) with the sinks and window.
+    Either `slot_valid` bool [B, Hkv, 1, N] (decode: the non-empty slots), the prompt's
+    `prefill_last_kept` int [B, Hkv, P] (`policy.last_kept_query`) with the sinks and window, or
+    `spans` (enter, leave) int [B, Hkv, K] (a multi-token continuation: the queries that read each key).
     `consumed` is set by the attention function, so the cache can tell when it was ignored.
     """
 
-    def __init__(self, *, slot_valid=None, prefill_last_kept=None, sinks: int = 0, window: int = 1):
-        self.slot_valid, self.last_kept = slot_valid, prefill_last_kept
+    def __init__(self, *, slot_valid=None, prefill_last_kept=None, sinks: int = 0, window: int = 1, spans=None):
+        self.slot_valid, self.last_kept, self.spans = slot_valid, prefill_last_kept, spans
         self.sinks, self.window = sinks, window
         self.consumed = False
 
@@ -37,6 +38,10 @@ class KVpopMask:
         """bool [B, Hkv, q1 - q0, K] for the queries q0..q1-1 of this call."""
         if self.slot_valid is not None:
             return self.slot_valid
+        if self.spans is not None:  # key j is read by the queries i with enter_j <= i < leave_j
+            enter, leave = self.spans
+            i = torch.arange(q0, q1, device=enter.device)[:, None]
+            return (enter[:, :, None, :] <= i) & (i < leave[:, :, None, :])
         return policy.prefill_mask_block(self.last_kept, q0, q1, sinks=self.sinks, window=self.window)
 
 

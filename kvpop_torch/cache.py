@@ -15,7 +15,10 @@ what `KVpopHead.prefill` / `decode` do on the JAX side:
 - decode (one token): the token u = q - w leaving the window competes for the k long-range
   slots (an empty slot first, else the worst priority, ties: the later position, is replaced
   iff u's priority is strictly higher), token q takes its ring slot, and the N slots are
-  returned.
+  returned;
+- continuation (L > 1 tokens on a started cache: a later chat turn, a chunked prompt): L decode
+  steps in turn; the attention reads the N slots from before the call and the L new keys, each
+  query those held right after its own step (`KVpopMask.spans`), so it equals L one-token calls.
 
 The mask for the attention goes through the attention call's own kwargs dict (the one
 transformers splats into the attention function) as `kvpop_mask`; the attention function
@@ -96,14 +99,12 @@ class KVpopLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         length = key_states.shape[2]
         if length == 1:
-            out = self._decode(key_states, value_states)
+            out = self._decode(key_states, value_states)[:3]
         elif self.seen == 0:
             self._check_positions(kwargs.get("position_ids"), length)
             out = self._prefill(key_states, value_states)
         else:
-            raise NotImplementedError(f"a KVpop cache takes one prompt, then one token per call (no chunked "
-                                      f"prefill, no multi-token continuation); this one already holds {self.seen} "
-                                      "tokens: for a new generation pass a fresh cache (cache=make_cache())")
+            out = self._continue(key_states, value_states)
         self.seen += length
         kwargs["kvpop_mask"] = self._pending = out[2]
         return out[0], out[1]
@@ -173,6 +174,7 @@ class KVpopLayer(CacheLayerMixin):
             prio_t = static_priority(score_t[..., None], log_gamma, at(q))[..., 0]
         slot = ring_slot(q, cfg)
         u = q - cfg.window  # leaves the window now: the token in the ring slot q takes
+        gone = self.pos[:, :, slot].clone()  # the ring slot's token (u, or -1) leaves the cache, unless admitted
         if cfg.topk > 0 and u >= cfg.sinks:
             k_u, v_u = self.keys[:, :, slot], self.values[:, :, slot]
             if cfg.delayed:
@@ -181,15 +183,42 @@ class KVpopLayer(CacheLayerMixin):
                 prio_u = static_priority(score_u[..., None], log_gamma, at(u))[..., 0]
             else:
                 prio_u = self.priority[:, :, slot]
-            self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; _admit writes only long-range slots
+            admit, replaced = self._admit(k_u, v_u, u, prio_u)  # views of the ring slot; writes long-range slots
+            gone = torch.where(admit, replaced, gone)
         self.keys[:, :, slot] = k_t.to(self.dtype)
         self.values[:, :, slot] = v_t.to(self.dtype)
         self.pos[:, :, slot] = q
         self.priority[:, :, slot] = prio_t
-        return self.keys, self.values, KVpopMask(slot_valid=(self.pos >= 0)[:, :, None, :])
+        return self.keys, self.values, KVpopMask(slot_valid=(self.pos >= 0)[:, :, None, :]), gone
 
-    def _admit(self, k_u, v_u, u: int, prio_u) -> None:
-        """u competes for the long-range slots (`kvpop_jax.cache.admit_to_long_range`)."""
+    @torch.no_grad()
+    def _continue(self, k, v):
+        """L > 1 new tokens on a started cache (a multi-turn `generate`: transformers passes the tokens the
+        cache has not seen). Each is decoded in turn, as L one-token calls would; the attention reads the
+        slots before the call and the L new keys, query i those held right after token i's step."""
+        first, length = self.seen, k.shape[2]
+        keys = torch.cat([self.keys, k.to(self.dtype)], dim=2)  # [B, H, N + L, D]: every key a query may read
+        values = torch.cat([self.values, v.to(self.dtype)], dim=2)
+        pos0 = self.pos.clone()
+        b, h, n = pos0.shape
+        # Key j is read by queries [enter_j, leave_j): a slot's token from the start (an empty slot never),
+        # new token i from its own step; each until the step that drops it (never: L).
+        enter = torch.cat([torch.where(pos0 >= 0, -1, length), torch.arange(length, device=k.device).expand(b, h, -1)],
+                          dim=-1)
+        leave = torch.full((b, h, n + length), length, dtype=torch.long, device=k.device)
+        for i in range(length):
+            gone = self._decode(k[:, :, i : i + 1], v[:, :, i : i + 1])[3]  # [B, H]: the position dropped, or -1
+            self.seen += 1
+            in_slots = (pos0 == gone[..., None]).long().argmax(-1)  # a token of the slots before the call ...
+            key = torch.where(gone >= first, n + gone - first, in_slots)  # ... or one of the new ones
+            until = torch.where(gone >= 0, i, leave.gather(2, key[..., None])[..., 0])
+            leave.scatter_(2, key[..., None], until[..., None])
+        self.seen = first  # update() counts the call's tokens
+        return keys, values, KVpopMask(spans=(enter, leave))
+
+    def _admit(self, k_u, v_u, u: int, prio_u):
+        """u competes for the long-range slots (`kvpop_jax.cache.admit_to_long_range`): (admitted [B, H],
+        the position it replaced there, -1 for an empty slot)."""
         lo = self.settings.sinks + self.settings.window
         lr_pos, lr_prio = self.pos[..., lo:], self.priority[..., lo:]
         empty = lr_pos < 0
@@ -203,8 +232,10 @@ class KVpopLayer(CacheLayerMixin):
             index = slot[..., None].expand(-1, -1, -1, store.shape[-1])
             old = torch.gather(store, 2, index)[:, :, 0]
             store.scatter_(2, index, torch.where(admit[..., None], new.to(store.dtype), old)[:, :, None])
+        replaced = torch.where(pick(empty), -1, pick(lr_pos))
         self.pos.scatter_(2, slot, torch.where(admit, u, pick(lr_pos))[..., None])
         self.priority.scatter_(2, slot, torch.where(admit, prio_u, pick(lr_prio))[..., None])
+        return admit, replaced
 
     # -- the transformers Cache protocol -------------------------------------------------
 
@@ -361,6 +392,7 @@ def check_new_tokens(module, args, kwargs):
         return None
     held = cache.get_seq_length() if isinstance(cache, KVpopCache) else 0
     if held:
-        raise ValueError(f"this KVpopCache already holds a generation ({held} tokens): a cache serves one "
-                         "generate call; pass a fresh one each time (cache=make_cache())")
+        raise ValueError(f"this KVpopCache already holds a generation ({held} tokens) and the call brings no new "
+                         "token: to go on, pass the conversation so far with the next turn appended; for a new "
+                         "generation pass a fresh cache (cache=make_cache())")
     raise ValueError("no input tokens: the prompt is empty (a KVpop cache needs at least one token)")

@@ -249,17 +249,11 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
         model.config.max_position_embeddings = limit
         with pytest.raises(ValueError, match="use_cache=False with a KVpopCache"):  # was "already holds 12 tokens"
             model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), use_cache=False, **greedy)
-        cache = KVpopCache.from_pretrained(tmp_path, model)
-        model(ids, cache=cache)
-        with pytest.raises(NotImplementedError, match="one token per call"):
-            model(ids[:, :2], cache=cache)
-        # A cache serves one generation: passed again, generate() would feed no new tokens.
+        # Passed again with nothing new, generate() would feed no tokens.
         used = KVpopCache.from_pretrained(tmp_path, model)
         model.generate(ids[:, :3], cache=used, **greedy)
         with pytest.raises(ValueError, match=r"already holds a generation \(8 tokens\).*cache=make_cache\(\)"):
             model.generate(ids[:, :3], cache=used, **greedy)  # generate() feeds ids[:, 8:]: nothing
-        with pytest.raises(NotImplementedError, match=r"already holds 8 tokens.*cache=make_cache\(\)"):
-            model.generate(ids, cache=used, **greedy)  # ids[:, 8:]: four tokens at once
         with pytest.raises(ValueError, match="the prompt is empty"):
             model(ids[:, :0], cache=KVpopCache.from_pretrained(tmp_path, model))
         # Any other attention would silently ignore the mask.
@@ -269,6 +263,40 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
         cache = KVpopCache.from_pretrained(tmp_path)  # no model to check: the first forward names it
         with pytest.raises(RuntimeError, match="did not apply the KVpop mask"):
             model(ids, cache=cache)
+
+
+@pytest.mark.parametrize("options", [dict(scorer="mlstm", sinks=2, window=4, topk=5),
+                                     dict(scorer="mlp", sinks=1, window=3, topk=8, delayed_readout=False),
+                                     dict(scorer="linear", sinks=2, window=5, topk=0)], ids=lambda o: o["scorer"])
+def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_turn_generate(tmp_path, rng, options):
+    """Several new tokens on a started cache (a later chat turn, a chunked prompt) decode in turn, as one-token
+    calls do: logits to float rounding, the same kept slots, constant memory. So a second generate() on the
+    conversation so far (transformers feeds only what the cache has not seen) continues it."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(mlstm_chunk=8, **options), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    ids = torch.as_tensor(rng.integers(0, BASE.vocab_size, size=(2, 40)))
+    for prompt_len, cuts in ((7, (9, 20, 21, 40)), (3, (5, 40)), (12, (13, 40))):
+        one, chunked = make_cache(), make_cache()
+        with torch.no_grad():
+            want = [model(ids[:, :prompt_len], cache=one).logits]
+            want += [model(ids[:, t : t + 1], cache=one).logits for t in range(prompt_len, 40)]
+            got = [model(ids[:, :prompt_len], cache=chunked).logits]
+            nbytes = chunked.nbytes
+            for c0, c1 in zip((prompt_len,) + cuts[:-1], cuts):
+                got.append(model(ids[:, c0:c1], cache=chunked).logits)
+                assert chunked.nbytes == nbytes
+        np.testing.assert_allclose(torch.cat(got, 1).numpy(), torch.cat(want, 1).numpy(), atol=1e-5, rtol=0)
+        for layer, (x, y) in enumerate(zip(chunked.positions(), one.positions())):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"prompt {prompt_len}, layer {layer}")
+        assert chunked.get_seq_length() == one.get_seq_length() == 40
+    greedy = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    chat = make_cache()
+    with torch.no_grad():
+        first = model.generate(ids[:, :12], cache=chat, **greedy)
+        history = torch.cat([first, ids[:, 12:16]], dim=1)  # the next turn after the reply
+        second = model.generate(history, cache=chat, **greedy)
+        fresh = model.generate(history, cache=make_cache(), **greedy)
+    torch.testing.assert_close(second, fresh, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["demo-kvpop-mlstm", "demo-teacher"])
