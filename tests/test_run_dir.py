@@ -467,3 +467,55 @@ def test_export_refuses_an_out_that_is_the_runs_init_checkpoint_or_holds_its_wei
     for out in (other, str(tmp_path / "new")):
         check_not_init(out, meta)
     check_not_init(init, {"train_config": {"init_checkpoint": "random:tiny"}})
+
+
+def test_a_checkpoint_save_on_a_full_disk_is_one_error_naming_the_cause_and_the_step_to_resume_from(tmp_path):
+    """A full disk during a save was orbax's wall of tracebacks ending in a ValueError (RESOURCE_EXHAUSTED ...
+    [os_error_code='28']), or in TensorBoard's flush error, which hid it: now one FlagError naming the folder,
+    the OS error and the whole step a rerun resumes from; the steps saved before stay loadable."""
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.loop import MetricsLog
+    from train.step import TrainState
+
+    directory = str(tmp_path / "checkpoints")
+    state = lambda step: TrainState(step=jnp.asarray(step, jnp.int32), params={"w": jnp.ones((4, 2))},  # noqa: E731
+                                    opt_state={"m": jnp.zeros((4, 2))}, rng=jnp.asarray([1, 2], jnp.uint32))
+    ckpt = Checkpointer(directory, async_save=False)
+    for step in (2, 4):
+        ckpt.save(state(step), {"pos": step}, {"note": "x"}, force=True)
+    full = ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{directory}/6.orbax-checkpoint-tmp/params/d/1": '
+                      "Failed to write 25262 bytes to file 27: No space left on device [os_error_code='28']")
+
+    def no_space(*args, **kwargs):
+        raise full
+
+    ckpt.manager.save = no_space
+    message = (rf"saving a checkpoint in {directory} failed: No space left on device \(ValueError: "
+               r"RESOURCE_EXHAUSTED: .*\); the steps saved before \(2, 4\) are whole: free space \(or fix the disk\) "
+               r"and rerun the same command to resume from step 4$")
+    with pytest.raises(FlagError, match=message):
+        ckpt.save(state(6), {"pos": 6}, {"note": "x"}, force=True)
+    ckpt.manager.wait_until_finished = no_space  # an async save's failure surfaces in the wait, and in close
+    with pytest.raises(FlagError, match=message):
+        ckpt.close()
+    ckpt = Checkpointer(directory, read_only=True)
+    assert ckpt.latest_step() == 4 and ckpt.restore_meta(4)["step"] == 4
+    ckpt.close()
+    with pytest.raises(FlagError, match=r"failed: Read-only file system \(OSError: .*\); no step was saved before it"):
+        with Checkpointer(str(tmp_path / "other"), async_save=False)._writing():
+            raise OSError(30, os.strerror(30))
+    with pytest.raises(RuntimeError):  # not a write failure: as it was
+        with ckpt._writing():
+            raise RuntimeError("a bug")
+
+    class FullWriter:
+        def close(self):
+            raise OSError(28, os.strerror(28))
+
+    log = MetricsLog.__new__(MetricsLog)
+    log.writer = FullWriter()
+    log.close(quiet=True)  # while another error stops the run: that error is the one raised
+    with pytest.raises(OSError, match="No space left"):
+        log.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any, Iterator
 
 import jax
@@ -57,16 +58,38 @@ class Checkpointer:
         if not force and step % self.save_every:
             return False
         meta = dict(meta, step=step, rng=np.asarray(jax.device_get(state.rng)).tolist())
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params),
-                opt_state=ocp.args.StandardSave(state.opt_state),
-                data=ocp.args.JsonSave(data_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,  # the interval is decided above (orbax would also save the first step)
-        )
+        with self._writing():  # an async save's failure surfaces here, at the next save, or in wait()
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(state.params),
+                    opt_state=ocp.args.StandardSave(state.opt_state),
+                    data=ocp.args.JsonSave(data_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,  # the interval is decided above (orbax would also save the first step)
+            )
+
+    def saved_steps(self) -> list[int]:
+        """The finished step folders on disk (orbax names an unfinished save `N.orbax-checkpoint-tmp`)."""
+        try:
+            return sorted(int(d) for d in os.listdir(self.directory) if d.isdigit())
+        except OSError:
+            return []
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turns a failed save (a full disk, a read-only or failing one: orbax's wall of tracebacks and a
+        ValueError such as `RESOURCE_EXHAUSTED: ... [os_error_code='28']`) into one FlagError naming the
+        folder, the cause and the step a rerun resumes from. orbax writes each step into a temporary folder
+        and renames it when done, so the steps saved before are whole."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - narrowed below, as in _reading
+            if not (isinstance(e, (OSError, ValueError)) or type(e) is Exception):
+                raise
+            raise FlagError(f"saving a checkpoint in {self.directory} failed: {save_error_reason(e)}; "
+                            + _resume_advice(self.saved_steps())) from e
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:
@@ -128,11 +151,30 @@ class Checkpointer:
         return meta
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+
+
+def save_error_reason(e: BaseException) -> str:
+    """What made a save fail, short: the OS error (`No space left on device`) where the exception carries one
+    (an OSError's errno, or the `os_error_code` of tensorstore's message), then the exception's first line."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    found = re.search(r"os_error_code='?(\d+)", str(e))
+    code = code or (int(found.group(1)) if found else None)
+    detail = f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
+    return f"{os.strerror(code)} ({detail})" if code else detail
+
+
+def _resume_advice(steps: list[int]) -> str:
+    if not steps:
+        return "no step was saved before it: free space (or fix the disk) and rerun the command"
+    return (f"the steps saved before ({', '.join(map(str, steps))}) are whole: free space (or fix the disk) and "
+            f"rerun the same command to resume from step {steps[-1]}")
 
 
 def _put(x: np.ndarray, sharding) -> jax.Array:

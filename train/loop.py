@@ -10,6 +10,7 @@ NaN/inf (`check_finite`), or whose loss jumps above `--divergence_factor` x its 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -102,9 +103,15 @@ class MetricsLog:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"train/{k}", v, step)
 
-    def close(self) -> None:
+    def close(self, quiet: bool = False) -> None:
+        """Flushes and closes the TensorBoard writer; `quiet`: an OSError doing so is dropped (another
+        error is already stopping the run)."""
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError:
+                if not quiet:
+                    raise
 
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:
@@ -201,10 +208,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
                                 f"{latest}, or start over with --overwrite")
         if cfg.teacher_logits_dir and cfg.resume and not cfg.overwrite:  # the others were checked from 0 above
             check_teacher_dir(cfg, init_fingerprint, latest or 0)
-        return _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest,
-                    tokenizer_dir, batches)
-    finally:
-        ckpt.close()
+        summary = _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest,
+                       tokenizer_dir, batches)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a failed save raises again here: the first error is the one to tell
+            ckpt.close()
+        raise
+    ckpt.close()
+    return summary
 
 
 def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx, ckpt, latest, tokenizer_dir,
@@ -286,9 +297,12 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
             ckpt.save(state, batches.state(), dict(meta, **{GUARD_META_KEY: guard.saved()}),
                       force=step + 1 == cfg.steps)
         ckpt.wait()
-    finally:
+    except BaseException:
         bar.close()
-        log.close()
+        log.close(quiet=True)  # on a full disk its flush fails too: the error that stopped the run is the one to tell
+        raise
+    bar.close()
+    log.close()
     if cfg.export:
         export_params(kv_config, state.params, cfg.export_dir, tokenizer_dir=tokenizer_dir)
         info(f"exported to {cfg.export_dir}")

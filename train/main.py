@@ -76,6 +76,11 @@ def main(argv):
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
+    except OSError as e:  # a full, read-only or failing disk (metrics, export, teacher top-k): no traceback
+        run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir
+        print(f"error: {e}; free space (or fix the disk) and rerun the same command: a run resumes from the last "
+              f"checkpoint in {run_dir}, whose saved steps and export are whole", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
