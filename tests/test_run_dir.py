@@ -519,3 +519,24 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_error_naming_the_cause_and_the_
     log.close(quiet=True)  # while another error stops the run: that error is the one raised
     with pytest.raises(OSError, match="No space left"):
         log.close()
+
+
+def test_overwrite_empties_a_checkpoints_folder_linked_to_another_disk_and_keeps_the_link(tmp_path, arch):
+    """checkpoints/ (or tb/) as a symlink to a bigger disk: --overwrite stopped with shutil.rmtree's
+    `Cannot call rmtree on a symbolic link` traceback. Now the linked folder is emptied (the run's old steps)
+    and the link stays, so the new run writes where the old one did; what is beside the link target stays."""
+    run = str(tmp_path / "run")
+    _fake_run(run)
+    big = tmp_path / "big"
+    big.mkdir()
+    os.rename(os.path.join(run, "checkpoints"), big / "ckpts")
+    (big / "mine.txt").write_text("not the run's")
+    os.symlink(big / "ckpts", os.path.join(run, "checkpoints"))
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", big / "ckpts" / "a-link")  # a link inside: unlinked, its target kept
+    (tmp_path / "elsewhere" / "keep").write_text("x")
+    os.symlink(tmp_path / "gone", os.path.join(run, "tb"))  # a dangling link: removed
+    prepare_run_dir(parse(tiny_flags(run, arch, resume=False, overwrite=True)))
+    assert os.path.islink(os.path.join(run, "checkpoints")) and os.listdir(big / "ckpts") == []
+    assert (big / "mine.txt").read_text() == "not the run's" and (tmp_path / "elsewhere" / "keep").exists()
+    assert sorted(os.listdir(run)) == ["checkpoints", "data", "export"]

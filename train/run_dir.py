@@ -129,16 +129,31 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
     if cfg.overwrite:
         for name in RUN_OUTPUTS if delete else ():
             _overwritten.add(os.path.realpath(cfg.run_dir))  # from the first deletion on
-            path = os.path.join(cfg.run_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.lexists(path):
-                os.unlink(path)
+            _delete_output(os.path.join(cfg.run_dir, name))
         return
     if not cfg.resume and (steps or logged):
         what = f"checkpoints (steps {', '.join(map(str, steps))})" if steps else f"a {METRICS_FILE}"
         raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {what}; pass "
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
+
+
+def _delete_output(path: str) -> None:
+    """Deletes one of a run's outputs. A symlink to a folder (checkpoints/ on a bigger disk) keeps the link
+    and loses the folder's contents, which are the run's: the new run writes where the old one did
+    (shutil.rmtree refuses a link, which stopped --overwrite with a traceback)."""
+    if os.path.islink(path) and os.path.isdir(path):
+        for entry in os.listdir(path):
+            _delete_output_entry(os.path.join(path, entry))
+    else:
+        _delete_output_entry(path)
+
+
+def _delete_output_entry(path: str) -> None:
+    """A folder (not a link to one) with its contents, or a file or a link."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def _same_path(value):
