@@ -65,15 +65,19 @@ def atomic_write_bytes(filename: str, data: bytes) -> None:
         raise
 
 
-def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+def check_writable_dir(path: str | os.PathLike, what: str, *, swapped: bool = False) -> None:
     """A folder about to be created or written into: a ValueError naming `what` if it is empty, a
-    file, lies under a file, or its nearest existing folder cannot be written. Touches nothing."""
+    file, lies under a file, or its nearest existing folder cannot be written. `swapped`: a folder
+    `staged_directory` replaces (an export), whose stage is built beside it, so the folder holding it
+    (that of its real path) must be writable too. Touches nothing."""
     path = os.fspath(path)
     if not path:
         raise ValueError(f"{what} is empty")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what}={path} is a file, not a folder")
     _check_creatable(path, os.path.abspath(path), what)
+    if swapped:
+        _check_creatable(path, os.path.dirname(os.path.realpath(path)), what)
 
 
 def nearest_existing(path: str) -> str:

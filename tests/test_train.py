@@ -763,3 +763,48 @@ def test_train_export_prints_its_result_not_orbaxs_logs(tmp_path, arch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == f"exported step 2 (1 layers, kvpop) to {tmp_path / 'out'}"
     assert proc.stderr.strip() == "", proc.stderr[-3000:]
+
+
+def test_train_export_to_a_read_only_folder_or_a_full_disk_is_one_line(tmp_path, arch, monkeypatch, capsys):
+    """--out on a read-only disk was found only after the parameters were restored, as os.mkdir's traceback
+    (the stage is built beside --out); a full disk mid-write was a traceback too. Now the first is refused
+    before anything is read, the second is one line saying the export there before is unchanged."""
+    from train import checkpointing, export
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+
+    class FakeCheckpointer:
+        def __init__(self, directory, read_only=False):
+            pass
+
+        def latest_step(self):
+            return 4
+
+        def restore_meta(self, step):
+            raise AssertionError("the checkpoint was read before the --out check")
+
+    monkeypatch.setattr(checkpointing, "Checkpointer", FakeCheckpointer)
+    read_only = tmp_path / "ro"
+    (read_only / "export").mkdir(parents=True)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: os.path.realpath(p) != str(read_only)
+                        and access(p, mode, **kw))
+    with pytest.raises(ValueError, match=rf"^--out={read_only}/export: the folder {read_only} is not writable$"):
+        export.export_checkpoint(str(run), str(read_only / "export"))  # the export folder itself is writable
+    with pytest.raises(FlagError, match=rf"^--export_dir={read_only}/export: the folder {read_only} is not writable"):
+        parse(tiny_flags(str(tmp_path / "run2"), arch, export_dir=str(read_only / "export")))  # train.main's too
+
+    def full(*args, **kwargs):
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(export, "export_checkpoint", full)
+    export.FLAGS(["export", f"--checkpoint={run}", f"--out={tmp_path / 'out'}"])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            export.main([])
+    finally:
+        export.FLAGS.unparse_flags()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"error: exporting to {tmp_path / 'out'} failed ([Errno 28] No space left on "
+                                       "device); any export there before is unchanged\n")

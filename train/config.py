@@ -281,11 +281,12 @@ def parse_flags(argv):
         sys.exit(2)
 
 
-def check_output_dir(path: str, flag: str) -> None:
+def check_output_dir(path: str, flag: str, *, swapped: bool = False) -> None:
     """A folder the run will create or write into: refused by flag if it is a file, lies under a
-    file, or its nearest existing folder cannot be written (checked before any work is done)."""
+    file, or its nearest existing folder cannot be written (checked before any work is done);
+    `swapped`: an export folder, replaced whole, whose parent must be writable too."""
     try:
-        check_writable_dir(path, flag)
+        check_writable_dir(path, flag, swapped=swapped)
     except ValueError as e:
         raise FlagError(f"{e}; choose another {flag}") from None
 

@@ -198,7 +198,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         raise FlagError(f"--export_dir={f.export_dir} with --variants: each variant exports into RUN_DIR/NAME/export "
                         "(see README command 1); drop --export_dir")
     if f.export and not variants:
-        check_output_dir(export_dir, "--export_dir")
+        check_output_dir(export_dir, "--export_dir", swapped=True)
     check_export_dir(export_dir, f.init_checkpoint, os.path.join(run_dir, "checkpoints"))
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,

@@ -56,6 +56,7 @@ def check_out(out: str, checkpoints: str) -> None:
     real = fileio.check_replaceable_dir(out, "--out")
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"--out={out}: it exists and is not a folder")
+    fileio.check_writable_dir(out, "--out", swapped=True)  # a read-only disk: before the restore, not after it
     checkpoints = os.path.realpath(checkpoints)
     if os.path.commonpath([real, checkpoints]) in (real, checkpoints):
         where = "is or holds" if os.path.commonpath([real, checkpoints]) == real else "lies inside"
@@ -125,6 +126,9 @@ def main(argv):
         config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a full, read-only or failing disk: the export is swapped in whole or not at all
+        print(f"error: exporting to {FLAGS.out} failed ({e}); any export there before is unchanged", file=sys.stderr)
         sys.exit(2)
     kind = "kvpop" if config.kvpop is not None else "dms" if config.dms is not None else "dense"
     print(f"exported step {step} ({config.num_hidden_layers} layers, {kind}) to {FLAGS.out}")

@@ -131,7 +131,7 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
 def check_outputs(cfg: PretrainConfig, overwrite: bool) -> None:
     """Before any step: both folders can be written, and the export would not silently replace a model."""
     check_output_dir(cfg.run_dir, "--run_dir")
-    check_output_dir(cfg.out_dir, "--out_dir")
+    check_output_dir(cfg.out_dir, "--out_dir", swapped=True)
     held = [n for n in ("config.json", "model.safetensors") if os.path.isfile(os.path.join(cfg.out_dir, n))]
     if held and not overwrite:
         raise FlagError(f"--out_dir={cfg.out_dir} already holds a model ({', '.join(held)}): pass --overwrite_out_dir "
