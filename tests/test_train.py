@@ -343,6 +343,30 @@ def test_chunked_kl_equals_full_kl():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g_full, g_chunk)
 
 
+def test_a_teacher_topk_write_on_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
+    """--write_teacher_logits on a full disk left step_N.npz.tmp behind, a partial file (up to ~4 GB a step of
+    the paper's recipe) that kept the disk full for the rerun; and the file was renamed into place unsynced,
+    so a crash could leave a torn step file under the name a rerun skips as written."""
+    import train.teacher_cache as tc
+
+    values, indices = np.zeros((2, 8, 4), np.float32), np.zeros((2, 8, 4), np.int32)
+    ids = np.zeros((2, 8), np.int32)
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
+    write_teacher_topk(str(tmp_path), 0, values, indices, ids)
+    assert synced and sorted(os.listdir(tmp_path)) == ["step_00000000.npz"]
+
+    def full(f, **arrays):
+        f.write(b"PK" * 1000)
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(tc.np, "savez", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_teacher_topk(str(tmp_path), 1, values, indices, ids)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000000.npz"]
+
+
 def test_teacher_topk_files_round_trip(tmp_path, arch):
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, teacher_logits_dir=str(tmp_path)))
     values = np.random.default_rng(0).normal(size=(4, 128, 16)).astype(np.float32)

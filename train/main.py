@@ -78,8 +78,9 @@ def main(argv):
         sys.exit(3)
     except OSError as e:  # a full, read-only or failing disk (metrics, export, teacher top-k): no traceback
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir
-        print(f"error: {e}; free space (or fix the disk) and rerun the same command: a run resumes from the last "
-              f"checkpoint in {run_dir}, whose saved steps and export are whole", file=sys.stderr)
+        rerun = ("it writes the steps whose files are missing" if FLAGS.write_teacher_logits else
+                 f"a run resumes from the last checkpoint in {run_dir}, whose saved steps and export are whole")
+        print(f"error: {e}; free space (or fix the disk) and rerun the same command: {rerun}", file=sys.stderr)
         sys.exit(2)
 
 

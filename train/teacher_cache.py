@@ -100,13 +100,22 @@ def write_teacher_topk(directory: str, step: int, values: np.ndarray, indices: n
                        input_ids: np.ndarray) -> None:
     """Stores the global batch's teacher top-k of optimizer step `step` (0-based): [B, S, K] each
     (float32 values + int32 indices: 8 bytes per entry, ~4.3 GB per step of the paper's recipe),
-    with the hashes of the rows `input_ids` [B, S] it was computed from. Atomic (tmp + rename)."""
+    with the hashes of the rows `input_ids` [B, S] it was computed from. Atomic (a synced tmp + rename: a
+    crash never leaves a torn file under the name a rerun takes as written); a failed write (a full disk)
+    removes its partial tmp, which would otherwise hold on to the space a rerun needs."""
     os.makedirs(directory, exist_ok=True)
     path = teacher_file(directory, step)
-    with open(path + ".tmp", "wb") as f:
-        np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32),
-                 row_hashes=row_hashes(input_ids))
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32),
+                     row_hashes=row_hashes(input_ids))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        if os.path.lexists(path + ".tmp"):
+            os.unlink(path + ".tmp")
+        raise
 
 
 def read_teacher_topk(cfg: TrainConfig, step: int, input_ids: np.ndarray) -> dict[str, np.ndarray]:
