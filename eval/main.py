@@ -336,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full, read-only or failing disk: reports are staged, so none is left half-written
+        print(f"error: {e}; eval.main {argv[0]} stopped, and the reports it had not finished were not written (those "
+              "there before are unchanged)", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:  # reports are staged: one being rewritten is left as it was
         print(f"\ninterrupted: eval.main {argv[0]} stopped; reports it had not finished were not written",
               file=sys.stderr)

@@ -24,3 +24,27 @@ def test_a_killed_reports_temporaries_are_removed_by_the_next_report(tmp_path):
             write_text(stage.path("samples.jsonl"), "half")
             raise RuntimeError
     assert (out / "accuracy.md").read_text() == "new" and live.exists()
+
+
+def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_old_report(tmp_path, monkeypatch, capsys):
+    """A full disk while a report was written: eval.main printed the OSError's traceback. Now one line (exit 2);
+    the staged report's temporaries are gone and the previous report is whole."""
+    from eval import main as eval_main
+
+    out = tmp_path / "report"
+    with staged_outputs(out) as stage:
+        write_text(stage.path("patterns.md"), "old")
+
+    def report_on_a_full_disk(argv):
+        with staged_outputs(out) as stage:
+            write_text(stage.path("patterns.md"), "new")
+            raise OSError(28, os.strerror(28))
+
+    monkeypatch.setitem(eval_main.COMMANDS, "patterns", report_on_a_full_disk)
+    with pytest.raises(SystemExit) as stop:
+        eval_main.main(["patterns"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: [Errno 28] No space left on device; eval.main patterns stopped, and the reports it had not "
+        "finished were not written (those there before are unchanged)")
+    assert os.listdir(out) == ["patterns.md"] and (out / "patterns.md").read_text() == "old"
