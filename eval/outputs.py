@@ -29,7 +29,7 @@ class StagedOutputs:
     def __init__(self, out_dir: str | os.PathLike):
         self.out_dir = os.fspath(out_dir)
         check_writable_dir(self.out_dir, "out_dir")
-        os.makedirs(self.out_dir, exist_ok=True)
+        os.makedirs(os.path.realpath(self.out_dir), exist_ok=True)  # a symlink to a folder not made yet: made
         remove_dead_staged_files(self.out_dir)
         self.staged: dict[str, str] = {}  # final path -> temporary path
 

@@ -540,3 +540,21 @@ def test_overwrite_empties_a_checkpoints_folder_linked_to_another_disk_and_keeps
     assert os.path.islink(os.path.join(run, "checkpoints")) and os.listdir(big / "ckpts") == []
     assert (big / "mine.txt").read_text() == "not the run's" and (tmp_path / "elsewhere" / "keep").exists()
     assert sorted(os.listdir(run)) == ["checkpoints", "data", "export"]
+
+
+def test_a_run_folder_that_is_a_symlink_to_a_folder_not_made_yet_is_made(tmp_path):
+    """A --run_dir (or --teacher_logits_dir, eval's --out_dir) linked to a folder on another disk that does not
+    exist yet stopped at os.makedirs with `[Errno 17] File exists`; the export folder, swapped in by its real
+    path, already worked that way. Now the link's target is made."""
+    from eval.outputs import staged_outputs
+
+    link = tmp_path / "run"
+    os.symlink(tmp_path / "big" / "runs" / "a", link)
+    with lock_run_dir(str(link)):
+        assert os.path.isfile(tmp_path / "big" / "runs" / "a" / LOCK_FILE)
+    os.symlink(tmp_path / "big" / "report", tmp_path / "report")
+    with staged_outputs(tmp_path / "report") as out:
+        with open(out.path("a.md"), "w") as f:
+            f.write("x")
+    assert (tmp_path / "big" / "report" / "a.md").read_text() == "x"
+

@@ -70,7 +70,7 @@ def lock_run_dir(run_dir: str, what: str = "run folder", flag: str = "--run_dir"
     """Holds RUN_DIR/run.lock (creating RUN_DIR) or raises FlagError naming the PID that holds it
     (the folder called `what`, chosen by `flag`). Only process 0 of a multi-host run locks (the
     others share its folder)."""
-    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(os.path.realpath(run_dir), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
     path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
     if jax.process_index() != 0:
         yield
