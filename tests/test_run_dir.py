@@ -558,3 +558,25 @@ def test_a_run_folder_that_is_a_symlink_to_a_folder_not_made_yet_is_made(tmp_pat
             f.write("x")
     assert (tmp_path / "big" / "report" / "a.md").read_text() == "x"
 
+
+def test_train_main_tells_a_disk_error_in_one_line_with_advice_only_for_a_full_or_failing_disk(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    import train.main as tm
+
+    for error, advice in ((OSError(28, os.strerror(28)), True), (FileExistsError(17, os.strerror(17), "x"), False)):
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(tm, "config_from_flags", fail)
+        tm.FLAGS(["train", f"--run_dir={tmp_path}"])
+        try:
+            with pytest.raises(SystemExit) as stop:
+                tm.main(["train"])
+        finally:
+            tm.FLAGS.unparse_flags()
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {error}") and ("free space" in err) == advice, err
+        if advice:
+            assert err.endswith(f"rerun the same command: a run resumes from the last checkpoint in {tmp_path}, whose "
+                                "saved steps and export are whole")

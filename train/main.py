@@ -15,6 +15,7 @@ RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recip
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -80,7 +81,9 @@ def main(argv):
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir
         rerun = ("it writes the steps whose files are missing" if FLAGS.write_teacher_logits else
                  f"a run resumes from the last checkpoint in {run_dir}, whose saved steps and export are whole")
-        print(f"error: {e}; free space (or fix the disk) and rerun the same command: {rerun}", file=sys.stderr)
+        disk = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+        print(f"error: {e}" + (f"; free space (or fix the disk) and rerun the same command: {rerun}" if disk else ""),
+              file=sys.stderr)
         sys.exit(2)
 
 
