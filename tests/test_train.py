@@ -92,6 +92,14 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
         with pytest.raises(FlagError, match="--export_dir=.* is inside the run's checkpoint folder"):
             parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(export_dir)))
     parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "checkpoints-export")))
+    # a random: model is built in RUN_DIR/init: an export there replaced it, and every resume was then refused
+    for export_dir in (tmp_path / "run" / "init", tmp_path / "run" / "init" / "x", tmp_path / "link"):
+        if export_dir.name == "link":
+            os.symlink(tmp_path / "run" / "init", export_dir)
+        with pytest.raises(FlagError, match=rf"--export_dir={export_dir} is the folder {tmp_path}/run/init the run's "
+                                            r"--init_checkpoint=random:.* is built in, or inside it"):
+            parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(export_dir)))
+    parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "init-export")))
 
 
 def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_checkpoints(tmp_path, arch, monkeypatch):

@@ -259,7 +259,14 @@ def check_export_dir(export_dir: str, init_checkpoint: str | None, checkpoint_di
         raise FlagError(f"{flag}={export_dir} is inside the run's checkpoint folder {checkpoint_dir}, which "
                         "keeps only the latest --keep_checkpoints steps (an export there is deleted with its step); "
                         f"choose another {flag}")
-    if not init_checkpoint or init_checkpoint.startswith("random:"):
+    if not init_checkpoint:
+        return
+    if init_checkpoint.startswith("random:"):  # built in RUN_DIR/init: replaced, the run could never resume
+        if checkpoint_dir and inside(os.path.join(os.path.dirname(checkpoint_dir), "init")):
+            init = os.path.join(os.path.dirname(checkpoint_dir), "init")
+            raise FlagError(f"{flag}={export_dir} is the folder {init} the run's --init_checkpoint={init_checkpoint} "
+                            f"is built in, or inside it: the export would overwrite the model the run starts from (a "
+                            f"resume would then be refused); choose another {flag}")
         return
     if inside(init_checkpoint):
         raise FlagError(f"{flag}={export_dir} is the run's --init_checkpoint={init_checkpoint} or inside it: the "
