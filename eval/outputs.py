@@ -65,7 +65,8 @@ def remove_dead_staged_files(out_dir: str) -> None:
 
 def out_dir_arg(text: str) -> str:
     """argparse type of --out_dir: refused at parse time (usage error, exit 2) if it cannot be a
-    report folder, before any model loads."""
+    report folder, before any model loads. A leading `~` is expanded (the shell leaves `--out_dir=~/x`)."""
+    text = os.path.expanduser(text)
     try:
         check_writable_dir(text, "--out_dir")
     except ValueError as e:

@@ -580,3 +580,17 @@ def test_train_main_tells_a_disk_error_in_one_line_with_advice_only_for_a_full_o
         if advice:
             assert err.endswith(f"rerun the same command: a run resumes from the last checkpoint in {tmp_path}, whose "
                                 "saved steps and export are whole")
+
+
+def test_a_leading_tilde_in_a_path_flag_is_the_home_folder_not_a_folder_named_tilde(tmp_path, arch, monkeypatch):
+    """`--run_dir=~/runs/x` (the shell expands no `~` after `=`, a flagfile none at all) made a folder named `~`
+    in the working directory, while --data's `~` was expanded; now every path flag's is, and eval's --out_dir."""
+    from eval.outputs import out_dir_arg
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = parse(tiny_flags("~/runs/x", arch, export_dir="~/exports/x", teacher_logits_dir="~/topk",
+                           write_teacher_logits=True))
+    home = str(tmp_path / "home")
+    assert (cfg.run_dir, cfg.export_dir, cfg.teacher_logits_dir) == (f"{home}/runs/x", f"{home}/exports/x",
+                                                                      f"{home}/topk")
+    assert out_dir_arg("~/report") == f"{home}/report"

@@ -23,11 +23,25 @@ def _resolve_dtype(name: str, on_accelerator: bool) -> str:
     return name
 
 
+# Path flags whose leading `~` is expanded (as --data's is): not by the shell in `--flag=~/x` nor in a flagfile,
+# it made a folder named `~` in the working directory.
+PATH_FLAGS = ("run_dir", "export_dir", "init_checkpoint", "model_config", "tokenizer", "teacher_logits_dir")
+
+
+def expand_user_paths(fv: flags.FlagValues) -> None:
+    """Expands a leading `~` of the PATH_FLAGS values in place (so that every later use sees the same path)."""
+    for name in PATH_FLAGS:
+        value = fv[name].value
+        if isinstance(value, str) and value.startswith("~"):
+            fv[name].value = os.path.expanduser(value)
+
+
 def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: bool | None = None) -> TrainConfig:
     """Maps parsed flags onto a validated TrainConfig; raises FlagError naming the flag."""
     if on_accelerator is None:
         on_accelerator = jax.default_backend() != "cpu"
     f = fv
+    expand_user_paths(f)
     check_float_flags(f)
     if not f.run_dir:
         raise FlagError("--run_dir is required")

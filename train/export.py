@@ -123,6 +123,7 @@ def main(argv):
     if not FLAGS.checkpoint or not FLAGS.out:
         raise app.UsageError("--checkpoint and --out are required")
     try:
+        FLAGS.checkpoint, FLAGS.out = os.path.expanduser(FLAGS.checkpoint), os.path.expanduser(FLAGS.out)  # ~/x
         config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
