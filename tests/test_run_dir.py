@@ -594,3 +594,28 @@ def test_a_leading_tilde_in_a_path_flag_is_the_home_folder_not_a_folder_named_ti
     assert (cfg.run_dir, cfg.export_dir, cfg.teacher_logits_dir) == (f"{home}/runs/x", f"{home}/exports/x",
                                                                       f"{home}/topk")
     assert out_dir_arg("~/report") == f"{home}/report"
+
+
+def test_an_export_folder_holding_another_live_run_is_refused(tmp_path, arch):
+    """--export_dir (or train.export --out) a folder holding another live run's folder: the export swapped the
+    folder in whole, carrying over what it had listed, so the checkpoint steps that run saved meanwhile were
+    deleted with the old folder (seen: its run then died with 'Save failed', one step left of dozens)."""
+    from train.export import check_out
+    from train.run_dir import check_no_live_run_inside
+
+    exports = tmp_path / "exports"
+    other = exports / "team" / "other-run"
+    proc = _hold_lock(str(other))
+    try:
+        message = rf"--export_dir={exports} holds the folder {other}, in use by PID {proc.pid}: the export replaces"
+        with pytest.raises(FlagError, match=message):
+            parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(exports)))
+        with pytest.raises(FlagError, match=rf"--out={other} is the folder {other}, in use by PID {proc.pid}"):
+            check_out(str(other), str(tmp_path / "run" / "checkpoints"))
+        parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(exports / "mine")))  # beside it: fine
+    finally:
+        proc.kill()
+        proc.wait()
+    check_no_live_run_inside(str(exports), "--export_dir")  # its owner is gone: the lock is free
+    with lock_run_dir(str(exports / "run")):  # this process's own run inside the folder (train.main's own export)
+        check_no_live_run_inside(str(exports), "--export_dir")

@@ -15,6 +15,7 @@ from kvpop_jax.documents import resolve_source
 from kvpop_jax.generate import SEED_RANGE
 from train.config import (DataConfig, EvalConfig, FlagError, MeshConfig, OptimConfig, TrainConfig,
                           check_export_dir, check_output_dir, resolve_model_config, variant_dms, variant_kvpop)
+from train.run_dir import check_no_live_run_inside
 
 
 def _resolve_dtype(name: str, on_accelerator: bool) -> str:
@@ -214,6 +215,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     if f.export and not variants:
         check_output_dir(export_dir, "--export_dir", swapped=True)
     check_export_dir(export_dir, f.init_checkpoint, os.path.join(run_dir, "checkpoints"))
+    check_no_live_run_inside(export_dir, "--export_dir")
     return TrainConfig(
         run_dir=run_dir, init_checkpoint=f.init_checkpoint, model_config=f.model_config, head_dim=head_dim,
         tokenizer=f.tokenizer, seed=f.seed, kvpop=kvpop, data=data, demo_examples=demo_examples,

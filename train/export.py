@@ -25,6 +25,7 @@ from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
 from train.config import DTYPES, check_export_dir, parse_flags
+from train.run_dir import check_no_live_run_inside
 
 
 def tokenizer_files(source_dir: str | None) -> dict[str, str]:
@@ -57,6 +58,7 @@ def check_out(out: str, checkpoints: str) -> None:
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"--out={out}: it exists and is not a folder")
     fileio.check_writable_dir(out, "--out", swapped=True)  # a read-only disk: before the restore, not after it
+    check_no_live_run_inside(out, "--out")
     checkpoints = os.path.realpath(checkpoints)
     if os.path.commonpath([real, checkpoints]) in (real, checkpoints):
         where = "is or holds" if os.path.commonpath([real, checkpoints]) == real else "lies inside"

@@ -32,8 +32,8 @@ from train import step as st
 from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
-from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_resume, lock_run_dir,
-                           prepare_run_dir, read_metrics, training_changes)
+from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_no_live_run_inside,
+                           check_resume, lock_run_dir, prepare_run_dir, read_metrics, training_changes)
 from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
                          run_tokenizer, step_config, to_global)
 from train.teacher_cache import check_teacher_dir, read_teacher_topk
@@ -304,6 +304,8 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
     bar.close()
     log.close()
     if cfg.export:
+        if jax.process_index() == 0:  # checked at the start too: a run started in it since then (this one's own pass)
+            check_no_live_run_inside(cfg.export_dir, "--export_dir")
         export_params(kv_config, state.params, cfg.export_dir, tokenizer_dir=tokenizer_dir)
         info(f"exported to {cfg.export_dir}")
     return {"steps": cfg.steps, "resumed_from": start, "last_metrics": last}

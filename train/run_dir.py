@@ -101,6 +101,46 @@ def lock_run_dir(run_dir: str, what: str = "run folder", flag: str = "--run_dir"
             os.close(fd)  # releases the flock; the file stays (unlinking it would race a waiting locker)
 
 
+def _locked_elsewhere(lock: str) -> int | None:
+    """The PID recorded in `lock` (0 if none) when another process holds its flock, else None. Probed with a
+    shared lock taken and dropped at once; this process's own locks are known without a probe."""
+    if os.path.realpath(lock) in _held:
+        return None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return None
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else 0
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_no_live_run_inside(folder: str, flag: str, depth: int = 3) -> None:
+    """Refuses (FlagError) an export folder that is or holds a folder another live process has locked (a run, a
+    teacher top-k folder; `depth` levels down, checkpoint trees skipped): the export replaces its folder whole,
+    carrying over what it finds, so what that process writes in the meantime (a checkpoint step) would be lost."""
+    real = os.path.realpath(folder)
+    for root, dirs, files in os.walk(real) if os.path.isdir(real) else ():
+        if root[len(real):].count(os.sep) >= depth:
+            dirs[:] = []
+        dirs[:] = [d for d in dirs if d != "checkpoints"]
+        pid = _locked_elsewhere(os.path.join(root, LOCK_FILE)) if LOCK_FILE in files else None
+        if pid is not None:
+            where = "is" if root == real else "holds"
+            raise FlagError(f"{flag}={folder} {where} the folder {root}, in use by PID {pid or '?'}: the export "
+                            f"replaces {real} whole, so what that process writes there meanwhile would be lost; "
+                            f"choose another {flag}, or wait for that process")
+
+
 def resume_advice(resume: bool, overwrite: bool, run_dir: str) -> str:
     """What Ctrl-C prints: how to rerun the command (`--resume`, `--overwrite` as given) to go on where it
     stopped. With --overwrite that depends on whether it has deleted a run's outputs yet: stopped before (while
@@ -271,5 +311,5 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["RESUME_CHANGES_KEY", "check_resume", "checkpoint_steps", "lock_run_dir", "prepare_run_dir", "read_metrics",
-           "resume_advice", "training_changes"]
+__all__ = ["RESUME_CHANGES_KEY", "check_no_live_run_inside", "check_resume", "checkpoint_steps", "lock_run_dir",
+           "prepare_run_dir", "read_metrics", "resume_advice", "training_changes"]
