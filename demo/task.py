@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from collections import deque
 from typing import Iterable
@@ -511,11 +512,15 @@ def generate_mixture(n: int, seed: int = 0, split: str = "train", tasks: tuple[s
 
 
 def write_jsonl(path, examples: Iterable[dict], with_meta: bool = False) -> None:
-    """One JSON object per line: id, prompt, answer, text (and meta if asked)."""
+    """One JSON object per line: id, prompt, answer, text (and meta if asked). Synced before it returns:
+    the training data and the recipe's recall rows are written as PATH.tmp and renamed, and a run reuses
+    the file it finds under that name, so a crash must not leave it torn there."""
     keys = ("id", "prompt", "answer", "text") + (("meta",) if with_meta else ())
     with open(path, "w") as f:
         for ex in examples:
             f.write(json.dumps({k: ex[k] for k in keys if k in ex}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_jsonl(path) -> list[dict]:

@@ -1,6 +1,7 @@
 """The bundled demo task (demo/task.py), its tokenizer (demo/tokenizer.py) and oracles (demo/oracles.py)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -188,9 +189,12 @@ def test_extract_answer_and_score():
     assert ex["text"] == ex["prompt"] + "\\boxed{" + ex["answer"] + "}"
 
 
-def test_jsonl_round_trip(tmp_path, test_set):
+def test_jsonl_round_trip(tmp_path, test_set, monkeypatch):
     path = tmp_path / "demo.jsonl"
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
     dt.write_jsonl(path, test_set[:5])
+    assert synced  # renamed into the name a run reuses as written: synced first, never torn after a crash
     rows = dt.read_jsonl(path)
     assert [set(r) for r in rows] == [{"id", "prompt", "answer", "text"}] * 5
     assert [r["text"] for r in rows] == [e["text"] for e in test_set[:5]]
