@@ -619,3 +619,32 @@ def test_an_export_folder_holding_another_live_run_is_refused(tmp_path, arch):
     check_no_live_run_inside(str(exports), "--export_dir")  # its owner is gone: the lock is free
     with lock_run_dir(str(exports / "run")):  # this process's own run inside the folder (train.main's own export)
         check_no_live_run_inside(str(exports), "--export_dir")
+
+
+def test_a_failed_tensorboard_close_on_a_full_disk_leaves_no_exit_tracebacks(tmp_path, monkeypatch):
+    """After a full disk stopped a run, tensorboardX's exit hook retried the failed flush, and its writer thread
+    died, printing two tracebacks below train.main's error line; the asyncio futures of orbax's failed save did
+    the same. Now the event files are marked closed (their thread stopped), and train.main's error exit silences
+    asyncio's 'never retrieved' logs."""
+    import logging
+
+    import train.main as tm
+    from train.loop import MetricsLog
+
+    cfg = dataclasses.make_dataclass("Cfg", ["run_dir", "tensorboard"])(str(tmp_path), True)
+    log = MetricsLog(cfg, 0)
+    log.write(1, {"loss": 1.0})
+    events = next(iter(log.writer.all_writers.values())).event_writer
+
+    def full():
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(events._ev_writer, "flush", full)
+    log.close(quiet=True)
+    assert events._closed and not events._worker.is_alive()
+    events.close()  # what the exit hook calls: nothing left to flush, no error
+
+    monkeypatch.setattr(logging.getLogger("asyncio"), "level", logging.NOTSET)
+    with pytest.raises(SystemExit):
+        tm._quiet_exit(2)
+    assert logging.getLogger("asyncio").level == logging.CRITICAL

@@ -112,6 +112,22 @@ class MetricsLog:
             except OSError:
                 if not quiet:
                     raise
+                _abandon_event_files(self.writer)
+
+
+def _abandon_event_files(writer) -> None:
+    """After a failed close (a full disk): stops tensorboardX's writer threads and marks its event files closed,
+    so that its exit hook does not retry the flush and print tracebacks under the error that stopped the run.
+    Best effort, on tensorboardX's internals (another version: nothing happens)."""
+    for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
+        events = getattr(file_writer, "event_writer", None)
+        if events is None or getattr(events, "_closed", True):
+            continue
+        events._closed = True
+        worker = getattr(events, "_worker", None)
+        with contextlib.suppress(Exception):
+            if worker is not None and worker.is_alive():
+                worker.stop()
 
 
 def check_finite(step: int, metrics: dict[str, float]) -> None:

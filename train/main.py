@@ -16,6 +16,7 @@ RUN_DIR/NAME, and `--eval_methods` then prints the demo comparison (`train/recip
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 
@@ -69,7 +70,7 @@ def main(argv):
                 train(cfg)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _quiet_exit(2)
     except KeyboardInterrupt:  # checkpoints already saved stay whole (orbax's writes land atomically)
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir  # --quick runs in RUN_DIR-quick
         print(f"\n{resume_advice(FLAGS.resume, FLAGS.overwrite, run_dir)}", file=sys.stderr)
@@ -84,7 +85,14 @@ def main(argv):
         disk = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
         print(f"error: {e}" + (f"; free space (or fix the disk) and rerun the same command: {rerun}" if disk else ""),
               file=sys.stderr)
-        sys.exit(2)
+        _quiet_exit(2)
+
+
+def _quiet_exit(code: int) -> None:
+    """Exits after the `error:` line without the asyncio `... exception was never retrieved` tracebacks that a
+    failed orbax save's leftover futures print when they are collected at exit, under that line."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
