@@ -523,8 +523,9 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_error_naming_the_cause_and_the_
 
 def test_overwrite_empties_a_checkpoints_folder_linked_to_another_disk_and_keeps_the_link(tmp_path, arch):
     """checkpoints/ (or tb/) as a symlink to a bigger disk: --overwrite stopped with shutil.rmtree's
-    `Cannot call rmtree on a symbolic link` traceback. Now the linked folder is emptied (the run's old steps)
-    and the link stays, so the new run writes where the old one did; what is beside the link target stays."""
+    `Cannot call rmtree on a symbolic link` traceback. Now the link stays and what the run wrote in the linked
+    folder (step folders, event files) is deleted, so the new run writes where the old one did; other entries
+    there (another run's events in a shared TensorBoard folder) are kept."""
     run = str(tmp_path / "run")
     _fake_run(run)
     big = tmp_path / "big"
@@ -532,14 +533,20 @@ def test_overwrite_empties_a_checkpoints_folder_linked_to_another_disk_and_keeps
     os.rename(os.path.join(run, "checkpoints"), big / "ckpts")
     (big / "mine.txt").write_text("not the run's")
     os.symlink(big / "ckpts", os.path.join(run, "checkpoints"))
-    (tmp_path / "elsewhere").mkdir()
-    os.symlink(tmp_path / "elsewhere", big / "ckpts" / "a-link")  # a link inside: unlinked, its target kept
-    (tmp_path / "elsewhere" / "keep").write_text("x")
-    os.symlink(tmp_path / "gone", os.path.join(run, "tb"))  # a dangling link: removed
+    (big / "ckpts" / "3.orbax-checkpoint-tmp").mkdir()  # a killed save's: the run's too
+    (big / "ckpts" / "notes.txt").write_text("mine")  # not the run's: kept
+    shared_tb = tmp_path / "shared-tb"  # tb/ linked to a TensorBoard folder other runs write into too
+    shared_tb.mkdir()
+    for name in ("events.out.tfevents.1.host", "other-run"):
+        (shared_tb / name).write_text("x")
+    os.symlink(shared_tb, os.path.join(run, "tb"))
+    os.unlink(os.path.join(run, "metrics.jsonl"))
+    os.symlink(tmp_path / "gone", os.path.join(run, "metrics.jsonl"))  # a dangling link: removed
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False, overwrite=True)))
-    assert os.path.islink(os.path.join(run, "checkpoints")) and os.listdir(big / "ckpts") == []
-    assert (big / "mine.txt").read_text() == "not the run's" and (tmp_path / "elsewhere" / "keep").exists()
-    assert sorted(os.listdir(run)) == ["checkpoints", "data", "export"]
+    assert os.path.islink(os.path.join(run, "checkpoints")) and os.listdir(big / "ckpts") == ["notes.txt"]
+    assert (big / "mine.txt").read_text() == "not the run's"
+    assert os.path.islink(os.path.join(run, "tb")) and os.listdir(shared_tb) == ["other-run"]
+    assert sorted(os.listdir(run)) == ["checkpoints", "data", "export", "tb"]
 
 
 def test_a_run_folder_that_is_a_symlink_to_a_folder_not_made_yet_is_made(tmp_path):

@@ -177,13 +177,27 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
 
 
+# In a RUN_OUTPUTS folder that is a symlink (to another disk, or a shared TensorBoard folder): what the run wrote
+# there (orbax's step folders `N` and unfinished `N.orbax-checkpoint-tmp`; tensorboardX's event files).
+LINKED_OUTPUTS = {"checkpoints": lambda entry: entry.split(".", 1)[0].isdigit(),
+                  "tb": lambda entry: entry.startswith("events.out.tfevents.")}
+
+
 def _delete_output(path: str) -> None:
-    """Deletes one of a run's outputs. A symlink to a folder (checkpoints/ on a bigger disk) keeps the link
-    and loses the folder's contents, which are the run's: the new run writes where the old one did
-    (shutil.rmtree refuses a link, which stopped --overwrite with a traceback)."""
+    """Deletes one of a run's outputs. A symlink to a folder (checkpoints/ on a bigger disk) keeps the link and
+    loses what the run wrote in it (LINKED_OUTPUTS; anything else there is kept, with a note): the new run writes
+    where the old one did (shutil.rmtree refuses a link, which stopped --overwrite with a traceback)."""
     if os.path.islink(path) and os.path.isdir(path):
-        for entry in os.listdir(path):
-            _delete_output_entry(os.path.join(path, entry))
+        ours = LINKED_OUTPUTS.get(os.path.basename(path), lambda entry: False)
+        kept = []
+        for entry in sorted(os.listdir(path)):
+            if ours(entry):
+                _delete_output_entry(os.path.join(path, entry))
+            else:
+                kept.append(entry)
+        if kept:
+            print(f"--overwrite: kept {len(kept)} entries of {path} -> {os.path.realpath(path)} that are not the "
+                  f"run's ({', '.join(kept[:5])}{', ...' if len(kept) > 5 else ''})", file=sys.stderr)
     else:
         _delete_output_entry(path)
 
