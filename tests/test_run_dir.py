@@ -506,6 +506,10 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_error_naming_the_cause_and_the_
     with pytest.raises(FlagError, match=r"failed: Read-only file system \(OSError: .*\); no step was saved before it"):
         with Checkpointer(str(tmp_path / "other"), async_save=False)._writing():
             raise OSError(30, os.strerror(30))
+    with pytest.raises(FlagError, match=r"failed: ValueError: Save failed: 17/18 params are missing .zarray; the "
+                                        r"steps saved before \(2, 4\) are whole: fix that and rerun"):
+        with ckpt._writing():  # no OS error in it (a folder swapped away under the save): no disk advice
+            raise ValueError("Save failed: 17/18 params are missing .zarray")
     with pytest.raises(RuntimeError):  # not a write failure: as it was
         with ckpt._writing():
             raise RuntimeError("a bug")

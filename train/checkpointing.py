@@ -88,8 +88,10 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - narrowed below, as in _reading
             if not (isinstance(e, (OSError, ValueError)) or type(e) is Exception):
                 raise
-            raise FlagError(f"saving a checkpoint in {self.directory} failed: {save_error_reason(e)}; "
-                            + _resume_advice(self.saved_steps())) from e
+            reason = save_error_reason(e)
+            fix = "free space (or fix the disk)" if reason != _detail(e) else "fix that"
+            raise FlagError(f"saving a checkpoint in {self.directory} failed: {reason}; "
+                            + _resume_advice(self.saved_steps(), fix)) from e
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:
@@ -162,18 +164,22 @@ class Checkpointer:
 def save_error_reason(e: BaseException) -> str:
     """What made a save fail, short: the OS error (`No space left on device`) where the exception carries one
     (an OSError's errno, or the `os_error_code` of tensorstore's message), then the exception's first line."""
-    text = (str(e).strip().splitlines() or [""])[0]
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
     found = re.search(r"os_error_code='?(\d+)", str(e))
     code = code or (int(found.group(1)) if found else None)
-    detail = f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
-    return f"{os.strerror(code)} ({detail})" if code else detail
+    return f"{os.strerror(code)} ({_detail(e)})" if code else _detail(e)
 
 
-def _resume_advice(steps: list[int]) -> str:
+def _detail(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+def _resume_advice(steps: list[int], fix: str) -> str:
+    """What to do after a failed save: `fix` (the disk, or the cause the error names), then rerun."""
     if not steps:
-        return "no step was saved before it: free space (or fix the disk) and rerun the command"
-    return (f"the steps saved before ({', '.join(map(str, steps))}) are whole: free space (or fix the disk) and "
+        return f"no step was saved before it: {fix} and rerun the command"
+    return (f"the steps saved before ({', '.join(map(str, steps))}) are whole: {fix} and "
             f"rerun the same command to resume from step {steps[-1]}")
 
 
