@@ -659,3 +659,21 @@ def test_a_failed_tensorboard_close_on_a_full_disk_leaves_no_exit_tracebacks(tmp
     with pytest.raises(SystemExit):
         tm._quiet_exit(2)
     assert logging.getLogger("asyncio").level == logging.CRITICAL
+
+
+def test_a_run_folder_whose_checkpoints_folder_cannot_be_written_is_refused_before_any_work(tmp_path, arch,
+                                                                                               monkeypatch):
+    """RUN_DIR writable but RUN_DIR/checkpoints (or tb/) not (another user's, a read-only mount): the run loaded,
+    compiled and trained until its first save, then failed there."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "tb").mkdir()
+    access = os.access
+    for locked in ("checkpoints", "tb"):
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: os.path.realpath(p) != str(run / locked)
+                            and access(p, mode, **kw))
+        with pytest.raises(FlagError, match=rf"^--run_dir={run}/{locked}: the folder {run}/{locked} is not writable; "
+                                            "choose another --run_dir$"):
+            parse(tiny_flags(str(run), arch))
+    monkeypatch.setattr(os, "access", access)
+    parse(tiny_flags(str(run), arch))

@@ -209,6 +209,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         "give the new parameters (scorers, decay, DMS gates) or the base weights a learning rate > 0")
     export_dir = f.export_dir or os.path.join(run_dir, "export")
     check_output_dir(run_dir, "--run_dir")
+    for folder in ("checkpoints", "tb") if not (variants or f.dry_run or f.write_teacher_logits) else ():
+        check_output_dir(os.path.join(run_dir, folder), "--run_dir")  # a read-only one left from another user
     if variants and f.export_dir:
         raise FlagError(f"--export_dir={f.export_dir} with --variants: each variant exports into RUN_DIR/NAME/export "
                         "(see README command 1); drop --export_dir")
