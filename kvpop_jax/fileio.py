@@ -208,7 +208,22 @@ def check_replaceable_dir(path: str | os.PathLike, what: str = "the folder") -> 
         where = "is the working directory" if real == cwd else f"holds the working directory {cwd}"
         raise ValueError(f"{what}={raw!r} {where}; writing it would replace the folder you are in: "
                          "name a folder of its own")
+    if real == os.path.realpath(os.path.expanduser("~")):  # other shells work there; every entry would be re-linked
+        raise ValueError(f"{what}={raw!r} is your home folder; writing it would replace that folder whole: name a "
+                         "folder of its own")
     return real
+
+
+def mount_points_under(path: str) -> list[str]:
+    """The folders under `path` (not following symlinks) on which another file system is mounted."""
+    found = []
+    for parent, dirs, _ in os.walk(path):
+        for name in list(dirs):
+            child = os.path.join(parent, name)
+            if os.path.ismount(child):
+                found.append(child)
+                dirs.remove(name)
+    return found
 
 
 @contextlib.contextmanager
@@ -219,6 +234,10 @@ def staged_directory(path: str | os.PathLike) -> Iterator[Stage]:
     path = check_replaceable_dir(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path!r} exists and is not a directory")
+    mounts = mount_points_under(path) if os.path.isdir(path) else []
+    if mounts:  # the swap would copy the mounted file system into the new folder, then delete it from the old one
+        raise ValueError(f"{path!r} holds a mount point ({mounts[0]}): replacing the folder would copy that file "
+                         "system and then empty it; write to a folder of its own")
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     remove_dead_temporaries(path)

@@ -402,6 +402,31 @@ def test_an_export_that_would_replace_the_working_directory_is_refused(hf_checkp
     assert _params_equal(load_pretrained(work / "data" / "export")[1], params)
 
 
+def test_an_export_that_would_replace_home_or_a_mounted_file_system_is_refused(hf_checkpoint, tmp_path, monkeypatch):
+    """The swap re-links every entry of the old folder into the new one and deletes the old: over the home folder
+    other shells are left in a deleted folder; over a mount point the mounted file system is copied, then emptied."""
+    path, _ = hf_checkpoint("g4_bias")
+    config, params = load_pretrained(path)
+    home = tmp_path / "home"
+    (home / "notes").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(ValueError, match=r"is your home folder"):
+        save_pretrained(config, params, home)  # what --export_dir ~ gives once the shell has expanded it
+    assert sorted(os.listdir(home)) == ["notes"]
+    out = tmp_path / "export"
+    (out / "disk" / "data").mkdir(parents=True)
+    (out / "disk" / "data" / "big.bin").write_text("on another disk")
+    mounted = str(out / "disk")
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == mounted or real_ismount(p))
+    with pytest.raises(ValueError, match=rf"holds a mount point \({mounted}\): replacing the folder would copy"):
+        save_pretrained(config, params, out)
+    assert (out / "disk" / "data" / "big.bin").read_text() == "on another disk" and sorted(os.listdir(out)) == ["disk"]
+    monkeypatch.setattr(os.path, "ismount", real_ismount)
+    save_pretrained(config, params, out)  # the same folder, no mount: the export goes in beside the user's files
+    assert (out / "disk" / "data" / "big.bin").read_text() == "on another disk"
+
+
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model-00001-of-00002.safetensors",
                                   "model.safetensors.index.json", "kvpop_export.json"])
 def test_extra_files_cannot_take_the_exports_own_names(hf_checkpoint, tmp_path, name):
