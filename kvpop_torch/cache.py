@@ -95,8 +95,12 @@ class KVpopLayer(CacheLayerMixin):
             raise ValueError("KVpopCache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
                              "kwargs=kwargs), as transformers' Qwen3 attention passes them)")
         require_mask_applied(self._pending)
-        if not self.is_initialized:
+        if not self.is_initialized or (self.seen == 0 and key_states.shape[0] != self.batch_size):  # fresh or reset
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch_size:  # torch would fail in a cat or a where, naming no cache
+            raise ValueError(f"this KVpopCache holds {self.batch_size} rows and the call brings "
+                             f"{key_states.shape[0]}: go on with all of its rows (the last output plus the next "
+                             "turn), or start a fresh cache (make_cache()) for another batch")
         length = key_states.shape[2]
         if length == 1:
             out = self._decode(key_states, value_states)[:3]

@@ -299,6 +299,29 @@ def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_tu
     torch.testing.assert_close(second, fresh, rtol=0, atol=0)
 
 
+def test_a_started_cache_names_a_call_with_another_batch_size(tmp_path, rng):
+    """A chat goes on with every row the cache holds: one row of a batch-2 conversation (or a doubled batch) is
+    named, not a bare torch size error from inside the layer; the cache is left as it was, and a reset one takes
+    any batch."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 12)))
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = make_cache()
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, **greedy)
+        for history, rows in ((torch.cat([out[:1], ids[:1, :3]], 1), 1), (torch.cat([out, out]), 4)):
+            with pytest.raises(ValueError, match=rf"this KVpopCache holds 2 rows and the call brings {rows}: go on"):
+                model.generate(history, cache=cache, **greedy)
+        history = torch.cat([out, ids[:, :3]], 1)
+        ones = torch.ones_like(history)  # a 0 id in the history is a token here, not padding
+        torch.testing.assert_close(model.generate(history, attention_mask=ones, cache=cache, **greedy),
+                                   model.generate(history, attention_mask=ones, cache=make_cache(), **greedy),
+                                   rtol=0, atol=0)
+        cache.reset()
+        torch.testing.assert_close(model(ids[:1], cache=cache).logits, model(ids[:1], cache=make_cache()).logits)
+
+
 @pytest.mark.parametrize("name", ["demo-kvpop-mlstm", "demo-teacher"])
 def test_greedy_generate_on_demo_exports_matches_eval_generate(capsys, name):
     """The shipped exports: transformers + kvpop_torch give the tokens `python -m eval.main generate` prints."""
