@@ -344,7 +344,8 @@ class Conversation:
     for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow) and
     dense caches; for a training-free
     baseline, with `stream_prompt=True` in both (the later turns are always read token by token).
-    Every `send` of a new turn length or `max_new_tokens` compiles once.
+    Every `send` of a new turn length or `max_new_tokens` compiles once. `dtype` is the cache's (a floating
+    dtype; the model's by default).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, params, *, cache: CacheSpec = "auto", max_len: int | None = None,
@@ -358,7 +359,7 @@ class Conversation:
             max_len = _count(max_len, "max_len")
         self.max_len = max_len if self.kind == "dense" else None
         self.cache = init_generation_cache(model.config, self.kind, 1, max_len or 1,
-                                           dtype=model.dtype if dtype is None else dtype)
+                                           dtype=model.dtype if dtype is None else _cache_dtype(dtype))
         self.length = 0  # tokens of the conversation so far: every turn and reply (the last reply's last token
         # is drawn but not read: the next send reads it first)
         self._pending: list[int] = []  # the last reply's last token, not yet read
@@ -399,6 +400,18 @@ class Conversation:
         self.length += turn.shape[0] + n
         self._turns += 1
         return tokens[0], n
+
+
+def _cache_dtype(dtype):
+    """`Conversation`'s cache dtype, checked: a floating dtype (an integer cache would round every key and value)."""
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"dtype must be a floating dtype for the cache's keys and values (e.g. jnp.bfloat16), "
+                         f"got {dtype!r}")
+    return jnp.dtype(dtype)
 
 
 def _as_key(rng) -> jax.Array:

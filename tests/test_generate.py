@@ -204,6 +204,18 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
             Conversation(model, params, cache="dense", max_len=8).send([], max_new_tokens=1)
 
 
+def test_a_conversation_cache_dtype_must_be_floating(rng):
+    """An integer cache dtype rounded every key and value, and the replies were silently other tokens."""
+    from kvpop_jax.generate import Conversation
+
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+    for dtype in (jnp.int32, "int8", bool, "not a dtype"):
+        with pytest.raises(ValueError, match=r"dtype must be a floating dtype for the cache's keys and values.*got"):
+            Conversation(model, params, dtype=dtype)
+    chat = Conversation(model, params, dtype="bfloat16")
+    assert chat.cache.layers[0].k.dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
