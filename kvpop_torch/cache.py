@@ -370,21 +370,27 @@ def check_new_tokens(module, args, kwargs):
     KVpop attention does not read it, and padding would take sink and long-range slots) and
     `use_cache=False` with a KVpopCache (generate would resend the whole sequence every step)."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
     if isinstance(cache, KVpopCache):
         mask = kwargs.get("attention_mask")
-        # At the prompt only: a decode step's mask extends it with ones, and reading it every step would
-        # sync a GPU with the host once per token.
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and cache.get_seq_length() == 0 \
+        # At a prompt or a later turn only: a decode step's mask extends it with ones, and reading it every
+        # step would sync a GPU with the host once per token.
+        held = cache.get_seq_length()
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and (held == 0 or ids is not None and ids.shape[1] > 1) \
                 and not bool(mask.bool().all()):
+            if held:  # transformers marks every pad_token_id of the history as padding, e.g. after a row's EOS
+                raise ValueError("this attention_mask of the conversation so far has zeros (padding: transformers "
+                                 "marks every pad_token_id), which the KVpop attention does not read; the cache read "
+                                 f"its {held} tokens as tokens: to go on so, pass attention_mask=torch.ones_like("
+                                 "history)")
             raise ValueError("KVpopCache needs unpadded prompts of equal length: this attention_mask has zeros "
                              "(padding), which the KVpop attention does not read; decode ragged prompts one at "
                              "a time")
         if kwargs.get("use_cache") is False:
             raise ValueError("use_cache=False with a KVpopCache: the bounded cache is filled one call at a time "
                              "(a prompt, then one token per call); pass use_cache=True or leave it out")
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
     if ids is not None and isinstance(cache, KVpopCache) and limit and not cache.warned_positions:
         reach = cache.get_seq_length() + ids.shape[1]

@@ -322,6 +322,29 @@ def test_a_started_cache_names_a_call_with_another_batch_size(tmp_path, rng):
         torch.testing.assert_close(model(ids[:1], cache=cache).logits, model(ids[:1], cache=make_cache()).logits)
 
 
+def test_a_later_turn_with_padding_in_its_mask_is_named(tmp_path, rng):
+    """A batch-2 chat whose row 0 stopped at its EOS: transformers pads it with pad_token_id and, in the next
+    generate, marks every pad id of the history as padding. A fresh cache refused that mask; the started one
+    ignored it and read the pads as tokens. Now both name it, and a mask of ones goes on as a fresh cache does."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 12)))
+    greedy = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        probe = model.generate(ids, cache=make_cache(), eos_token_id=None, **greedy)
+        eos = int(probe[0, 13])  # row 0 stops at its second token; row 1 (unless it draws it too) goes on
+        cache = make_cache()
+        out = model.generate(ids, cache=cache, eos_token_id=eos, **greedy)
+        assert out.shape[1] > 14 and (out[0, 14:] == 0).all()
+        history = torch.cat([out, ids[:, :3]], 1)
+        for c in (make_cache(), cache):
+            with pytest.raises(ValueError, match="attention_mask .*has zeros"):
+                model.generate(history, cache=c, eos_token_id=eos, **greedy)
+        go_on = dict(attention_mask=torch.ones_like(history), eos_token_id=eos, **greedy)
+        torch.testing.assert_close(model.generate(history, cache=cache, **go_on),
+                                   model.generate(history, cache=make_cache(), **go_on), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["demo-kvpop-mlstm", "demo-teacher"])
 def test_greedy_generate_on_demo_exports_matches_eval_generate(capsys, name):
     """The shipped exports: transformers + kvpop_torch give the tokens `python -m eval.main generate` prints."""
