@@ -156,6 +156,8 @@ def _length_groups(prompt_ids) -> list[list[int]] | None:
             groups.setdefault(len(row), []).append(i)
         except TypeError:
             raise ValueError(f"prompt_ids row {i} is {type(row).__name__}, expected a sequence of token ids") from None
+        if len(row) == 0:  # else named as a whole batch's shape (1, 0), whichever row it was
+            raise ValueError(f"prompt_ids row {i} is empty; every row needs at least one token id")
     return list(groups.values()) if len(groups) > 1 else None
 
 
@@ -371,7 +373,11 @@ class Conversation:
         turn, none allowed later to let the model go on): (tokens int32 [max_new_tokens], zeros after the
         EOS, and its length through the EOS). `rng` as `generate`'s; None draws from key(turn number)."""
         max_new_tokens, eos = _checked_call(self.model, max_new_tokens, sampling, eos_ids)
-        turn = np.asarray(ids) if isinstance(ids, (list, tuple)) else ids
+        try:
+            turn = np.asarray(ids) if isinstance(ids, (list, tuple)) else ids
+        except ValueError:  # rows of unequal lengths: numpy's "inhomogeneous shape"
+            raise ValueError("a turn's ids must be one row (a list, [n] or [1, n]), got rows of unequal lengths: "
+                             "a Conversation holds one conversation") from None
         if isinstance(turn, (np.ndarray, jax.Array)) and turn.ndim == 2 and turn.shape[0] == 1:
             turn = turn[0]
         if not isinstance(turn, (np.ndarray, jax.Array)) or turn.ndim != 1:

@@ -141,6 +141,8 @@ def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
         generate(model, params, [[1, 2], 3], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompt_ids holds"):  # an id outside the vocabulary, in any group
         generate(model, params, [[1, 2], [3, config.vocab_size]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_ids row 2 is empty; every row needs at least one token id"):
+        generate(model, params, [[1, 2], [3], []], max_new_tokens=2)  # was "got shape (1, 0)"
 
 
 @pytest.mark.parametrize("kind", ["kvpop", "dms", "dense", "tova"])
@@ -193,6 +195,8 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
         chat.send(np.zeros((2, 3), np.int32), max_new_tokens=1)
     with pytest.raises(ValueError, match="must be integer token ids"):
         chat.send([1.5], max_new_tokens=1)
+    with pytest.raises(ValueError, match="a turn's ids must be one row .*got rows of unequal lengths"):
+        chat.send([[1, 2], [3]], max_new_tokens=1)  # was numpy's "inhomogeneous shape after 1 dimensions"
     if kind == "dense":
         with pytest.raises(ValueError, match=r"to 41 tokens read, past the dense cache's max_len 40"):
             chat.send([1] * (40 - len(history) + 1), max_new_tokens=1)
