@@ -92,15 +92,24 @@ def _prefill(model, params, prompt_ids, state, stream_from: int | None):
     return _feed(model, params, prompt_ids[:, n0:], out.cache, out.logits[:, -1])
 
 
-def _feed(model, params, ids, cache, logits):
+def _feed(model, params, ids, cache, logits, count=None):
     """(last logits, cache) after one decode step per token of `ids` [B, n] on a started cache;
-    `logits` (of the last token before them) sets the carried logits' dtype."""
+    `logits` (of the last token before them) sets the carried logits' dtype. With `count` (a traced
+    int), only the first `count` tokens are read: the rest is padding, skipped (`Conversation`'s buckets)."""
 
     def feed(carry, tok):
         o = model.apply({"params": params}, tok[:, None], cache=carry[0], method=Qwen3ForCausalLM.decode_step)
         return (o.cache, o.logits[:, -1].astype(carry[1].dtype)), None
 
-    (cache, logits), _ = jax.lax.scan(feed, (cache, logits), ids.T, unroll=STREAM_UNROLL)
+    def feed_first(carry, tok_i):
+        tok, i = tok_i
+        return jax.lax.cond(i < count, lambda c: feed(c, tok)[0], lambda c: c, carry), None
+
+    if count is None:
+        (cache, logits), _ = jax.lax.scan(feed, (cache, logits), ids.T, unroll=STREAM_UNROLL)
+    else:
+        steps = (ids.T, jnp.arange(ids.shape[1]))
+        (cache, logits), _ = jax.lax.scan(feed_first, (cache, logits), steps, unroll=STREAM_UNROLL)
     return logits, cache
 
 
@@ -320,11 +329,12 @@ def compile_generate(
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from"))
-def _turn(model, params, cache, ids, rng, eos, *, max_new_tokens, sampling, stream_from):
+def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from):
     """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
-    decode step per id), then `_decode`."""
+    decode step per id: the first `count`, the rest padding to n's bucket), then `_decode`."""
     if cache.started:
-        logits, cache = _feed(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32))
+        logits, cache = _feed(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
+                              count)
     else:
         logits, cache = _prefill(model, params, ids, cache, stream_from)
     return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
@@ -346,8 +356,9 @@ class Conversation:
     for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow) and
     dense caches; for a training-free
     baseline, with `stream_prompt=True` in both (the later turns are always read token by token).
-    Every `send` of a new turn length or `max_new_tokens` compiles once. `dtype` is the cache's (a floating
-    dtype; the model's by default).
+    Later turns are read in buckets of a power of two (the padding skipped), so a chat compiles once per
+    bucket and `max_new_tokens`, not per turn length (the first turn, a prefill, once per length).
+    `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
     def __init__(self, model: Qwen3ForCausalLM, params, *, cache: CacheSpec = "auto", max_len: int | None = None,
@@ -398,8 +409,11 @@ class Conversation:
             warnings.warn(f"the conversation reaches {reach} tokens, beyond the model's max_position_embeddings "
                           f"{self.model.config.max_position_embeddings}", stacklevel=2)
         key = jax.random.key(self._turns) if rng is None else _as_key(rng)
-        tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, key, _eos_array(eos),
-                                            max_new_tokens=max_new_tokens, sampling=sampling,
+        count = prompt.shape[1]
+        if self._pending:  # a later turn: padded to a power of two, so a chat compiles once per bucket
+            prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, (1 << (count - 1).bit_length()) - count))))
+        tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
+                                            _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
                                             stream_from=self._stream_from)
         n = int(lengths[0])
         self._pending = [int(tokens[0, n - 1])]

@@ -220,6 +220,31 @@ def test_a_conversation_cache_dtype_must_be_floating(rng):
     assert chat.cache.layers[0].k.dtype == jnp.bfloat16
 
 
+def test_a_conversation_compiles_once_per_turn_bucket_not_per_turn_length(rng, compiles):
+    """Later turns of 4, 5, 6 and 7 ids (5 to 8 read, the last reply's token first) share the bucket of 8: one
+    compile of the turn, the padding never read (each reply is still `generate`'s on the whole history)."""
+    from kvpop_jax.generate import Conversation
+
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+    greedy = SamplingConfig.greedy()
+    chat = Conversation(model, params)
+    chat.send(rng.integers(0, config.vocab_size, size=9).tolist(), max_new_tokens=3, sampling=greedy)
+    for n in (4, 5, 6, 7):
+        chat.send(rng.integers(0, config.vocab_size, size=n).tolist(), max_new_tokens=3, sampling=greedy)
+    assert [f for _, f in compiles].count("jit(_turn)") == 2  # the first turn's prefill, then bucket 8 (was 5)
+    # the padding is skipped: each reply equals generate's on the whole history
+    history, chat = rng.integers(0, config.vocab_size, size=9).tolist(), Conversation(model, params)
+    reply, k = chat.send(history, max_new_tokens=3, sampling=greedy)
+    history += np.asarray(reply[:k]).tolist()
+    for n in (2, 5):  # 3 and 6 read: buckets 4 and 8
+        turn = rng.integers(0, config.vocab_size, size=n).tolist()
+        history += turn
+        reply, k = chat.send(turn, max_new_tokens=3, sampling=greedy)
+        expected, _ = generate(model, params, [history], max_new_tokens=3, sampling=greedy)
+        np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]))
+        history += np.asarray(reply[:k]).tolist()
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
