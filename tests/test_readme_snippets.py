@@ -40,11 +40,14 @@ def _undefined_names(source: str) -> list[str]:
 def test_readme_python_blocks_define_their_names():
     blocks = _python_blocks()
     assert len(blocks) >= 3
-    # The dense decoding block continues the import block before it (its config and params).
+    # The dense decoding block continues the import block before it (its config and params), and the
+    # conversation block both (its prompt_ids too).
     carried = "config = params = Qwen3ForCausalLM = jnp = None\n"
+    chat_carried = carried + "prompt_ids = None\n"
     problems = {}
     for block in blocks:
-        missing = _undefined_names((carried if "generate(Qwen3ForCausalLM(config), params" in block else "") + block)
+        prefix = carried if "generate(Qwen3ForCausalLM(config), params" in block else ""
+        missing = _undefined_names((chat_carried if "Conversation(model, params" in block else prefix) + block)
         if missing:
             problems[block.splitlines()[0]] = sorted(set(missing))
     assert not problems, f"README Python blocks use names they never define: {problems}"
