@@ -102,17 +102,10 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
     parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "init-export")))
 
 
-def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_checkpoints(tmp_path, arch, monkeypatch):
-    """train.export wrote wherever --out said: over the base model the run started from (its weights, which
-    the run changed, lost) or inside the checkpoint folder that the run's clean-up deletes. Refused before
-    any parameter is read, as train.main's --export_dir."""
-    from train import checkpointing, export
-
-    teacher = tmp_path / "teacher"
-    teacher.mkdir()
-    (teacher / "config.json").write_text(open(arch).read())
-    run = tmp_path / "run"
-    (run / "checkpoints" / "4").mkdir(parents=True)
+def _step_4_checkpointer(meta):
+    """A stand-in for train.checkpointing.Checkpointer over a run whose last step is 4: its meta is `meta`
+    (None: reading it fails the test), and reading its parameters always fails the test (the --out checks
+    come first)."""
 
     class FakeCheckpointer:
         def __init__(self, directory, read_only=False):
@@ -125,7 +118,9 @@ def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_check
             return [4]
 
         def restore_meta(self, step):
-            return {"model_config": json.loads(open(arch).read()), "train_config": {"init_checkpoint": str(teacher)}}
+            if meta is None:
+                raise AssertionError("the checkpoint was read before the --out check")
+            return meta
 
         def restore_params(self, step, target):
             raise AssertionError("the parameters were read before the --out check")
@@ -133,7 +128,23 @@ def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_check
         def close(self):
             pass
 
-    monkeypatch.setattr(checkpointing, "Checkpointer", FakeCheckpointer)
+    return FakeCheckpointer
+
+
+def test_train_export_may_not_overwrite_the_init_checkpoint_or_land_in_the_checkpoints(tmp_path, arch, monkeypatch):
+    """train.export wrote wherever --out said: over the base model the run started from (its weights, which
+    the run changed, lost) or inside the checkpoint folder that the run's clean-up deletes. Refused before
+    any parameter is read, as train.main's --export_dir."""
+    from train import checkpointing, export
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(open(arch).read())
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+
+    meta = {"model_config": json.loads(open(arch).read()), "train_config": {"init_checkpoint": str(teacher)}}
+    monkeypatch.setattr(checkpointing, "Checkpointer", _step_4_checkpointer(meta=meta))
     for out in (teacher, teacher / "sub"):
         with pytest.raises(ValueError, match="--out=.* is the run's --init_checkpoint=.* or inside it"):
             export.export_checkpoint(str(run), str(out))
@@ -805,18 +816,7 @@ def test_train_export_to_a_read_only_folder_or_a_full_disk_is_one_line(tmp_path,
 
     run = tmp_path / "run"
     (run / "checkpoints" / "4").mkdir(parents=True)
-
-    class FakeCheckpointer:
-        def __init__(self, directory, read_only=False):
-            pass
-
-        def latest_step(self):
-            return 4
-
-        def restore_meta(self, step):
-            raise AssertionError("the checkpoint was read before the --out check")
-
-    monkeypatch.setattr(checkpointing, "Checkpointer", FakeCheckpointer)
+    monkeypatch.setattr(checkpointing, "Checkpointer", _step_4_checkpointer(meta=None))
     read_only = tmp_path / "ro"
     (read_only / "export").mkdir(parents=True)
     access = os.access
