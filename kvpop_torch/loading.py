@@ -14,6 +14,22 @@ from kvpop_torch.checkpoint import check_weights, load_heads
 from kvpop_torch.config import read_config
 
 
+def check_device(device) -> torch.device:
+    """`device` as a torch.device that this torch can use, before any weight is read; ValueError naming it
+    otherwise (torch's own errors are a RuntimeError for a bad string and an AssertionError, "Torch not
+    compiled with CUDA enabled", only once the weights move)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch sees no CUDA device (torch.cuda.is_available() is "
+                         "False): load on device='cpu', or install a CUDA build of torch")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}, but this torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None, device_map=None):
     """(model, make_cache) for an export: `model.generate(ids, cache=make_cache(), ...)`.
 
@@ -27,6 +43,8 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     """
     if device is not None and device_map is not None:
         raise ValueError(f"give device ({device!r}) or device_map ({device_map!r}), not both")
+    if device is not None:
+        check_device(device)
     config = read_config(directory)
     check_weights(directory)  # a corrupt file named here, not as a bare SafetensorError from transformers
     kvpop = bool(config.get("kvpop"))

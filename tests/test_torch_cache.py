@@ -99,6 +99,23 @@ def test_teacher_forced_decode_and_kept_slots_equal_kvpop_jax(tmp_path, rng, bas
         assert (layer.pos >= 0).all()
 
 
+def test_a_device_this_torch_cannot_use_is_named_before_loading(tmp_path, rng, monkeypatch):
+    """load(d, device="cuda") on a torch without CUDA was "Torch not compiled with CUDA enabled" (an
+    AssertionError) after the weights were read; a misspelled device was a bare RuntimeError."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda', but this torch sees no CUDA device"):
+        kvpop_torch.load(tmp_path, device="cuda")
+    with pytest.raises(ValueError, match=r"device='gpu' is not a torch device"):
+        kvpop_torch.load(tmp_path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device='cuda:3', but this torch sees 1 CUDA device"):
+        kvpop_torch.load(tmp_path, device="cuda:3")
+    model, _ = kvpop_torch.load(tmp_path, device=torch.device("cpu"))
+    assert next(model.parameters()).device.type == "cpu"
+
+
 def test_each_layers_scorer_follows_its_keys_device(tmp_path, rng):
     """With a device_map that splits the layers over GPUs (or offloads them), each layer's keys arrive on
     that layer's device; its scorer moves there at the cache's first update, wherever it was loaded (before,
