@@ -353,9 +353,9 @@ class Conversation:
     The first `send` is `generate` on one row (the same prefill, `stream_prompt` included); each later
     one first feeds the previous reply's last token (drawn, not yet read), then the turn's ids, one
     decode step per token. So a reply is the one `generate` gives with the whole history as its prompt:
-    for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow) and
-    dense caches; for a training-free
-    baseline, with `stream_prompt=True` in both (the later turns are always read token by token).
+    for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow, and a
+    warning says when it first does) and dense caches; for a training-free baseline, with
+    `stream_prompt=True` in both (the later turns are always read token by token).
     Later turns are read in buckets of a power of two (the padding skipped), so a chat compiles once per
     bucket and `max_new_tokens`, not per turn length (the first turn, a prefill, once per length).
     `dtype` is the cache's (a floating dtype; the model's by default).
@@ -377,6 +377,7 @@ class Conversation:
         # is drawn but not read: the next send reads it first)
         self._pending: list[int] = []  # the last reply's last token, not yet read
         self._turns = 0
+        self._overflow_warned = False
 
     def send(self, ids, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), eos_ids=(),
              rng=None) -> tuple[jax.Array, int]:
@@ -419,6 +420,13 @@ class Conversation:
         self._pending = [int(tokens[0, n - 1])]
         self.length += turn.shape[0] + n
         self._turns += 1
+        if self.kind == "dms" and not self._overflow_warned:
+            dropped = sum(int(jnp.sum(layer.overflow)) for layer in self.cache.layers)
+            if dropped:
+                self._overflow_warned = True
+                warnings.warn(f"the DMS pool overflowed by turn {self._turns} ({dropped} entries dropped over the "
+                              "layers): from here replies may differ from generate on the whole history (a prefill "
+                              "and decode drop differently); a larger DMSConfig.budget avoids it", stacklevel=2)
         return tokens[0], n
 
 

@@ -73,6 +73,42 @@ def test_greedy_generate_matches_full_forward(rng):
     assert int(lengths[0]) == 1
 
 
+def _dms_model_with_random_gates(rng, budget):
+    """A tiny DMS model (window 2, `budget` entries per KV head) whose random gates with offset 0 evict about
+    half the tokens: (model, params, config)."""
+    from kvpop_jax.config import DMSConfig
+
+    base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    config = dataclasses.replace(base, dms=DMSConfig(window=2, budget=budget, gate_hidden=8, logit_offset=0.0))
+    params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if "dms" in jax.tree_util.keystr(path)
+        else x, params)
+    return Qwen3ForCausalLM(config), params, config
+
+
+def test_a_dms_conversation_warns_once_when_its_pool_first_overflows(rng):
+    """Past an overflow a DMS reply may differ from generate on the whole history (its prefill and decode drop
+    differently): said once, when it first happens; a pool that never overflows says nothing."""
+    import warnings
+
+    from kvpop_jax.generate import Conversation
+
+    turns = [rng.integers(0, 61, size=10).tolist(), rng.integers(0, 61, size=6).tolist(), [3]]
+    for budget, overflows in ((32, False), (8, True)):
+        model, params, _ = _dms_model_with_random_gates(rng, budget)
+        chat = Conversation(model, params)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for turn in turns:
+                chat.send(turn, max_new_tokens=6, sampling=SamplingConfig.greedy())
+        said = [str(w.message) for w in caught if "DMS pool overflowed" in str(w.message)]
+        dropped = sum(int(layer.overflow.sum()) for layer in chat.cache.layers)
+        assert (dropped > 0) == overflows and len(said) == int(overflows), (budget, dropped, said)
+        if overflows:
+            assert "entries dropped over the layers" in said[0] and "a larger DMSConfig.budget" in said[0]
+
+
 def _kvpop_model_with_random_scorers(rng, **kvpop):
     """A tiny KVpop model whose scorer weights are random (they start at zero = pure recency), so
     eviction is by learned score: (model, params, config)."""
@@ -155,16 +191,9 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
     if kind == "kvpop":
         model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
         spec, options = "auto", {}
-    elif kind == "dms":  # random gates with offset 0 evict about half; a pool that never overflows (DMS exact)
-        from kvpop_jax.config import DMSConfig
-
-        base = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
-        config = dataclasses.replace(base, dms=DMSConfig(window=2, budget=32, gate_hidden=8, logit_offset=0.0))
-        params = retrofit_params(config, init_params(base, jax.random.key(1)), jax.random.key(2))
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.asarray(rng.normal(size=x.shape), x.dtype) if "dms" in jax.tree_util.keystr(path)
-            else x, params)
-        model, spec, options = Qwen3ForCausalLM(config), "auto", {}
+    elif kind == "dms":  # a pool that never overflows (DMS exact)
+        model, params, config = _dms_model_with_random_gates(rng, budget=32)
+        spec, options = "auto", {}
     else:
         config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
         model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
