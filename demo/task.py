@@ -84,6 +84,7 @@ from typing import Iterable
 import numpy as np
 
 from demo.atoms import ASK, BOXED, HASHES, KEEP, NAMES
+from kvpop_jax.fileio import atomic_file
 
 SPLITS = {"train": 0, "validation": 1, "test": 2}
 _SCRATCH_TOKENS = 8  # ">m0+3=3\n"
@@ -512,15 +513,13 @@ def generate_mixture(n: int, seed: int = 0, split: str = "train", tasks: tuple[s
 
 
 def write_jsonl(path, examples: Iterable[dict], with_meta: bool = False) -> None:
-    """One JSON object per line: id, prompt, answer, text (and meta if asked). Synced before it returns:
-    the training data and the recipe's recall rows are written as PATH.tmp and renamed, and a run reuses
-    the file it finds under that name, so a crash must not leave it torn there."""
+    """One JSON object per line: id, prompt, answer, text (and meta if asked). Atomic (through a synced
+    PATH.tmp): a run reuses the training data or recall rows it finds under PATH, so a crash must not
+    leave a torn file there."""
     keys = ("id", "prompt", "answer", "text") + (("meta",) if with_meta else ())
-    with open(path, "w") as f:
+    with atomic_file(path, "w", tmp=f"{os.fspath(path)}.tmp") as f:
         for ex in examples:
             f.write(json.dumps({k: ex[k] for k in keys if k in ex}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_jsonl(path) -> list[dict]:

@@ -19,7 +19,7 @@ import secrets
 import shutil
 import sys
 import tempfile
-from typing import Iterator
+from typing import IO, Iterator
 
 TMP_MARK = ".tmp-"  # temporary directories: `.{name}.tmp-{pid}-{random}` next to `name`
 
@@ -46,16 +46,24 @@ def current_umask() -> int:
     return mask
 
 
-def atomic_write_bytes(filename: str, data: bytes) -> None:
-    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn
-    file. The file gets the mode a plain `open(filename, "w")` would (0666 less the umask), not
+@contextlib.contextmanager
+def atomic_file(filename: str | os.PathLike, mode: str = "wb", tmp: str | None = None) -> Iterator[IO]:
+    """A file object whose contents land under `filename` whole or not at all: written to a temporary
+    beside it, synced, then `os.replace`d when the block ends; an exception (a full disk) removes the
+    temporary. `tmp`: a fixed temporary name, for a writer that owns the name (a locked folder), so that a
+    killed write's partial file is overwritten by the rerun rather than left beside it; by default a fresh
+    one (`mkstemp`). The file gets the mode a plain `open(filename, "w")` would (0666 less the umask), not
     mkstemp's private 0600: reports and exports stay readable to whom the umask allows."""
-    directory = os.path.dirname(filename) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(filename))
+    filename = os.fspath(filename)
+    if tmp is None:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(filename) or ".", prefix=".tmp-",
+                                   suffix=os.path.basename(filename))
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode) as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, filename)
@@ -63,6 +71,12 @@ def atomic_write_bytes(filename: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(filename: str, data: bytes) -> None:
+    """Writes `data` to `filename` through a synced temporary file and os.replace: never a torn file."""
+    with atomic_file(filename) as f:
+        f.write(data)
 
 
 def check_writable_dir(path: str | os.PathLike, what: str, *, swapped: bool = False) -> None:

@@ -290,6 +290,7 @@ def generate(
                       f"max_position_embeddings {model.config.max_position_embeddings}", stacklevel=2)
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     key, eos = _as_key(rng), _eos_array(eos)
+
     def run(prompt, k):  # positional, as compile_generate lowers it, so that its compile is found
         return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                          cache=kind, stream_from=stream_from)
@@ -421,7 +422,7 @@ class Conversation:
         self.length += turn.shape[0] + n
         self._turns += 1
         if self.kind == "dms" and not self._overflow_warned:
-            dropped = sum(int(jnp.sum(layer.overflow)) for layer in self.cache.layers)
+            dropped = int(sum(jnp.sum(layer.overflow) for layer in self.cache.layers))  # one read from the device
             if dropped:
                 self._overflow_warned = True
                 warnings.warn(f"the DMS pool overflowed by turn {self._turns} ({dropped} entries dropped over the "

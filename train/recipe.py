@@ -204,8 +204,7 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
         if not os.path.isfile(data):
             os.makedirs(out, exist_ok=True)
             examples = generate_dataset(ev.recall_sequences, cfg.seed, "test", task=ev.tasks[0], seq_len=ev.prompt_len)
-            write_jsonl(data + ".tmp", examples)
-            os.replace(data + ".tmp", data)
+            write_jsonl(data, examples)  # atomic
         for name in (m for m in ev.methods if m in exports and m != "dms"
                      and variant_retrofit(cfg, m).topk > 0):
             recall[name] = {}

@@ -141,10 +141,8 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
     if cfg.demo_examples:
         if not os.path.isfile(data_config.data) and jax.process_index() == 0:
             os.makedirs(os.path.dirname(data_config.data), exist_ok=True)
-            tmp = data_config.data + ".tmp"
-            write_jsonl(tmp, generate_mixture(cfg.demo_examples, cfg.seed, "train", cfg.demo_tasks,
-                                              seq_len=cfg.demo_seq_len))
-            os.replace(tmp, data_config.data)
+            write_jsonl(data_config.data, generate_mixture(cfg.demo_examples, cfg.seed, "train", cfg.demo_tasks,
+                                                           seq_len=cfg.demo_seq_len))  # atomic
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("demo data written")
     try:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.checkpoint import checkpoint_fingerprint
-from kvpop_jax.fileio import atomic_write_bytes
+from kvpop_jax.fileio import atomic_file, atomic_write_bytes
 from train import step as st
 from train.config import FlagError, TrainConfig, load_model_config
 from train.run_dir import lock_run_dir
@@ -105,17 +105,9 @@ def write_teacher_topk(directory: str, step: int, values: np.ndarray, indices: n
     removes its partial tmp, which would otherwise hold on to the space a rerun needs."""
     os.makedirs(directory, exist_ok=True)
     path = teacher_file(directory, step)
-    try:
-        with open(path + ".tmp", "wb") as f:
-            np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32),
-                     row_hashes=row_hashes(input_ids))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        if os.path.lexists(path + ".tmp"):
-            os.unlink(path + ".tmp")
-        raise
+    with atomic_file(path, tmp=path + ".tmp") as f:  # the folder's lock makes this writer the name's owner
+        np.savez(f, values=np.asarray(values, np.float32), indices=np.asarray(indices, np.int32),
+                 row_hashes=row_hashes(input_ids))
 
 
 def read_teacher_topk(cfg: TrainConfig, step: int, input_ids: np.ndarray) -> dict[str, np.ndarray]:
