@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from kvpop_jax.config import Qwen3Config
 from train.config import FlagError
+from train.run_dir import step_folders
 from train.step import TrainState
 
 ITEMS = ("params", "opt_state", "data", "meta")
@@ -71,9 +72,9 @@ class Checkpointer:
             )
 
     def saved_steps(self) -> list[int]:
-        """The finished step folders on disk (orbax names an unfinished save `N.orbax-checkpoint-tmp`)."""
+        """The finished step folders on disk (what a failed save left whole); none where the disk says nothing."""
         try:
-            return sorted(int(d) for d in os.listdir(self.directory) if d.isdigit())
+            return step_folders(self.directory)
         except OSError:
             return []
 

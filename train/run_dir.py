@@ -153,11 +153,17 @@ def resume_advice(resume: bool, overwrite: bool, run_dir: str) -> str:
     return f"interrupted; rerun {how} to resume from the last checkpoint in {run_dir}"
 
 
-def checkpoint_steps(cfg: TrainConfig) -> list[int]:
-    """Step directories under RUN_DIR/checkpoints (orbax's layout), without opening orbax."""
-    if not os.path.isdir(cfg.checkpoint_dir):
+def step_folders(directory: str) -> list[int]:
+    """The finished step folders under a checkpoint folder (orbax's layout: an unfinished save is
+    `N.orbax-checkpoint-tmp`), read from disk without opening orbax."""
+    if not os.path.isdir(directory):
         return []
-    return sorted(int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit())
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def checkpoint_steps(cfg: TrainConfig) -> list[int]:
+    """Step directories under RUN_DIR/checkpoints."""
+    return step_folders(cfg.checkpoint_dir)
 
 
 def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
@@ -326,4 +332,4 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
 
 
 __all__ = ["RESUME_CHANGES_KEY", "check_no_live_run_inside", "check_resume", "checkpoint_steps", "lock_run_dir",
-           "prepare_run_dir", "read_metrics", "resume_advice", "training_changes"]
+           "prepare_run_dir", "read_metrics", "resume_advice", "step_folders", "training_changes"]
