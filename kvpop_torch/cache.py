@@ -16,9 +16,10 @@ what `KVpopHead.prefill` / `decode` do on the JAX side:
   slots (an empty slot first, else the worst priority, ties: the later position, is replaced
   iff u's priority is strictly higher), token q takes its ring slot, and the N slots are
   returned;
-- continuation (L > 1 tokens on a started cache: a later chat turn, a chunked prompt): L decode
-  steps in turn; the attention reads the N slots from before the call and the L new keys, each
-  query those held right after its own step (`KVpopMask.spans`), so it equals L one-token calls.
+- continuation (L > 1 tokens on a started cache: a later chat turn, a chunked prompt): what L
+  decode steps give, computed at once (the scorer chunkwise from its carried state, the long-range
+  slots by `policy.long_range_steps`); the attention reads the N slots from before the call and
+  the L new keys, each query those held right after its own step (`KVpopMask.spans`).
 
 The mask for the attention goes through the attention call's own kwargs dict (the one
 transformers splats into the attention function) as `kvpop_mask`; the attention function
@@ -197,27 +198,70 @@ class KVpopLayer(CacheLayerMixin):
 
     @torch.no_grad()
     def _continue(self, k, v):
-        """L > 1 new tokens on a started cache (a multi-turn `generate`: transformers passes the tokens the
-        cache has not seen). Each is decoded in turn, as L one-token calls would; the attention reads the
-        slots before the call and the L new keys, query i those held right after token i's step."""
+        """L > 1 new tokens on a started cache (a later chat turn, a chunked prompt), computed at once: what L
+        one-token calls (`_decode`) give, to float rounding. The attention reads the slots before the call and
+        the L new keys, query i those held right after token i's step (`KVpopMask.spans`). The scorer reads
+        the L tokens chunkwise from the carried state, the long-range slots follow `policy.long_range_steps`."""
+        cfg, head = self.settings, self.head
+        s, w, n_lr = cfg.sinks, cfg.window, cfg.topk
         first, length = self.seen, k.shape[2]
+        b, h, n = self.pos.shape
+        dev = k.device
         keys = torch.cat([self.keys, k.to(self.dtype)], dim=2)  # [B, H, N + L, D]: every key a query may read
         values = torch.cat([self.values, v.to(self.dtype)], dim=2)
-        pos0 = self.pos.clone()
-        b, h, n = pos0.shape
+        t = first + torch.arange(length, device=dev)  # the new tokens' positions
+        slot = torch.tensor([ring_slot(x, cfg) for x in range(first, first + length)], device=dev)
+        u = t - w  # the token leaving the window at each step: in the ring slot token t takes, if u >= s
+        leaves = u >= s
+        u_key = torch.where(u < first, slot, n + u - first).clamp(max=n + length - 1)  # u's index in keys
+        # What the scorer reads: the new tokens as written, a leaving token as cached (`_decode`'s k_t, k_u).
+        ks_new, v_new = head.scorer_keys(k.transpose(1, 2), t[None]), v.transpose(1, 2)  # [B, L, H, D]
+        log_gamma = head.log_gamma()
+        neg_inf = torch.tensor(policy.NEG_INF, device=dev)
+        if cfg.delayed:
+            ks_u = head.scorer_keys(keys[:, :, u_key].transpose(1, 2), u.clamp(min=0)[None])
+            v_u = values[:, :, u_key].transpose(1, 2)
+            score_u, self.state = head.scorer.continue_scores(self.state, ks_new, v_new, ks_u, v_u)
+            prio_u = static_priority(score_u.float() + head.position_term(u.clamp(min=0)), log_gamma, u)
+            prio_t = neg_inf.expand(b, h, length)
+        else:
+            if cfg.scorer == "mlstm":
+                score_t, self.state = head.scorer.continue_scores(self.state, ks_new, v_new, ks_new, v_new)
+            else:
+                score_t = head.scorer(ks_new, v_new)
+            prio_t = static_priority(score_t.float() + head.position_term(t), log_gamma, t)
+            prio_u = torch.where(u < first, self.priority[:, :, slot], prio_t[:, :, (u - first).clamp(min=0)])
         # Key j is read by queries [enter_j, leave_j): a slot's token from the start (an empty slot never),
         # new token i from its own step; each until the step that drops it (never: L).
-        enter = torch.cat([torch.where(pos0 >= 0, -1, length), torch.arange(length, device=k.device).expand(b, h, -1)],
-                          dim=-1)
-        leave = torch.full((b, h, n + length), length, dtype=torch.long, device=k.device)
-        for i in range(length):
-            gone = self._decode(k[:, :, i : i + 1], v[:, :, i : i + 1])[3]  # [B, H]: the position dropped, or -1
-            self.seen += 1
-            in_slots = (pos0 == gone[..., None]).long().argmax(-1)  # a token of the slots before the call ...
-            key = torch.where(gone >= first, n + gone - first, in_slots)  # ... or one of the new ones
-            until = torch.where(gone >= 0, i, leave.gather(2, key[..., None])[..., 0])
-            leave.scatter_(2, key[..., None], until[..., None])
-        self.seen = first  # update() counts the call's tokens
+        enter = torch.cat([torch.where(self.pos >= 0, -1, length),
+                           torch.arange(length, device=dev).expand(b, h, -1)], dim=-1)
+        leave = torch.full((b, h, n + length), length, dtype=torch.long, device=dev)
+        steps = torch.arange(length, device=dev).expand(b, h, -1)
+        gone = steps  # a leaving token without long-range slots leaves the cache at its step
+        if n_lr > 0:
+            lr = slice(s + w, n)
+            cand_pos = torch.where(leaves, u, -1).expand(b, h, -1)
+            lr_leave, gone, source = policy.long_range_steps(self.pos[:, :, lr], self.priority[:, :, lr], cand_pos,
+                                                             prio_u, topk=n_lr)
+            leave[:, :, lr] = torch.where(self.pos[:, :, lr] >= 0, lr_leave, length)
+            # The long-range slots after the last step: each keeps its token or takes a candidate's.
+            pick = source.clamp(min=0)
+            for store, new in ((self.keys, keys), (self.values, values)):
+                both = torch.cat([store[:, :, lr], new[:, :, u_key]], dim=2)
+                store[:, :, lr] = torch.gather(both, 2, pick[..., None].expand(-1, -1, -1, both.shape[-1]))
+            self.pos[:, :, lr] = torch.where(source >= 0, torch.gather(torch.cat([self.pos[:, :, lr], cand_pos], 2),
+                                                                       2, pick), -1)
+            self.priority[:, :, lr] = torch.where(source >= 0, torch.gather(
+                torch.cat([self.priority[:, :, lr], prio_u], 2), 2, pick), neg_inf)
+        keyed = leaves.nonzero()[:, 0]  # the steps at which a token leaves the window
+        leave[:, :, u_key[keyed]] = gone[:, :, keyed]
+        # The sink and ring slots after the last step: each slot its last writer's token.
+        last = {int(x): i for i, x in enumerate(slot.tolist())}
+        written, writer = (torch.tensor(list(d), device=dev) for d in (last.keys(), last.values()))
+        self.keys[:, :, written] = k[:, :, writer].to(self.dtype)
+        self.values[:, :, written] = v[:, :, writer].to(self.dtype)
+        self.pos[:, :, written] = t[writer]
+        self.priority[:, :, written] = prio_t[:, :, writer]
         return keys, values, KVpopMask(spans=(enter, leave))
 
     def _admit(self, k_u, v_u, u: int, prio_u):

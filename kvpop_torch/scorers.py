@@ -9,7 +9,8 @@ float32. Parameters keep the export's names and shapes (one matrix per KV head, 
 mLSTM (paper Eq. 37-42, App. A, E.5): stabilized state `(C, n, m)` with the true state
 `exp(m) (C, n)`, readout denominator `max(|q^T n|, exp(-m))`. With delayed readout the score
 of token u reads the state after token `min(u + w, S - 1)` with u's own query features. The
-prefill uses the chunkwise-parallel form; decoding uses `step` / `readout` token by token.
+prefill and a multi-token continuation (`continue_scores`) use the chunkwise-parallel form; decoding
+uses `step` / `readout` token by token.
 """
 
 from __future__ import annotations
@@ -124,13 +125,29 @@ def mlstm_chunkwise(q, k, v, i, log_f, delay: int, chunk: int) -> tuple[torch.Te
     q = _pad_time(q, delay, length)
     k, v = _pad_time(k, 0, length), _pad_time(v, 0, length)
     i, log_f = _pad_time(i, 0, length, NO_WRITE), _pad_time(log_f, 0, length)
-    state = mlstm_init_state(bsz, heads, d, v.shape[-1], q.device)
+    h, state = _chunks(mlstm_init_state(bsz, heads, d, v.shape[-1], q.device), q, k, v, i, log_f, chunk)
+    return h[:, :, delay:delay + s], state
+
+
+def _chunks(state: MLSTMState, q, k, v, i, log_f, chunk: int) -> tuple[torch.Tensor, MLSTMState]:
+    """`_chunk` over a length that is a multiple of `chunk`, carrying the state."""
     outs = []
-    for c in range(0, length, chunk):
+    for c in range(0, q.shape[2], chunk):
         sl = slice(c, c + chunk)
         state, out = _chunk(state, q[:, :, sl], k[:, :, sl], v[:, :, sl], i[:, :, sl], log_f[:, :, sl])
         outs.append(out)
-    return torch.cat(outs, dim=2)[:, :, delay:delay + s], state
+    return torch.cat(outs, dim=2), state
+
+
+def mlstm_continue(state: MLSTMState, q, k, v, i, log_f, chunk: int) -> tuple[torch.Tensor, MLSTMState]:
+    """L more tokens on a carried state, chunkwise-parallel: (h [B, H, L, dv] with h_j the readout of query j
+    against the state right after token j, as `mlstm_step` then `mlstm_readout` give it; the state after
+    the last token). Padding to a multiple of `chunk` writes nothing (log input gate NO_WRITE)."""
+    n = q.shape[2]
+    length = -(-n // chunk) * chunk
+    h, state = _chunks(state, *(_pad_time(x, 0, length) for x in (q, k, v)), _pad_time(i, 0, length, NO_WRITE),
+                       _pad_time(log_f, 0, length), chunk)
+    return h[:, :, :n], state
 
 
 # ----------------------------------------------------------------------------- modules
@@ -239,6 +256,16 @@ class MLSTMScorer(nn.Module):
     def forward(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v [B, S, Hkv, D] -> scores [B, Hkv, S] float32."""
         return self.scores_and_state(k, v)[0]
+
+    def continue_scores(self, state: MLSTMState, k, v, k_read, v_read) -> tuple[torch.Tensor, MLSTMState]:
+        """L more tokens k, v [B, L, Hkv, D] written on `state`, chunkwise: (scores [B, Hkv, L], the state after
+        the last), score j that of the token k_read, v_read [B, L, Hkv, D] read right after token j is written,
+        what `step` then `readout` give token by token."""
+        _, kk, vv, i_pre, log_f = self.features(k, v)
+        q = self.query_features(k_read, v_read)
+        h, state = mlstm_continue(state, *(x.transpose(1, 2) for x in (q, kk, vv, i_pre, log_f)),
+                                  chunk=self.settings.mlstm_chunk)
+        return self.project(h, k_read, v_read), state
 
     def init_state(self, batch: int, device=None) -> MLSTMState:
         return mlstm_init_state(batch, self.w_q.shape[0], self.d, self.dv, device)

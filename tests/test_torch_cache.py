@@ -282,17 +282,17 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
             model(ids, cache=cache)
 
 
-@pytest.mark.parametrize("options", [dict(scorer="mlstm", sinks=2, window=4, topk=5),
-                                     dict(scorer="mlp", sinks=1, window=3, topk=8, delayed_readout=False),
-                                     dict(scorer="linear", sinks=2, window=5, topk=0)], ids=lambda o: o["scorer"])
-def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_turn_generate(tmp_path, rng, options):
-    """Several new tokens on a started cache (a later chat turn, a chunked prompt) decode in turn, as one-token
-    calls do: logits to float rounding, the same kept slots, constant memory. So a second generate() on the
-    conversation so far (transformers feeds only what the cache has not seen) continues it."""
-    kvpop_export(tmp_path, BASE, KVpopConfig(mlstm_chunk=8, **options), rng)
+@pytest.mark.parametrize("base,options,_", CASES, ids=[f"{o['scorer']}-{i}" for i, (_, o, _) in enumerate(CASES)])
+def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_turn_generate(tmp_path, rng, base,
+                                                                                            options, _):
+    """Several new tokens on a started cache (a later chat turn, a chunked prompt), computed at once, give what
+    one-token calls give: logits to float rounding, the same kept slots, constant memory; through turns longer
+    than the window, the top-k and an mLSTM chunk, and sinks among the new tokens. So a second generate() on
+    the conversation so far (transformers feeds only what the cache has not seen) continues it."""
+    kvpop_export(tmp_path, base, KVpopConfig(mlstm_chunk=8, **options), rng)
     model, make_cache = kvpop_torch.load(tmp_path)
-    ids = torch.as_tensor(rng.integers(0, BASE.vocab_size, size=(2, 40)))
-    for prompt_len, cuts in ((7, (9, 20, 21, 40)), (3, (5, 40)), (12, (13, 40))):
+    ids = torch.as_tensor(rng.integers(1, base.vocab_size, size=(2, 40)))  # no 0: generate() below pads with 0
+    for prompt_len, cuts in ((7, (9, 20, 21, 40)), (3, (5, 40)), (12, (13, 40)), (1, (5, 40))):
         one, chunked = make_cache(), make_cache()
         with torch.no_grad():
             want = [model(ids[:, :prompt_len], cache=one).logits]
@@ -305,6 +305,11 @@ def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_tu
         np.testing.assert_allclose(torch.cat(got, 1).numpy(), torch.cat(want, 1).numpy(), atol=1e-5, rtol=0)
         for layer, (x, y) in enumerate(zip(chunked.positions(), one.positions())):
             torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"prompt {prompt_len}, layer {layer}")
+        for x, y in zip(chunked.layers, one.layers):  # the priorities (scores read at entry or when leaving), state
+            torch.testing.assert_close(x.priority, y.priority, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(x.keys, y.keys, rtol=0, atol=1e-5)  # a layer above reads float-rounded inputs
+            for a, c in zip(x.state or (), y.state or ()):
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
         assert chunked.get_seq_length() == one.get_seq_length() == 40
     greedy = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
     chat = make_cache()
