@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from eval.answers import is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, held_out_note, load_benchmark
-from eval.outputs import staged_outputs
+from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, write_text
 from eval.report import format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
@@ -160,6 +160,7 @@ def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[in
     return groups
 
 
+@holds_out_dir
 def run_accuracy(
     methods: Sequence[str],
     checkpoints: Mapping[str, Any],

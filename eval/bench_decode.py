@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from eval import bench_torch
 from eval.bench_common import (MIB, append_benchmarks, check_markdown_out, default_command, device_description,
                                 rss_bytes)
-from eval.outputs import out_dir_arg
+from eval.outputs import holds_out_dir, out_dir_arg
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
 from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
@@ -218,6 +218,7 @@ def _models(checkpoint, model_config: Qwen3Config | None, kvpop: KVpopConfig | N
     return config, params, dense_config, dense_params
 
 
+@holds_out_dir
 def run_bench_decode(
     checkpoint=None,
     *,

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
 from eval.bench_decode import bench_markdown, run_bench_decode, tiny_config
 from eval.bench_kernels import run_bench_kernels
-from eval.outputs import out_dir_arg
+from eval.outputs import holds_out_dir, out_dir_arg
 from kvpop_jax.fileio import atomic_write_bytes
 from kvpop_jax.runtime import backend_line
 
@@ -286,6 +286,7 @@ STAGE_FNS: dict[str, Callable[[Plan], Stage]] = {
 }
 
 
+@holds_out_dir
 def run_bench_gpu(*, stages: Sequence[str] = STAGES, dry: bool | None = None, out_dir: str = "outputs/bench_gpu",
                   benchmarks_md: str | None = "BENCHMARKS.md", timeout_s: int = 600,
                   command: str | None = None) -> list[Stage]:

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
 from eval.bench_decode import parse_lengths, tiny_config
-from eval.outputs import out_dir_arg
+from eval.outputs import holds_out_dir, out_dir_arg
 from eval.plots import markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import losses, policy, targets
@@ -230,6 +230,7 @@ class Row:
     first_s: float
 
 
+@holds_out_dir
 def run_bench_train(
     *,
     seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,

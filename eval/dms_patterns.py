@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.outputs import staged_outputs
+from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, load_model, markdown_table, plt, save_figure, timestamp, write_text
 from eval.recall import check_rows, load_rows
 from kvpop_jax.checkpoint import checkpoint_tokenizer
@@ -72,6 +72,7 @@ def _evictions(model: Qwen3ForCausalLM, params, ids_BxS) -> jax.Array:
     return jnp.stack([a["evict"] for a in out.aux["layers"]])
 
 
+@holds_out_dir
 def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int | None = None,
                      out_dir: str | os.PathLike, batch: int = 4, dtype=jnp.float32,
                      rows: str = "stream", text_field: str = "auto") -> DMSPatternsResult:

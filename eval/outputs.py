@@ -9,18 +9,28 @@ A failed rerun into an old `out_dir` (an exception, a kill) leaves the previous 
 no truncated samples.jsonl next to an accuracy.md of another run. Temporaries are named
 `.tmp-PID-NAME` (same extension, so matplotlib picks the format) and removed on failure; those
 of a process killed before its renames are removed by the next report into the folder.
+
+Each command that writes a report folder holds its lock for the whole call (`holds_out_dir`, the
+lock of `kvpop_jax.fileio.lock_folder`: OUT/run.lock, as a training run holds its RUN_DIR): a second
+command into the same folder is refused at once (a ValueError naming the folder and the PID) rather
+than mixing its files with the first one's. A folder this process already holds (a caller's own
+run folder, locked by train.run_dir) nests.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 import os
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
-from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir
+from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir, lock_folder
 
 TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
+
+Writer = TypeVar("Writer", bound=Callable)
 
 
 class StagedOutputs:
@@ -84,3 +94,23 @@ def staged_outputs(out_dir: str | os.PathLike) -> Iterator[StagedOutputs]:
         stage.discard()
         raise
     stage.commit()
+
+
+def lock_out_dir(out_dir: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+    """Holds OUT/run.lock (creating OUT), or a ValueError: 'report folder OUT in use by PID N ...'."""
+    check_writable_dir(out_dir, "out_dir")
+    return lock_folder(os.fspath(out_dir), "report folder", "--out_dir")
+
+
+def holds_out_dir(run: Writer) -> Writer:
+    """Decorates a report writer with an `out_dir` argument: the whole call holds `lock_out_dir(out_dir)`."""
+    signature = inspect.signature(run)
+
+    @functools.wraps(run)
+    def locked(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        with lock_out_dir(bound.arguments["out_dir"]):
+            return run(*args, **kwargs)
+
+    return locked

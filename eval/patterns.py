@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from eval.outputs import staged_outputs
+from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from eval.recall import check_rows, memory_note, policy_arrays
@@ -77,6 +77,7 @@ def _tokenize(checkpoint, text_or_ids) -> tuple[np.ndarray, Any]:
     return ids, tokenizer
 
 
+@holds_out_dir
 def run_patterns(
     checkpoint,
     text_or_ids: str | Sequence[int] | np.ndarray,

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.outputs import staged_outputs
+from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
 from kvpop_jax.documents import (DocumentSpec, checked_rows, columns_and_first, open_dataset, render, text_spec,
@@ -278,6 +278,7 @@ def _accuracies(correct_NxS: np.ndarray, mask_NxS: np.ndarray, budget: int) -> d
     return {"all": acc(mask_NxS), "saturated": acc(saturated)}
 
 
+@holds_out_dir
 def run_recall(
     checkpoint,
     data,

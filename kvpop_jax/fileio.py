@@ -6,6 +6,12 @@ builds a directory's new contents in a temporary sibling and swaps it in at the 
 of the old directory its writer did not own: a process killed at any point leaves either
 the old directory or the new one, never a mix. `pid_alive` tells stale owners (of a
 temporary, or of a lock file) from live ones.
+
+`lock_folder` makes one process the writer of a folder (a training run's RUN_DIR, an eval
+command's --out_dir): `FOLDER/run.lock`, an exclusive `flock` (released by the kernel when its
+process dies, so a stale lock of a dead PID is simply taken over) holding the owner's PID for the
+message. It nests within a process (the recipe holds RUN_DIR while each variant holds RUN_DIR/NAME).
+`locked_elsewhere` tells whether another live process holds a folder's lock.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -21,7 +28,12 @@ import sys
 import tempfile
 from typing import IO, Iterator
 
+import jax
+
 TMP_MARK = ".tmp-"  # temporary directories: `.{name}.tmp-{pid}-{random}` next to `name`
+LOCK_FILE = "run.lock"
+
+_held: dict[str, list] = {}  # lock path -> [fd, depth]
 
 
 def write_synced(filename: str, data: bytes) -> None:
@@ -292,3 +304,61 @@ def _swap_in(tmp: str, path: str) -> str | None:
     os.rename(path, old)
     os.rename(tmp, path)
     return old
+
+
+@contextlib.contextmanager
+def lock_folder(folder: str, what: str, flag: str, error: type[Exception] = ValueError) -> Iterator[None]:
+    """Holds FOLDER/run.lock (creating FOLDER) or raises `error` naming the PID that holds it (the folder
+    called `what`, chosen by `flag`). Only process 0 of a multi-host run locks (the others share its folder)."""
+    os.makedirs(os.path.realpath(folder), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
+    path = os.path.realpath(os.path.join(folder, LOCK_FILE))
+    if jax.process_index() != 0:
+        yield
+        return
+    if path in _held:
+        _held[path][1] += 1
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            with open(path) as f:
+                owner = f.read().strip() or "?"
+            raise error(f"{what} {folder} in use by PID {owner} (lock {path}); wait for that run, "
+                        f"or stop it, or choose another {flag}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        _held[path][1] -= 1
+        if not _held[path][1]:
+            fd, _ = _held.pop(path)
+            os.close(fd)  # releases the flock; the file stays (unlinking it would race a waiting locker)
+
+
+def locked_elsewhere(lock: str) -> int | None:
+    """The PID recorded in `lock` (0 if none) when another process holds its flock, else None. Probed with a
+    shared lock taken and dropped at once; this process's own locks are known without a probe."""
+    if os.path.realpath(lock) in _held:
+        return None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return None
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else 0
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

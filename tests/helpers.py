@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -29,8 +30,29 @@ from pallas_kernels.topk_cutoff import running_topk_cutoff_pallas
 from train.config import resolve_model_config
 from train.configure import config_from_flags
 from train.flags import define_flags
+from train.run_dir import LOCK_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Another process holding FOLDER/run.lock the way train.main and eval do (flock + its PID); argv[1]: FOLDER.
+HOLD_LOCK = f"""
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], {LOCK_FILE!r}), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"%d\\n" % os.getpid())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_lock(folder: str, script: str = HOLD_LOCK) -> subprocess.Popen:
+    """A child process that holds `folder`'s lock (created) by `script` until killed: it prints `locked`
+    once it holds it, and gets the folder as argv[1]."""
+    os.makedirs(folder, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
 
 # Tiny Qwen3 configs covering GQA group sizes 1/2/4, tied and untied heads, two rope
 # thetas, head_dim != hidden/heads and attention biases.

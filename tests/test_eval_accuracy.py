@@ -17,6 +17,7 @@ from eval.benchmarks import load_benchmark
 from eval.report import format_table, summarize
 from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
 from kvpop_jax.config import DMSConfig
+from kvpop_jax.fileio import LOCK_FILE
 from kvpop_jax.modeling import abstract_params, init_params, retrofit_params
 from kvpop_jax.sampling import SamplingConfig
 
@@ -258,7 +259,7 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
     fail_at = None
     run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
-    assert set(before) == {"accuracy.md", "accuracy.json", "accuracy.png", "samples.jsonl"}
+    assert set(before) == {"accuracy.md", "accuracy.json", "accuracy.png", "samples.jsonl", LOCK_FILE}
     fail_at = len(calls) + 3  # the rerun dies after some samples are written
     with pytest.raises(RuntimeError, match="killed while decoding"):
         run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
@@ -382,7 +383,7 @@ def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkey
         run_accuracy(["kvpop-mlp"], {"kvpop-mlp": str(tmp_path / "missing")}, str(bench), out_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"benchmark 'data/aime.jsonl': no such file"):
         load_benchmark("data/aime.jsonl")
-    assert not (tmp_path / "o").exists()
+    assert os.listdir(tmp_path / "o") == [LOCK_FILE]  # nothing written but the report folder's lock
 
 
 def test_benchmark_file_errors_name_file_and_line(tmp_path):
@@ -591,7 +592,7 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"'some_org/bench': not a local file, and loading it as a hub dataset "
                                          r"failed \(ConnectionError"):
         load_benchmark("some_org/bench")
-    assert not (tmp_path / "out").exists()
+    assert os.listdir(tmp_path / "out") == [LOCK_FILE]  # nothing written but the report folder's lock
 
 
 def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from eval.patterns import run_patterns
 from eval.recall import load_rows, memory_note, policy_arrays, run_recall
 from kvpop_jax import KVpopConfig, Qwen3Config, dms_cache, load_pretrained, policy, save_pretrained
 from kvpop_jax.config import DMSConfig
+from kvpop_jax.fileio import LOCK_FILE
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
 BASE = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -263,7 +264,7 @@ def test_a_failed_patterns_rerun_leaves_the_previous_report_whole(checkpoint, tm
     ids = np.random.default_rng(2).integers(0, BASE.vocab_size, size=60)
     run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30)
     before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
-    assert set(before) == {"patterns.md", "patterns.png", "head_usage.png", "patterns.json"}
+    assert set(before) == {"patterns.md", "patterns.png", "head_usage.png", "patterns.json", LOCK_FILE}
 
     def broken(*args, **kwargs):
         raise RuntimeError("plotting failed")

@@ -1,11 +1,22 @@
 """eval/outputs.py: report files staged under temporary names and renamed together."""
 
 import os
+import re
 
 import pytest
 
+from eval import main as eval_main
+from eval.accuracy import run_accuracy
+from eval.bench_decode import run_bench_decode
+from eval.bench_gpu import run_bench_gpu
+from eval.bench_train import run_bench_train
+from eval.dms_patterns import run_dms_patterns
 from eval.outputs import staged_outputs
+from eval.patterns import run_patterns
 from eval.plots import write_text
+from eval.recall import run_recall
+from helpers import hold_lock
+from train.run_dir import LOCK_FILE, lock_run_dir
 
 
 def test_a_killed_reports_temporaries_are_removed_by_the_next_report(tmp_path):
@@ -29,8 +40,6 @@ def test_a_killed_reports_temporaries_are_removed_by_the_next_report(tmp_path):
 def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_old_report(tmp_path, monkeypatch, capsys):
     """A full disk while a report was written: eval.main printed the OSError's traceback. Now one line (exit 2);
     the staged report's temporaries are gone and the previous report is whole."""
-    from eval import main as eval_main
-
     out = tmp_path / "report"
     with staged_outputs(out) as stage:
         write_text(stage.path("patterns.md"), "old")
@@ -48,3 +57,62 @@ def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_old_report(tmp_path,
         "error: [Errno 28] No space left on device; eval.main patterns stopped, and the reports it had not "
         "finished were not written (those there before are unchanged)")
     assert os.listdir(out) == ["patterns.md"] and (out / "patterns.md").read_text() == "old"
+
+
+# One call per eval writer of --out_dir; arguments that would fail (or run) only after the lock is taken.
+WRITERS = {
+    "accuracy": lambda out: run_accuracy(["dense"], {}, "missing.jsonl", out_dir=out),
+    "recall": lambda out: run_recall("missing", "missing.jsonl", out_dir=out),
+    "patterns": lambda out: run_patterns("missing", [1, 2, 3], out_dir=out),
+    "dms_patterns": lambda out: run_dms_patterns("missing", "missing.jsonl", out_dir=out),
+    "bench decode": lambda out: run_bench_decode(lengths=(), out_dir=out, benchmarks_md=None),
+    "bench train": lambda out: run_bench_train(seq_lens=(), out_dir=out, benchmarks_md=None),
+    "bench gpu": lambda out: run_bench_gpu(stages=(), out_dir=out, benchmarks_md=None),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_report_folder_another_eval_writes_is_refused_at_once(tmp_path, writer):
+    """Two eval commands into one --out_dir (the same command launched twice, or two commands sharing a folder)
+    wrote their files into it together, and the folder silently mixed two runs. Each writer now holds
+    OUT/run.lock (as a training run holds its folder's) and a second one is refused before any work."""
+    out = str(tmp_path / "report")
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(ValueError, match=re.escape(
+                f"report folder {out} in use by PID {holder.pid} (lock {os.path.realpath(out)}/{LOCK_FILE}); wait "
+                "for that run, or stop it, or choose another --out_dir")):
+            WRITERS[writer](out)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert os.listdir(out) == [LOCK_FILE]  # nothing written
+
+
+def test_eval_main_refuses_a_locked_out_dir_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "report")
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            eval_main.main(["bench", "gpu", "--stages=none", f"--out_dir={out}"])
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"error: report folder {out} in use by PID {holder.pid} (lock "
+                                    f"{os.path.realpath(out)}/{LOCK_FILE}); wait for that run, or stop it, or "
+                                    "choose another --out_dir")
+    assert "Traceback" not in err
+
+
+def test_a_report_folder_this_process_holds_is_not_refused(tmp_path):
+    """The recipe evaluates in-process while it holds its run folder's lock: a lock this process holds nests."""
+    out = str(tmp_path / "report")
+    with lock_run_dir(out):
+        with pytest.raises(ValueError, match="stages must be a non-empty subset"):
+            run_bench_gpu(stages=(), out_dir=out, benchmarks_md=None)
+        with lock_run_dir(out):
+            pass

@@ -9,29 +9,11 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY_ARCH, parse, tiny_flags, train_cmd, train_env
+from helpers import REPO, TINY_ARCH, hold_lock, parse, tiny_flags, train_cmd, train_env
 from kvpop_jax.config import Qwen3Config
 from train.config import FlagError
 from train.loop import train
 from train.run_dir import LOCK_FILE, check_resume, lock_run_dir, prepare_run_dir, read_metrics, resume_advice
-
-HOLD_LOCK = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-os.write(fd, b"%d\\n" % os.getpid())
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
-def _hold_lock(run_dir):
-    """Another process holding RUN_DIR's lock the way train.main does (flock + its PID)."""
-    os.makedirs(run_dir, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, os.path.join(run_dir, LOCK_FILE)],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
 
 
 def test_lock_refuses_a_live_owner_at_once_and_takes_over_a_dead_ones(tmp_path):
@@ -43,7 +25,7 @@ def test_lock_refuses_a_live_owner_at_once_and_takes_over_a_dead_ones(tmp_path):
         assert open(os.path.join(run, LOCK_FILE)).read().strip() == str(os.getpid())
         with lock_run_dir(run):  # reentrant: the recipe holds RUN_DIR while a run in it locks it too
             pass
-    holder = _hold_lock(run)
+    holder = hold_lock(run)
     try:
         with pytest.raises(FlagError, match=f"run folder {run} in use by PID {holder.pid}"):
             with lock_run_dir(run):
@@ -58,7 +40,7 @@ def test_lock_refuses_a_live_owner_at_once_and_takes_over_a_dead_ones(tmp_path):
 
 def test_two_runs_into_one_folder_the_second_fails_at_once_with_one_line(tmp_path, arch):
     run = str(tmp_path / "run")
-    holder = _hold_lock(run)
+    holder = hold_lock(run)
     try:
         proc = subprocess.run(train_cmd(tiny_flags(run, arch)), cwd=REPO, env=train_env(tmp_path),
                               capture_output=True, text=True, timeout=300)
@@ -79,7 +61,7 @@ def test_a_second_teacher_top_k_writer_is_refused_before_any_work(tmp_path, arch
     from train.teacher_cache import write_teacher_logits
 
     teacher_dir = str(tmp_path / "teacher")
-    holder = _hold_lock(teacher_dir)
+    holder = hold_lock(teacher_dir)
     try:
         cfg = parse(tiny_flags(str(tmp_path / "run"), arch, steps=2, write_teacher_logits=True,
                                teacher_logits_dir=teacher_dir))
@@ -616,7 +598,7 @@ def test_an_export_folder_holding_another_live_run_is_refused(tmp_path, arch):
 
     exports = tmp_path / "exports"
     other = exports / "team" / "other-run"
-    proc = _hold_lock(str(other))
+    proc = hold_lock(str(other))
     try:
         message = rf"--export_dir={exports} holds the folder {other}, in use by PID {proc.pid}: the export replaces"
         with pytest.raises(FlagError, match=message):
@@ -630,6 +612,35 @@ def test_an_export_folder_holding_another_live_run_is_refused(tmp_path, arch):
     check_no_live_run_inside(str(exports), "--export_dir")  # its owner is gone: the lock is free
     with lock_run_dir(str(exports / "run")):  # this process's own run inside the folder (train.main's own export)
         check_no_live_run_inside(str(exports), "--export_dir")
+
+
+# An eval command writing its --out_dir (argv[1]), as eval's writers hold it.
+EVAL_WRITING = """
+import sys, time
+from eval.outputs import lock_out_dir
+with lock_out_dir(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_an_export_folder_holding_a_live_eval_report_folder_is_refused(tmp_path):
+    """An eval command's --out_dir is locked like a run folder, so an export that would replace a folder holding
+    it (and drop the report files written meanwhile) is refused the same way."""
+    from train.run_dir import check_no_live_run_inside
+
+    exports = tmp_path / "exports"
+    report = exports / "eval"
+    proc = hold_lock(str(report), EVAL_WRITING)
+    try:
+        with pytest.raises(FlagError, match=rf"--export_dir={exports} holds the folder {report}, in use by PID "
+                                            rf"{proc.pid}: the export replaces"):
+            check_no_live_run_inside(str(exports), "--export_dir")
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    check_no_live_run_inside(str(exports), "--export_dir")  # its owner is gone
 
 
 def test_a_failed_tensorboard_close_on_a_full_disk_leaves_no_exit_tracebacks(tmp_path, monkeypatch):

@@ -4,9 +4,10 @@
         prepare_run_dir(cfg)             # --overwrite clears it; --noresume over a run is refused
         check_resume(saved, cfg, model)  # a changed budget/scorer/width/seq_len/model is refused by flag
 
-The lock is `RUN_DIR/run.lock`: an exclusive `flock` (released by the kernel when its process dies,
-so a stale lock of a dead PID is simply taken over) holding the owner's PID for the message. It is
-reentrant within a process (the recipe holds RUN_DIR while each variant holds RUN_DIR/NAME).
+The lock is `RUN_DIR/run.lock` (`kvpop_jax.fileio.lock_folder`, which eval's report folders use too): an
+exclusive `flock` (released by the kernel when its process dies, so a stale lock of a dead PID is simply
+taken over) holding the owner's PID for the message. It is reentrant within a process (the recipe holds
+RUN_DIR while each variant holds RUN_DIR/NAME).
 
 `read_metrics` reads RUN_DIR/metrics.jsonl for a resume: a torn last line (a kill mid-write) is
 dropped; a bad line before the last is an error naming the file and line.
@@ -16,20 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import shutil
 import sys
-from typing import Any, Iterator
-
-import jax
+from typing import Any
 
 from kvpop_jax.config import KVpopConfig, Qwen3Config
+from kvpop_jax.fileio import LOCK_FILE, lock_folder, locked_elsewhere
 from train.config import FlagError, TrainConfig
 
-LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
 TRAIN_CONFIG_FILE = "train_config.json"
 # train_config.json's record of settings changed at resumes: [{"step": N, "changes": ["FIELD OLD -> NEW", ...]}].
@@ -61,67 +58,14 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
                "attention_bias")
 
-_held: dict[str, list] = {}  # lock path -> [fd, depth]
 _overwritten: set[str] = set()  # run folders whose outputs --overwrite deleted in this process
 
 
-@contextlib.contextmanager
-def lock_run_dir(run_dir: str, what: str = "run folder", flag: str = "--run_dir") -> Iterator[None]:
-    """Holds RUN_DIR/run.lock (creating RUN_DIR) or raises FlagError naming the PID that holds it
-    (the folder called `what`, chosen by `flag`). Only process 0 of a multi-host run locks (the
-    others share its folder)."""
-    os.makedirs(os.path.realpath(run_dir), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
-    path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
-    if jax.process_index() != 0:
-        yield
-        return
-    if path in _held:
-        _held[path][1] += 1
-    else:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            with open(path) as f:
-                owner = f.read().strip() or "?"
-            raise FlagError(f"{what} {run_dir} in use by PID {owner} (lock {path}); wait for that run, "
-                            f"or stop it, or choose another {flag}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        _held[path] = [fd, 1]
-    try:
-        yield
-    finally:
-        _held[path][1] -= 1
-        if not _held[path][1]:
-            fd, _ = _held.pop(path)
-            os.close(fd)  # releases the flock; the file stays (unlinking it would race a waiting locker)
-
-
-def _locked_elsewhere(lock: str) -> int | None:
-    """The PID recorded in `lock` (0 if none) when another process holds its flock, else None. Probed with a
-    shared lock taken and dropped at once; this process's own locks are known without a probe."""
-    if os.path.realpath(lock) in _held:
-        return None
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            return None
-        text = os.read(fd, 32).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else 0
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+def lock_run_dir(run_dir: str, what: str = "run folder",
+                 flag: str = "--run_dir") -> contextlib.AbstractContextManager[None]:
+    """Holds RUN_DIR/run.lock (creating RUN_DIR; `kvpop_jax.fileio.lock_folder`, reentrant) or raises
+    FlagError naming the PID that holds it (the folder called `what`, chosen by `flag`)."""
+    return lock_folder(run_dir, what, flag, error=FlagError)
 
 
 def check_no_live_run_inside(folder: str, flag: str, depth: int = 3) -> None:
@@ -133,7 +77,7 @@ def check_no_live_run_inside(folder: str, flag: str, depth: int = 3) -> None:
         if root[len(real):].count(os.sep) >= depth:
             dirs[:] = []
         dirs[:] = [d for d in dirs if d != "checkpoints"]
-        pid = _locked_elsewhere(os.path.join(root, LOCK_FILE)) if LOCK_FILE in files else None
+        pid = locked_elsewhere(os.path.join(root, LOCK_FILE)) if LOCK_FILE in files else None
         if pid is not None:
             where = "is" if root == real else "holds"
             raise FlagError(f"{flag}={folder} {where} the folder {root}, in use by PID {pid or '?'}: the export "
