@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from eval import bench_torch
 from eval.bench_common import (MIB, append_benchmarks, check_markdown_out, default_command, device_description,
                                 rss_bytes)
-from eval.outputs import holds_out_dir, out_dir_arg
+from eval.outputs import holds_out_dir, out_dir_arg, staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
 from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
@@ -343,11 +343,12 @@ def run_bench_decode(
     for note in notes:
         print(note)
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    png = plot_bench(rows, os.path.join(out_dir, "bench_decode.png"), on_cpu=info["device"]["platform"] == "cpu")
-    write_text(os.path.join(out_dir, "bench_decode.json"),
-               json.dumps(dict(info=info, rows=[dataclasses.asdict(r) for r in rows]), indent=1))
-    write_text(os.path.join(out_dir, "bench_decode.md"), bench_markdown(rows, info, png, out_dir))
+    with staged_outputs(out_dir) as out:  # the three files are replaced together or not at all
+        plot_bench(rows, out.path("bench_decode.png"), on_cpu=info["device"]["platform"] == "cpu")
+        png = out.final("bench_decode.png")
+        write_text(out.path("bench_decode.json"),
+                   json.dumps(dict(info=info, rows=[dataclasses.asdict(r) for r in rows]), indent=1))
+        write_text(out.path("bench_decode.md"), bench_markdown(rows, info, png, out_dir))
     if benchmarks_md is not None:
         append_benchmarks(benchmarks_md, bench_markdown(rows, info, png, os.path.dirname(os.path.abspath(
             os.fspath(benchmarks_md))), heading="##"))

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
 from eval.bench_decode import parse_lengths, tiny_config
-from eval.outputs import holds_out_dir, out_dir_arg
+from eval.outputs import holds_out_dir, out_dir_arg, staged_outputs
 from eval.plots import markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import attention as attn_lib
 from kvpop_jax import losses, policy, targets
@@ -296,11 +296,12 @@ def run_bench_train(
                        f"{config.head_dim}, vocab {config.vocab_size}"),
                 attention_impl=os.environ.get("KVPOP_ATTENTION_IMPL", "auto"))
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    png = plot_bench(rows, os.path.join(out_dir, "bench_train.png"))
-    write_text(os.path.join(out_dir, "bench_train.json"),
-               json.dumps(dict(info=info, rows=[dataclasses.asdict(r) for r in rows]), indent=1))
-    write_text(os.path.join(out_dir, "bench_train.md"), bench_markdown(rows, info, png, out_dir))
+    with staged_outputs(out_dir) as out:  # the three files are replaced together or not at all
+        plot_bench(rows, out.path("bench_train.png"))
+        png = out.final("bench_train.png")
+        write_text(out.path("bench_train.json"),
+                   json.dumps(dict(info=info, rows=[dataclasses.asdict(r) for r in rows]), indent=1))
+        write_text(out.path("bench_train.md"), bench_markdown(rows, info, png, out_dir))
     if benchmarks_md is not None:
         append_benchmarks(benchmarks_md, bench_markdown(
             rows, info, png, os.path.dirname(os.path.abspath(os.fspath(benchmarks_md))), heading="##"))

@@ -2,12 +2,14 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 from eval import main as eval_main
 from eval.bench_decode import tiny_config
 from eval.bench_train import PARTS, VARIANTS, run_bench_train, variant_config
+from kvpop_jax.fileio import LOCK_FILE
 
 TOY = dict(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=8)
 
@@ -38,6 +40,28 @@ def test_bench_train_small_run_writes_rows_tables_and_plot(tmp_path):
     assert "`python -m eval.main bench train --test`" in text and "masked attention fwd+bwd (auto)" in text
     with pytest.raises(ValueError, match="exceed the budget"):
         run_bench_train(seq_lens=(16,), model_config=tiny_config(**TOY), out_dir=tmp_path, benchmarks_md=None)
+
+
+def test_a_failed_rerun_leaves_the_previous_bench_report_whole(tmp_path, monkeypatch):
+    """bench_train.png, .json and .md were written one after another: a rerun that failed between them left a new
+    plot and json beside the old table, nothing telling them apart. They are now staged and renamed together."""
+    import eval.bench_train as bench_train
+
+    timings = iter([1.0, 2.0])  # the timing is not the point here
+    monkeypatch.setattr(bench_train, "time_train_steps", lambda *args, **kwargs: {"dense": (next(timings), 0.5)})
+    kw = dict(seq_lens=(40,), model_config=tiny_config(**TOY), variants=("dense",), parts=(), kl_topk=8,
+              num_query_samples=4, out_dir=tmp_path, benchmarks_md=None, progress=False)
+    run_bench_train(**kw)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert set(before) == {"bench_train.md", "bench_train.png", "bench_train.json", LOCK_FILE}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the table failed")
+
+    monkeypatch.setattr(bench_train, "bench_markdown", broken)  # after the plot and the json are (re)written
+    with pytest.raises(RuntimeError, match="the table failed"):
+        run_bench_train(**kw)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
 
 
 def test_a_dry_run_appends_to_no_benchmarks_file_unless_named():

@@ -251,6 +251,27 @@ def test_bench_decode_kvpop_flat_dense_growing(tmp_path):
         assert _nonempty(tmp_path / "out" / name)
 
 
+def test_a_failed_bench_decode_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    """bench_decode.png, .json and .md were written one after another: a rerun that failed between them left a
+    new plot and json beside the old table, nothing telling them apart. They are now staged and renamed together."""
+    import eval.bench_decode as bench_decode
+
+    config = tiny_config(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=16)
+    kw = dict(lengths=(64,), methods=("dense",), out_dir=tmp_path, benchmarks_md=None, model_config=config, steps=1,
+              warmup=0, progress=False)
+    run_bench_decode(**kw)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert set(before) == {"bench_decode.md", "bench_decode.png", "bench_decode.json", LOCK_FILE}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the table failed")
+
+    monkeypatch.setattr(bench_decode, "bench_markdown", broken)  # after the plot and the json are (re)written
+    with pytest.raises(RuntimeError, match="the table failed"):
+        run_bench_decode(**kw)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
+
+
 def test_parse_lengths():
     assert parse_lengths("1k, 2k,4096") == (1024, 2048, 4096)
     for text in ("0", "abc", "1k,x"):
