@@ -12,8 +12,8 @@ model has one `if cache is not None` path:
 
 q [B, S, Hq, D] and k, v [B, S, Hkv, D] are the new tokens' (RoPE at their positions);
 positions int [B, S]; length int [] tokens the cache has seen; policy: the layer's
-`KVpopHead` (bound, its scorer and decay), `DMSGate` or None for a dense model. Bounded caches take
-one token per decode call; the dense cache any number.
+`KVpopHead` (bound, its scorer and decay), `DMSGate` or None for a dense model. The dense and KVpop
+caches take any number of tokens per decode call; the baselines' and DMS's one.
 
 Bounded KVpop cache. Each layer keeps `B = s + w + k` slots per (batch, KV head):
 
@@ -77,7 +77,7 @@ class Cache:
 
 
 def one_token(q: jax.Array, kind: str) -> None:
-    """Bounded caches decode one token per call (their eviction is per token)."""
+    """The baselines' and DMS caches decode one token per call after the prefill (their eviction is per token)."""
     if q.shape[1] != 1:
         raise ValueError(f"a {kind} cache decodes one token per call after the prefill, got {q.shape[1]} tokens; "
                          "feed them one at a time (or start a new cache for a new prompt)")
@@ -266,9 +266,11 @@ class KVpopLayerCache:
         return out, in_dtype_of(self, cache), aux
 
     def decode(self, q, k, v, *, positions, length, policy):
-        """One token against the cache (`KVpopHead.decode`)."""
+        """One token against the cache (`KVpopHead.decode`), or several (`KVpopHead.continue_tokens`: a later
+        chat turn, a prompt in chunks), as that many one-token calls would."""
         _require_policy(policy)
-        one_token(q, "KVpop")
+        if q.shape[1] > 1:
+            return policy.continue_tokens(self, q, k, v, length, rope_positions=positions)
         return policy.decode(self, q, k, v, length, rope_positions=positions)
 
 
@@ -327,8 +329,15 @@ def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable,
     An empty slot is taken first; otherwise the worst slot (lowest priority, ties: the
     later position) is replaced iff prio_u is strictly higher.
     """
+    return admit_and_report(cache, k_u, v_u, pos_u, prio_u, enable, kv)[0]
+
+
+def admit_and_report(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig):
+    """`admit_to_long_range`, also returning (admitted bool [B, H], the position it replaced int32 [B, H], -1 for
+    an empty slot): what a multi-token step needs to know which token left the cache."""
     if kv.topk == 0:
-        return cache
+        b, h = pos_u.shape
+        return cache, jnp.zeros((b, h), bool), jnp.full((b, h), -1, jnp.int32)
     lo = kv.sinks + kv.window
     lr_pos, lr_prio = cache.pos[..., lo:], cache.priority[..., lo:]
     empty = lr_pos < 0
@@ -340,7 +349,32 @@ def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable,
     worst_prio = jnp.take_along_axis(lr_prio, latest[..., None], -1)[..., 0]
     worst_empty = jnp.take_along_axis(empty, latest[..., None], -1)[..., 0]
     admit = enable & (worst_empty | (prio_u > worst_prio))
-    return write_slot(cache, lo + latest, k_u, v_u, pos_u, prio_u, admit)
+    replaced = jnp.where(worst_empty, -1, jnp.take_along_axis(lr_pos, latest[..., None], -1)[..., 0])
+    return write_slot(cache, lo + latest, k_u, v_u, pos_u, prio_u, admit), admit, replaced
+
+
+CONTINUE_QUERY_BLOCK = 512  # queries per block of a multi-token step's attention (its mask is block x (N + T))
+
+
+def attend_spans(q, keys, values, enter, leave, scale: float | None = None):
+    """T queries of one call against `keys`/`values` [B, Hkv, K, D], query i reading key j iff
+    enter_j <= i < leave_j (enter, leave int [B, Hkv, K]): q [B, T, Hq, D] -> out [B, T, Hq, D].
+    `attend_cache`'s arithmetic, one block of queries at a time."""
+    b, t, hq, d = q.shape
+    hkv = keys.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    outs = []
+    for q0 in range(0, t, CONTINUE_QUERY_BLOCK):
+        q1 = min(t, q0 + CONTINUE_QUERY_BLOCK)
+        qg = q[:, q0:q1].reshape(b, q1 - q0, hkv, hq // hkv, d)
+        i = jnp.arange(q0, q1)[:, None]
+        valid = (enter[:, :, None, :] <= i) & (i < leave[:, :, None, :])  # [B, Hkv, Tb, K]
+        logits = jnp.einsum("bthgd,bhnd->bhgtn", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.where(valid[:, :, None], logits * scale, NEG_INF)
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bhgtn,bhnd->bthgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        outs.append(out.reshape(b, q1 - q0, hq, d).astype(q.dtype))
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
 def attend_cache(q_tok: jax.Array, cache: KVpopLayerCache, scale: float | None = None):

@@ -341,6 +341,35 @@ def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, samplin
     return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
 
 
+TURN_BLOCKS = (512, 64, 8, 1)  # the block sizes a later turn is read in, largest first
+ONE_CALL_KINDS = ("kvpop", "dense")  # caches whose decode takes several tokens per call
+
+
+def _chunks(count: int) -> list[tuple[int, int]]:
+    """[c0, c1) blocks of `count` tokens, each of a TURN_BLOCKS size, largest first (595 -> 512, 64, 8, 8, 1, 1, 1):
+    a chat compiles at most one read per block size, and a turn takes fewer than 8 blocks of each smaller size."""
+    out, c0 = [], 0
+    for size in TURN_BLOCKS:
+        while count - c0 >= size:
+            out.append((c0, c0 + size))
+            c0 += size
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _read(model, params, cache, ids):
+    """ids [B, n] into a started cache in one call (the KVpop and dense caches' multi-token decode) ->
+    (the last token's logits float32 [B, V], cache)."""
+    out = model.apply({"params": params}, ids, cache=cache)
+    return out.logits[:, -1].astype(jnp.float32), out.cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling"))
+def _reply(model, params, cache, last_logits, rng, eos, *, max_new_tokens, sampling):
+    """`_decode` from the last block of a later turn read by `_read`."""
+    return _decode(model, params, cache, last_logits, rng, eos, max_new_tokens, sampling)
+
+
 class Conversation:
     """Multi-turn decoding of one conversation on one cache: each `send` reads only the new turn.
 
@@ -352,13 +381,15 @@ class Conversation:
         reply, n = chat.send(next_turn_ids, max_new_tokens=64, eos_ids=eos)
 
     The first `send` is `generate` on one row (the same prefill, `stream_prompt` included); each later
-    one first feeds the previous reply's last token (drawn, not yet read), then the turn's ids, one
-    decode step per token. So a reply is the one `generate` gives with the whole history as its prompt:
-    for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow, and a
-    warning says when it first does) and dense caches; for a training-free baseline, with
-    `stream_prompt=True` in both (the later turns are always read token by token).
-    Later turns are read in buckets of a power of two (the padding skipped), so a chat compiles once per
-    bucket and `max_new_tokens`, not per turn length (the first turn, a prefill, once per length).
+    one first reads the previous reply's last token (drawn, not yet read), then the turn's ids. A KVpop
+    or dense cache reads them in a few calls, blocks of 512, 64, 8 or 1 tokens (`TURN_BLOCKS`;
+    `KVpopHead.continue_tokens`: the evictions token by token, the attention in one pass); DMS and the
+    training-free baselines one decode step per token, padded to a power of two (the padding skipped).
+    So a reply is the one `generate` gives with the whole history as its prompt (for KVpop and dense to
+    float rounding): for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not
+    overflow, and a warning says when it first does) and dense caches; for a training-free baseline,
+    with `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and
+    `max_new_tokens`, not per turn length (the first turn, a prefill, once per length).
     `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
@@ -412,11 +443,19 @@ class Conversation:
                           f"{self.model.config.max_position_embeddings}", stacklevel=2)
         key = jax.random.key(self._turns) if rng is None else _as_key(rng)
         count = prompt.shape[1]
-        if self._pending:  # a later turn: padded to a power of two, so a chat compiles once per bucket
-            prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, (1 << (count - 1).bit_length()) - count))))
-        tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
-                                            _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
-                                            stream_from=self._stream_from)
+        if self._pending and self.kind in ONE_CALL_KINDS:  # a later turn in blocks: one compile per block size
+            ids = np.asarray(prompt)  # sliced on the host: no eager compile per block
+            for c0, c1 in _chunks(count):
+                logits, self.cache = _read(self.model, self.params, self.cache, ids[:, c0:c1])
+            tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
+                                                 max_new_tokens=max_new_tokens, sampling=sampling)
+        else:
+            if self._pending:  # a later turn: padded to a power of two, so a chat compiles once per bucket
+                pad = (1 << (count - 1).bit_length()) - count
+                prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
+            tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
+                                                _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
+                                                stream_from=self._stream_from)
         n = int(lengths[0])
         self._pending = [int(tokens[0, n - 1])]
         self.length += turn.shape[0] + n

@@ -141,6 +141,13 @@ class KVpopHead(nn.Module):
 
         Returns (out [B, 1, Hq, D], new layer cache).
         """
+        lc, _ = self.step(lc, k_tok, v_tok, position, rope_positions)
+        out, _ = cache_lib.attend_cache(q_tok, lc)
+        return out, lc
+
+    def step(self, lc: cache_lib.KVpopLayerCache, k_tok, v_tok, position, rope_positions=None):
+        """`decode`'s cache update (arguments as there, no query) -> (new layer cache, gone int32 [B, H]: the
+        position the cache holds no more after the step, -1 if none)."""
         if rope_positions is None:
             rope_positions = position
         kv = self.config
@@ -161,6 +168,7 @@ class KVpopHead(nn.Module):
             score_t = score_t + self.position_term(position)
             prio_t = cache_lib.static_priority_at(score_t, log_gamma, position)
         slot = cache_lib.ring_slot(position, kv)
+        gone = lc.pos[:, :, slot]  # the ring slot's token (u, or -1) leaves the cache, unless admitted
         if kv.topk > 0:
             u = position - kv.window  # leaves the window now, shares its ring slot with `position`
             leaving = jnp.broadcast_to(u >= kv.sinks, (b, h))
@@ -171,14 +179,46 @@ class KVpopHead(nn.Module):
                 prio_u = cache_lib.static_priority_at(score_u, log_gamma, u)
             else:
                 prio_u = lc.priority[:, :, slot]
-            lc = cache_lib.admit_to_long_range(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u, leaving, kv)
+            lc, admitted, replaced = cache_lib.admit_and_report(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u,
+                                                                leaving, kv)
+            gone = jnp.where(admitted, replaced, gone)
         lc = cache_lib.write_slot(
             lc, jnp.broadcast_to(slot, (b, h)), k_t, v_t, jnp.broadcast_to(position, (b, h)).astype(jnp.int32),
             prio_t, jnp.ones((b, h), bool),
         )
-        lc = lc.replace(scorer_state=state)
-        out, _ = cache_lib.attend_cache(q_tok, lc)
-        return out, lc
+        return lc.replace(scorer_state=state), gone
+
+    def continue_tokens(self, lc: cache_lib.KVpopLayerCache, q, k, v, position, rope_positions=None):
+        """T > 1 tokens on a started cache (a later chat turn, a prompt in chunks), as T `decode` calls give them
+        to float rounding: the T cache updates (`step`, a scan of the scorer and eviction alone), then one
+        attention in which query i reads the slots from before the call and the new keys, each while step i's
+        cache holds it. q [B, T, Hq, D], k/v [B, T, Hkv, D]; position int [] (the first token's index);
+        rope_positions int [B, T] (None: position + 0..T-1). Returns (out [B, T, Hq, D], new layer cache)."""
+        b, t = q.shape[:2]
+        if rope_positions is None:
+            rope_positions = jnp.broadcast_to(position + jnp.arange(t), (b, t))
+        h, n = lc.pos.shape[1:]
+        pos0 = lc.pos
+        new_k, new_v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
+        keys = jnp.concatenate([lc.k, new_k.astype(lc.k.dtype)], axis=2)  # every key a query may read
+        values = jnp.concatenate([lc.v, new_v.astype(lc.v.dtype)], axis=2)
+
+        def body(c, xs):
+            k_i, v_i, i, rp = xs
+            return self.step(c, k_i[:, None], v_i[:, None], position + i, rp[:, None])
+
+        xs = (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1), jnp.arange(t), jnp.swapaxes(rope_positions, 0, 1))
+        lc, gone = jax.lax.scan(body, lc, xs)  # gone [T, B, H]
+        # Key j is read by queries [enter_j, leave_j): a slot's token from the start (an empty slot never), new
+        # token i from its own step; each until the step after which the cache no longer holds it (never: T).
+        in_slots = jnp.argmax(pos0[None] == gone[..., None], axis=-1)
+        key = jnp.where(gone >= position, n + gone - position, in_slots)
+        key = jnp.where(gone >= 0, key, n + t)  # out of range: dropped
+        steps = jnp.broadcast_to(jnp.arange(t)[:, None, None], gone.shape)
+        bi, hi = jnp.arange(b)[None, :, None], jnp.arange(h)[None, None, :]
+        leave = jnp.full((b, h, n + t), t, jnp.int32).at[bi, hi, key].min(steps, mode="drop")
+        enter = jnp.concatenate([jnp.where(pos0 >= 0, -1, t), jnp.broadcast_to(jnp.arange(t), (b, h, t))], axis=-1)
+        return cache_lib.attend_spans(q, keys, values, enter, leave), lc
 
 
 def sparse_policy(scores: jax.Array, log_gamma: jax.Array, config: KVpopConfig):

@@ -249,23 +249,39 @@ def test_a_conversation_cache_dtype_must_be_floating(rng):
     assert chat.cache.layers[0].k.dtype == jnp.bfloat16
 
 
-def test_a_conversation_compiles_once_per_turn_bucket_not_per_turn_length(rng, compiles):
-    """Later turns of 4, 5, 6 and 7 ids (5 to 8 read, the last reply's token first) share the bucket of 8: one
-    compile of the turn, the padding never read (each reply is still `generate`'s on the whole history)."""
+@pytest.mark.parametrize("kind", ["kvpop", "dms"])
+def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_length(rng, compiles, kind):
+    """Later turns of 4, 5, 6 and 7 ids (5 to 8 read, the last reply's token first): a KVpop cache reads them in
+    blocks of 1 token (5, 6, 7 of them) and one of 8 (one compile per block size, each block one call), DMS one
+    decode step per token in the bucket of 8 (one compile, the padding never read); turns of those lengths again
+    compile nothing. Each reply is still `generate`'s on the whole history."""
     from kvpop_jax.generate import Conversation
 
-    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+    if kind == "kvpop":
+        model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+    else:  # a pool that never overflows here (DMS exact)
+        model, params, config = _dms_model_with_random_gates(rng, budget=64)
     greedy = SamplingConfig.greedy()
+    jax.clear_caches()  # an earlier test of this process may have compiled a block size of this model already
+    before = len(compiles)
     chat = Conversation(model, params)
     chat.send(rng.integers(0, config.vocab_size, size=9).tolist(), max_new_tokens=3, sampling=greedy)
     for n in (4, 5, 6, 7):
         chat.send(rng.integers(0, config.vocab_size, size=n).tolist(), max_new_tokens=3, sampling=greedy)
-    assert [f for _, f in compiles].count("jit(_turn)") == 2  # the first turn's prefill, then bucket 8 (was 5)
-    # the padding is skipped: each reply equals generate's on the whole history
+    names = [f for _, f in compiles[before:]]
+    if kind == "kvpop":
+        assert names.count("jit(_read)") == 2 and names.count("jit(_reply)") == 1  # blocks of 1 and of 8
+        assert names.count("jit(_turn)") == 1  # the first turn's prefill
+    else:
+        assert names.count("jit(_turn)") == 2  # the first turn's prefill, then bucket 8 (was 5)
+    before = len(compiles)
+    for n in (7, 4, 6, 5):
+        chat.send(rng.integers(0, config.vocab_size, size=n).tolist(), max_new_tokens=3, sampling=greedy)
+    assert [f for _, f in compiles[before:] if f in ("jit(_read)", "jit(_reply)", "jit(_turn)")] == []
     history, chat = rng.integers(0, config.vocab_size, size=9).tolist(), Conversation(model, params)
     reply, k = chat.send(history, max_new_tokens=3, sampling=greedy)
     history += np.asarray(reply[:k]).tolist()
-    for n in (2, 5):  # 3 and 6 read: buckets 4 and 8
+    for n in (2, 5, 12):  # 3, 6 and 13 read: blocks 3 x 1, 6 x 1 and 8 + 5 x 1 (buckets 4, 8 and 16)
         turn = rng.integers(0, config.vocab_size, size=n).tolist()
         history += turn
         reply, k = chat.send(turn, max_new_tokens=3, sampling=greedy)
