@@ -457,3 +457,45 @@ def test_rope_is_read_as_transformers_reads_it_and_weights_come_from_one_place(t
     for load in (kvpop_torch.load, load_heads):
         with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
             load(tmp_path)
+
+
+
+@pytest.mark.parametrize("scorer,bias_name", [("mlp", "b2"), ("mlstm", "b")])
+def test_a_continuation_with_tied_scores_after_reorder_and_reset_equals_one_token_calls(tmp_path, rng, scorer,
+                                                                                       bias_name):
+    """Exact ties (a scorer with zero weights and a bias so large that `- t log γ` rounds away: every priority
+    equal, so the smaller position wins), rows reordered as beam search does, and a reset cache started by a
+    one-token prompt: a multi-token call still keeps what one-token calls keep, in the same slots."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer=scorer, sinks=1, window=3, topk=4, mlstm_chunk=8), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    heads = make_cache().layers  # the heads are shared by every cache of the export
+    for layer in heads:
+        for param in layer.head.scorer.parameters():
+            param.data.zero_()
+        getattr(layer.head.scorer, bias_name).data.fill_(1e7)
+    ids0 = torch.as_tensor(rng.integers(0, BASE.vocab_size, size=(3, 30)))
+    beams = torch.tensor([2, 0, 0])
+
+    def run(chunked):
+        cache, logits, kept = make_cache(), [], []
+        with torch.no_grad():
+            for prompt_len, cuts in ((5, (12, 30)), (1, (2, 30))):
+                cache.reset()
+                ids = ids0
+                logits.append(model(ids[:, :prompt_len], cache=cache).logits)
+                for c0, c1 in zip((prompt_len,) + cuts[:-1], cuts):
+                    steps = [(c0, c1)] if chunked else [(t, t + 1) for t in range(c0, c1)]
+                    logits += [model(ids[:, a:b], cache=cache).logits for a, b in steps]
+                    if prompt_len == 5 and c1 == cuts[0]:  # beam search reorders the rows between calls
+                        cache.reorder_cache(beams)
+                        ids = ids[beams]
+                kept.append([x.clone() for x in cache.positions()])
+                lr = cache.layers[0].priority[..., 4:][cache.layers[0].pos[..., 4:] >= 0]
+                assert (lr == lr[0]).all()  # the ties are real
+        return torch.cat(logits, 1).numpy(), kept
+
+    (got, got_kept), (want, want_kept) = run(True), run(False)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(got_kept, want_kept):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
