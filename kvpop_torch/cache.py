@@ -434,7 +434,7 @@ def check_new_tokens(module, args, kwargs):
                              "a time")
         if kwargs.get("use_cache") is False:
             raise ValueError("use_cache=False with a KVpopCache: the bounded cache is filled one call at a time "
-                             "(a prompt, then one token per call); pass use_cache=True or leave it out")
+                             "(a prompt, then the tokens of each later call); pass use_cache=True or leave it out")
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
     if ids is not None and isinstance(cache, KVpopCache) and limit and not cache.warned_positions:
         reach = cache.get_seq_length() + ids.shape[1]
