@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl import flags
 
 from kvpop_jax import save_pretrained
@@ -325,3 +326,20 @@ def train_env(tmp_path):
 
 def train_cmd(argv):
     return [sys.executable, "-m", "train.main"] + argv
+
+
+def assert_a_failed_rerun_keeps_the_report(folder, monkeypatch, module, name: str, first, again, files) -> None:
+    """`first()` writes the report `files` (and the folder's lock) into `folder`; `again()`, with `module.name`
+    failing after part of the report is rewritten, must leave every file byte for byte: no mix of two runs (the
+    files used to be renamed one after another), no temporaries."""
+    first()
+    before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
+    assert set(before) == set(files) | {LOCK_FILE}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the report failed")
+
+    monkeypatch.setattr(module, name, broken)
+    with pytest.raises(RuntimeError, match="the report failed"):
+        again()
+    assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == before

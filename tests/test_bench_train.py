@@ -2,14 +2,13 @@
 
 import dataclasses
 import json
-import os
 
 import pytest
 
 from eval import main as eval_main
 from eval.bench_decode import tiny_config
 from eval.bench_train import PARTS, VARIANTS, run_bench_train, variant_config
-from kvpop_jax.fileio import LOCK_FILE
+from helpers import assert_a_failed_rerun_keeps_the_report
 
 TOY = dict(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=8)
 
@@ -51,17 +50,10 @@ def test_a_failed_rerun_leaves_the_previous_bench_report_whole(tmp_path, monkeyp
     monkeypatch.setattr(bench_train, "time_train_steps", lambda *args, **kwargs: {"dense": (next(timings), 0.5)})
     kw = dict(seq_lens=(40,), model_config=tiny_config(**TOY), variants=("dense",), parts=(), kl_topk=8,
               num_query_samples=4, out_dir=tmp_path, benchmarks_md=None, progress=False)
-    run_bench_train(**kw)
-    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
-    assert set(before) == {"bench_train.md", "bench_train.png", "bench_train.json", LOCK_FILE}
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("the table failed")
-
-    monkeypatch.setattr(bench_train, "bench_markdown", broken)  # after the plot and the json are (re)written
-    with pytest.raises(RuntimeError, match="the table failed"):
-        run_bench_train(**kw)
-    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
+    # bench_markdown runs after the plot and the json are (re)written
+    assert_a_failed_rerun_keeps_the_report(tmp_path, monkeypatch, bench_train, "bench_markdown",
+                                           lambda: run_bench_train(**kw), lambda: run_bench_train(**kw),
+                                           {"bench_train.md", "bench_train.png", "bench_train.json"})
 
 
 def test_a_dry_run_appends_to_no_benchmarks_file_unless_named():

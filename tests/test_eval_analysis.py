@@ -15,9 +15,9 @@ from eval.bench_decode import parse_lengths, run_bench_decode, tiny_config
 from eval.dms_patterns import run_dms_patterns
 from eval.patterns import run_patterns
 from eval.recall import load_rows, memory_note, policy_arrays, run_recall
+from helpers import assert_a_failed_rerun_keeps_the_report
 from kvpop_jax import KVpopConfig, Qwen3Config, dms_cache, load_pretrained, policy, save_pretrained
 from kvpop_jax.config import DMSConfig
-from kvpop_jax.fileio import LOCK_FILE
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
 BASE = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -259,17 +259,10 @@ def test_a_failed_bench_decode_rerun_leaves_the_previous_report_whole(tmp_path, 
     config = tiny_config(layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=64, sinks=2, window=8, topk=16)
     kw = dict(lengths=(64,), methods=("dense",), out_dir=tmp_path, benchmarks_md=None, model_config=config, steps=1,
               warmup=0, progress=False)
-    run_bench_decode(**kw)
-    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
-    assert set(before) == {"bench_decode.md", "bench_decode.png", "bench_decode.json", LOCK_FILE}
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("the table failed")
-
-    monkeypatch.setattr(bench_decode, "bench_markdown", broken)  # after the plot and the json are (re)written
-    with pytest.raises(RuntimeError, match="the table failed"):
-        run_bench_decode(**kw)
-    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
+    # bench_markdown runs after the plot and the json are (re)written
+    assert_a_failed_rerun_keeps_the_report(tmp_path, monkeypatch, bench_decode, "bench_markdown",
+                                           lambda: run_bench_decode(**kw), lambda: run_bench_decode(**kw),
+                                           {"bench_decode.md", "bench_decode.png", "bench_decode.json"})
 
 
 def test_parse_lengths():
@@ -283,17 +276,12 @@ def test_a_failed_patterns_rerun_leaves_the_previous_report_whole(checkpoint, tm
     import eval.patterns as patterns
 
     ids = np.random.default_rng(2).integers(0, BASE.vocab_size, size=60)
-    run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30)
-    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
-    assert set(before) == {"patterns.md", "patterns.png", "head_usage.png", "patterns.json", LOCK_FILE}
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("plotting failed")
-
-    monkeypatch.setattr(patterns, "plot_head_usage", broken)  # after patterns.png is (re)drawn
-    with pytest.raises(RuntimeError, match="plotting failed"):
-        run_patterns(checkpoint, ids[::-1].copy(), out_dir=tmp_path, last_n=30)
-    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before  # no mix, no temporaries
+    # plot_head_usage runs after patterns.png is (re)drawn
+    assert_a_failed_rerun_keeps_the_report(tmp_path, monkeypatch, patterns, "plot_head_usage",
+                                           lambda: run_patterns(checkpoint, ids, out_dir=tmp_path, last_n=30),
+                                           lambda: run_patterns(checkpoint, ids[::-1].copy(), out_dir=tmp_path,
+                                                                last_n=30),
+                                           {"patterns.md", "patterns.png", "head_usage.png", "patterns.json"})
 
 
 def test_token_id_jsonl_with_a_bad_line_names_file_and_line(tmp_path):
