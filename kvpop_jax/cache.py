@@ -363,17 +363,22 @@ def attend_spans(q, keys, values, enter, leave, scale: float | None = None):
     b, t, hq, d = q.shape
     hkv = keys.shape[1]
     scale = d**-0.5 if scale is None else scale
+    g = hq // hkv
     outs = []
     for q0 in range(0, t, CONTINUE_QUERY_BLOCK):
         q1 = min(t, q0 + CONTINUE_QUERY_BLOCK)
-        qg = q[:, q0:q1].reshape(b, q1 - q0, hkv, hq // hkv, d)
+        tb = q1 - q0
+        # Batch and head axes leading in every dot (as `prefix_attention`): XLA's CPU runtime has no
+        # bf16 x bf16 -> f32 dot with them elsewhere, and a bf16 cache with batch > 1 failed there.
+        qg = q[:, q0:q1].reshape(b, tb, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * tb, d)
         i = jnp.arange(q0, q1)[:, None]
         valid = (enter[:, :, None, :] <= i) & (i < leave[:, :, None, :])  # [B, Hkv, Tb, K]
-        logits = jnp.einsum("bthgd,bhnd->bhgtn", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-        logits = jnp.where(valid[:, :, None], logits * scale, NEG_INF)
+        valid = jnp.broadcast_to(valid[:, :, None], (b, hkv, g, tb, valid.shape[-1])).reshape(b, hkv, g * tb, -1)
+        logits = jnp.einsum("bhmd,bhnd->bhmn", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.where(valid, logits * scale, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bhgtn,bhnd->bthgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
-        outs.append(out.reshape(b, q1 - q0, hq, d).astype(q.dtype))
+        out = jnp.einsum("bhmn,bhnd->bhmd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        outs.append(out.reshape(b, hkv, g, tb, d).transpose(0, 3, 1, 2, 4).reshape(b, tb, hq, d).astype(q.dtype))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 

@@ -261,6 +261,26 @@ def test_several_tokens_on_a_started_cache_equal_one_token_steps(rng, options):
         assert int(chunked.length) == int(one.length) == cuts[-1]
 
 
+def test_several_tokens_on_a_bf16_cache_with_two_rows_equal_one_token_steps(rng):
+    """A bf16 cache (`init_cache(..., dtype=bf16)` on an f32 model, `Conversation(dtype="bfloat16")`) with two
+    rows: the continuation's attention once ran a bf16 x bf16 -> f32 dot that XLA's CPU runtime does not have
+    (UNIMPLEMENTED under jit). Now it gives the one-token steps' logits and slots."""
+    model, params = kvpop_model(KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, 16)))
+    step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))
+    one = chunked = step(init_cache(model.config, 2, dtype=jnp.bfloat16), ids[:, :4]).cache
+    want = []
+    for t in range(4, 16):
+        out = step(one, ids[:, t : t + 1])
+        want.append(out.logits)
+        one = out.cache
+    out = step(chunked, ids[:, 4:])
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(jnp.concatenate(want, 1)), atol=1e-4, rtol=0)
+    for x, y in zip(out.cache.layers, one.layers):
+        assert x.k.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(x.pos), np.asarray(y.pos))
+
+
 def test_write_slot_scatter_equals_one_hot_select(rng):
     """`write_slot` (a scatter, in place in a decode loop) == the one-hot select it replaced, on random
     slots and enable masks; disabled rows keep their old values."""
