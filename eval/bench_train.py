@@ -326,7 +326,10 @@ def plot_bench(rows: Sequence[Row], path: str) -> str:
         ax.set_ylabel("ratio to dense (same S, one run)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_lines():  # --no_parts leaves the right panel empty: no legend (matplotlib warned)
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="gray")
     return save_figure(fig, path)
 
 
