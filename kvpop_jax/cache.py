@@ -322,19 +322,14 @@ def write_slot(cache: KVpopLayerCache, slot, k, v, pos, priority, enable) -> KVp
                          priority=put(cache.priority, priority))
 
 
-def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig) -> KVpopLayerCache:
+def admit_to_long_range(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig):
     """The token leaving the window competes for the k long-range slots (per batch, head).
 
     k_u, v_u: [B, H, D]; pos_u int [B, H]; prio_u float32 [B, H]; enable bool [B, H].
     An empty slot is taken first; otherwise the worst slot (lowest priority, ties: the
-    later position) is replaced iff prio_u is strictly higher.
+    later position) is replaced iff prio_u is strictly higher. Returns (the new cache, admitted
+    bool [B, H], the position it replaced int32 [B, H], -1 for an empty slot).
     """
-    return admit_and_report(cache, k_u, v_u, pos_u, prio_u, enable, kv)[0]
-
-
-def admit_and_report(cache: KVpopLayerCache, k_u, v_u, pos_u, prio_u, enable, kv: KVpopConfig):
-    """`admit_to_long_range`, also returning (admitted bool [B, H], the position it replaced int32 [B, H], -1 for
-    an empty slot): what a multi-token step needs to know which token left the cache."""
     if kv.topk == 0:
         b, h = pos_u.shape
         return cache, jnp.zeros((b, h), bool), jnp.full((b, h), -1, jnp.int32)

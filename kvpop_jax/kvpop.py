@@ -179,8 +179,8 @@ class KVpopHead(nn.Module):
                 prio_u = cache_lib.static_priority_at(score_u, log_gamma, u)
             else:
                 prio_u = lc.priority[:, :, slot]
-            lc, admitted, replaced = cache_lib.admit_and_report(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)), prio_u,
-                                                                leaving, kv)
+            lc, admitted, replaced = cache_lib.admit_to_long_range(lc, k_u, v_u, jnp.broadcast_to(u, (b, h)),
+                                                                   prio_u, leaving, kv)
             gone = jnp.where(admitted, replaced, gone)
         lc = cache_lib.write_slot(
             lc, jnp.broadcast_to(slot, (b, h)), k_t, v_t, jnp.broadcast_to(position, (b, h)).astype(jnp.int32),
