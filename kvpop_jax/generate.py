@@ -345,10 +345,14 @@ TURN_BLOCKS = (512, 64, 8, 1)  # the block sizes a later turn is read in, larges
 ONE_CALL_KINDS = ("kvpop", "dense")  # caches whose decode takes several tokens per call
 
 
-def _chunks(count: int) -> list[tuple[int, int]]:
+def _chunks(count: int, first: bool = False) -> list[tuple[int, int]]:
     """[c0, c1) blocks of `count` tokens, each of a TURN_BLOCKS size, largest first (595 -> 512, 64, 8, 8, 1, 1, 1):
-    a chat compiles at most one read per block size, and a turn takes fewer than 8 blocks of each smaller size."""
-    out, c0 = [], 0
+    a chat compiles at most one read per block size, and a turn takes fewer than 8 blocks of each smaller size.
+    `first` (the prompt on a fresh cache): the first block is the largest power of two <= count (a prefill,
+    compiled once per power of two, not per prompt length), then the rest in TURN_BLOCKS
+    (1000 -> 512, 64 x 7, 8 x 5)."""
+    c0 = 1 << (count.bit_length() - 1) if first and count else 0
+    out = [(0, c0)] if c0 else []
     for size in TURN_BLOCKS:
         while count - c0 >= size:
             out.append((c0, c0 + size))
@@ -380,16 +384,19 @@ class Conversation:
         reply, n = chat.send(prompt_ids, max_new_tokens=64, eos_ids=eos)
         reply, n = chat.send(next_turn_ids, max_new_tokens=64, eos_ids=eos)
 
-    The first `send` is `generate` on one row (the same prefill, `stream_prompt` included); each later
-    one first reads the previous reply's last token (drawn, not yet read), then the turn's ids. A KVpop
-    or dense cache reads them in a few calls, blocks of 512, 64, 8 or 1 tokens (`TURN_BLOCKS`;
-    `KVpopHead.continue_tokens`: the evictions token by token, the attention in one pass); DMS and the
-    training-free baselines one decode step per token, padded to a power of two (the padding skipped).
-    So a reply is the one `generate` gives with the whole history as its prompt (for KVpop and dense to
-    float rounding): for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not
-    overflow, and a warning says when it first does) and dense caches; for a training-free baseline,
-    with `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and
-    `max_new_tokens`, not per turn length (the first turn, a prefill, once per length).
+    Each later `send` first reads the previous reply's last token (drawn, not yet read), then the turn's
+    ids. A KVpop or dense cache reads them in a few calls, blocks of 512, 64, 8 or 1 tokens (`TURN_BLOCKS`;
+    `KVpopHead.continue_tokens`: the evictions token by token, the attention in one pass), and the first
+    turn likewise after a prefill of the largest power of two of its tokens (1000 tokens: a prefill of 512,
+    then 7 blocks of 64 and 5 of 8); DMS and the training-free baselines prefill the first turn as
+    `generate` does (`stream_prompt` included; also a KVpop cache with `stream_prompt=True`) and read a
+    later one a decode step per token, padded to a power of two (the padding skipped). So a reply is the
+    one `generate` gives with the whole history as its prompt (for KVpop and dense to float rounding):
+    for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow, and a
+    warning says when it first does) and dense caches; for a training-free baseline, with
+    `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and `max_new_tokens`,
+    not per turn length; a first turn on KVpop or dense once per power of two of its length (DMS and the
+    baselines: once per length).
     `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
@@ -443,14 +450,14 @@ class Conversation:
                           f"{self.model.config.max_position_embeddings}", stacklevel=2)
         key = jax.random.key(self._turns) if rng is None else _as_key(rng)
         count = prompt.shape[1]
-        if self._pending and self.kind in ONE_CALL_KINDS:  # a later turn in blocks: one compile per block size
+        if self.kind in ONE_CALL_KINDS and (self._pending or self._stream_from is None):  # in blocks (`_chunks`)
             ids = np.asarray(prompt)  # sliced on the host: no eager compile per block
-            for c0, c1 in _chunks(count):
+            for c0, c1 in _chunks(count, first=not self._pending):
                 logits, self.cache = _read(self.model, self.params, self.cache, ids[:, c0:c1])
             tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
                                                  max_new_tokens=max_new_tokens, sampling=sampling)
         else:
-            if self._pending:  # a later turn: padded to a power of two, so a chat compiles once per bucket
+            if self._pending:  # a later turn on DMS or a baseline: padded to a power of two, one compile per bucket
                 pad = (1 << (count - 1).bit_length()) - count
                 prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
             tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,

@@ -269,9 +269,9 @@ def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_leng
     for n in (4, 5, 6, 7):
         chat.send(rng.integers(0, config.vocab_size, size=n).tolist(), max_new_tokens=3, sampling=greedy)
     names = [f for _, f in compiles[before:]]
-    if kind == "kvpop":
-        assert names.count("jit(_read)") == 2 and names.count("jit(_reply)") == 1  # blocks of 1 and of 8
-        assert names.count("jit(_turn)") == 1  # the first turn's prefill
+    if kind == "kvpop":  # the first turn: a prefill of 8, then a block of 1; later turns blocks of 1 and of 8
+        assert names.count("jit(_read)") == 3 and names.count("jit(_reply)") == 1
+        assert names.count("jit(_turn)") == 0
     else:
         assert names.count("jit(_turn)") == 2  # the first turn's prefill, then bucket 8 (was 5)
     before = len(compiles)
@@ -288,6 +288,33 @@ def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_leng
         expected, _ = generate(model, params, [history], max_new_tokens=3, sampling=greedy)
         np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]))
         history += np.asarray(reply[:k]).tolist()
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, compiles, scorer):
+    """A first turn on a KVpop or dense cache is a prefill of the largest power of two of its ids, then blocks:
+    first turns of 33 to 63 ids (past the budget) compile one prefill of 32 and the blocks of 8 and 1 (was one
+    prefill per length), and each reply equals `generate`'s on the same prompt, for both scorers and a dense
+    cache."""
+    from kvpop_jax.generate import Conversation
+
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=5, topk=6, scorer=scorer)
+    dense_config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    dense, dense_params = Qwen3ForCausalLM(dense_config), init_params(dense_config, jax.random.key(1))
+    greedy = SamplingConfig.greedy()
+    jax.clear_caches()
+    before = len(compiles)
+    for n in (33, 47, 63, 40):
+        prompt = rng.integers(0, config.vocab_size, size=n).tolist()
+        for m, p, options in ((model, params, {}), (dense, dense_params, {"max_len": 80})):
+            reply, k = Conversation(m, p, **options).send(prompt, max_new_tokens=4, sampling=greedy)
+            expected, expected_k = generate(m, p, [prompt], max_new_tokens=4, sampling=greedy)
+            np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]),
+                                          err_msg=f"{n} ids, {m.config.kvpop}")
+            assert k == int(expected_k[0]) == 4
+    names = [f for _, f in compiles[before:]]
+    # per model: the prefill of 32, blocks of 8 and of 1 (the 63-id turn: 32 + 8 x 3 + 1 x 7), one reply
+    assert names.count("jit(_read)") == 2 * 3 and names.count("jit(_reply)") == 2 and "jit(_turn)" not in names
 
 
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
