@@ -362,8 +362,8 @@ def _chunks(count: int, first: bool = False) -> list[tuple[int, int]]:
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _read(model, params, cache, ids):
-    """ids [B, n] into a started cache in one call (the KVpop and dense caches' multi-token decode) ->
-    (the last token's logits float32 [B, V], cache)."""
+    """ids [B, n] into a started cache in one call (the KVpop and dense caches' multi-token decode), or a
+    fresh cache's prefill -> (the last token's logits float32 [B, V], cache)."""
     out = model.apply({"params": params}, ids, cache=cache)
     return out.logits[:, -1].astype(jnp.float32), out.cache
 
