@@ -242,7 +242,7 @@ def test_paper_recipes_parse(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # nested flagfile paths are relative to the working directory
     for name, topk, window in (("qwen3_4b_cr75", 4032, 256), ("qwen3_4b_cr88", 2016, 256),
                                ("qwen3_8b_cr75", 4032, 256), ("qwen3_8b_cr88", 2016, 256),
-                               ("streamingllm_plus", 0, 2272)):
+                               ("streamingllm_plus", 0, 2305)):
         fv = flags.FlagValues()
         define_flags(fv)
         fv(["train", f"--flagfile={REPO}/configs/{name}.flags", f"--run_dir={tmp_path}", "--dry_run"])
@@ -270,6 +270,9 @@ def test_paper_recipes_follow_app_a_and_mlp_recipes_are_memory_matched(tmp_path,
             assert mlstm.data.split == "high_part00,high_part01,high_part02"
             assert mlp.kvpop.scorer == "mlp" and mlp.kvpop.topk == mlstm.kvpop.topk + 33
             assert mlp.kvpop.memory(128) == mlstm.kvpop.memory(128)
+    # StreamingLLM+ gets the mLSTM state's 33 entries as window, as the --variants recipe does
+    streaming, mlstm = recipe("streamingllm_plus"), recipe("qwen3_4b_cr88")
+    assert streaming.kvpop.topk == 0 and streaming.kvpop.memory(128) == mlstm.kvpop.memory(128)
 
 
 def test_dms_recipes_are_memory_matched_to_the_kvpop_recipes(tmp_path, monkeypatch):
