@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -843,3 +844,32 @@ def test_train_export_to_a_read_only_folder_or_a_full_disk_is_one_line(tmp_path,
     assert stop.value.code == 2
     assert capsys.readouterr().err == (f"error: exporting to {tmp_path / 'out'} failed ([Errno 28] No space left on "
                                        "device); any export there before is unchanged\n")
+
+
+@pytest.mark.long
+def test_ctrl_c_mid_training_exits_130_with_one_line(tmp_path):
+    """README: Ctrl-C stops a run with one line saying how to resume it (exit 130). It segfaulted instead (SIGSEGV,
+    exit 139): the interpreter's teardown freed the buffers of the step still computing. On the demo teacher,
+    whose first step compiles and runs for seconds, so the Ctrl-C lands in it; SIGINT's default handler, as from a
+    terminal."""
+    run_dir = tmp_path / "run"
+    argv = ["train.main", "--init_checkpoint=checkpoints/demo-teacher", "--data=demo:16", "--demo_seq_len=1000",
+            "--seq_len=1024", "--global_batch=2", "--steps=40", "--warmup_steps=1", "--sinks=4", "--window=32",
+            "--topk=70", "--scorer=mlstm", "--kl_topk=32", "--log_every=1", "--param_dtype=float32",
+            "--compute_dtype=float32", "--teacher_dtype=float32", f"--run_dir={run_dir}"]
+    script = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              f"sys.argv = {argv!r}; runpy.run_module('train.main', run_name='__main__')")
+    # as users run it, without the suite's XLA / JAX settings (fast compiles, JAX_PLATFORMS) that hid the crash
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (run_dir / "train_config.json").is_file():  # written once the run has started, before its first step
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.time() < deadline, "the run did not start within 300 s"
+        time.sleep(0.05)
+    time.sleep(5.0)  # inside the first step (its compile)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, err[-4000:])
+    assert "interrupted; rerun the same command" in err and "Segmentation fault" not in err

@@ -96,4 +96,13 @@ def _quiet_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except SystemExit as e:
+        if e.code != 130:
+            raise
+        # Ctrl-C: the run's files are closed and its lock released, but the interrupted step may still be
+        # computing, and the interpreter's teardown would free its buffers under it (a segfault, exit 139).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
