@@ -257,7 +257,8 @@ def test_several_tokens_on_a_started_cache_equal_one_token_steps(rng, options):
             np.testing.assert_allclose(np.asarray(x.priority), np.asarray(y.priority), rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(np.asarray(x.k), np.asarray(y.k), rtol=0, atol=1e-5)
             for a, b in zip(x.scorer_state or (), y.scorer_state or ()):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # a layer above: rounded keys
+                # a layer above reads keys rounded differently: 1e-4, as the priorities
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
         assert int(chunked.length) == int(one.length) == cuts[-1]
 
 
