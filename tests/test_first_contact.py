@@ -37,6 +37,7 @@ def test_ctrl_c_stops_a_dry_run_at_once_and_promises_no_resume(tmp_path):
     assert "resume" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.long  # a whole run in a subprocess at XLA's defaults: ~30 s on 2 cores
 def test_a_cpu_dry_run_says_its_bytes_are_for_this_machines_mesh_not_a_gpu_nodes(tmp_path):
     """On a 1-CPU login node the paper recipe's dry run printed 226 GiB "per-device" for one device holding all
     8 rows of the micro-batch and the whole model, with nothing saying so or how to see an 8-GPU node."""
@@ -142,6 +143,7 @@ def test_bad_dms_overrides_of_a_dms_recipe_name_their_flags(tmp_path):
             _config([*recipe, f"--{flag}={value}"])
 
 
+@pytest.mark.long  # a whole run in a subprocess at XLA's defaults: ~30 s on 2 cores
 def test_ctrl_c_stops_a_throughput_run_at_once_and_a_json_out_lands_in_a_new_folder(tmp_path):
     """train.throughput writes nothing until its result: one Ctrl-C ends it, also inside the compile (it had no
     handling: Python waited for XLA). A --json_out in a folder that does not exist yet passed the up-front

@@ -294,8 +294,8 @@ def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_leng
 def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, compiles, scorer):
     """A first turn on a KVpop or dense cache is a prefill of the largest power of two of its ids, then blocks:
     first turns of 33 to 63 ids (past the budget) compile one prefill of 32 and the blocks of 8 and 1 (was one
-    prefill per length), and each reply equals `generate`'s on the same prompt, for both scorers and a dense
-    cache."""
+    prefill per length), and the replies to 33 and 63 ids equal `generate`'s on the same prompt, for both scorers
+    and a dense cache."""
     from kvpop_jax.generate import Conversation
 
     model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=5, topk=6, scorer=scorer)
@@ -304,15 +304,21 @@ def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, co
     greedy = SamplingConfig.greedy()
     jax.clear_caches()
     before = len(compiles)
+    replies = {}
     for n in (33, 47, 63, 40):
         prompt = rng.integers(0, config.vocab_size, size=n).tolist()
         for m, p, options in ((model, params, {}), (dense, dense_params, {"max_len": 80})):
-            reply, k = Conversation(m, p, **options).send(prompt, max_new_tokens=4, sampling=greedy)
+            replies[n, m is dense] = prompt, Conversation(m, p, **options).send(prompt, max_new_tokens=4,
+                                                                                sampling=greedy)
+    names = [f for _, f in compiles[before:]]
+    # generate compiles once per length: two lengths (blocks of 8 and 1, and of 1 only) stand for the four
+    for (n, is_dense), (prompt, (reply, k)) in replies.items():
+        if n in (63, 33):
+            m, p = (dense, dense_params) if is_dense else (model, params)
             expected, expected_k = generate(m, p, [prompt], max_new_tokens=4, sampling=greedy)
             np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]),
                                           err_msg=f"{n} ids, {m.config.kvpop}")
             assert k == int(expected_k[0]) == 4
-    names = [f for _, f in compiles[before:]]
     # per model: the prefill of 32, blocks of 8 and of 1 (the 63-id turn: 32 + 8 x 3 + 1 x 7), one reply
     assert names.count("jit(_read)") == 2 * 3 and names.count("jit(_reply)") == 2 and "jit(_turn)" not in names
 

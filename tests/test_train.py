@@ -731,6 +731,7 @@ def test_ctrl_c_is_one_line_saying_how_to_resume(tmp_path, arch, monkeypatch, ca
         train_main.FLAGS.unparse_flags()
 
 
+@pytest.mark.long  # two whole train steps of a 3-layer model compiled: ~30 s on 2 cores
 @pytest.mark.parametrize("scorer, remat", [("mlstm", "full")])  # the paper recipes' settings
 def test_scan_layers_flag_gives_the_train_step_of_the_loop(tmp_path, scorer, remat):
     """--scan_layers reaches both models of the step, and one step (teacher, student, losses, AdamW)
