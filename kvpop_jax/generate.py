@@ -16,7 +16,11 @@ streamed read is done in one banded pass (`BaselineConfig.banded_prefill`), whic
 
 Prompts are a rectangular [B, P] batch, or a list of rows of any lengths. Ragged rows are not
 padded (pad tokens would occupy sinks and compete for the bounded caches' slots): the rows of each
-length run as one batch of their own, so each row decodes as it would alone.
+length run as one batch of their own, so each row decodes as it would alone. On a KVpop or dense cache
+a prompt length that is not a power of two is read as `Conversation`'s first turn: a prefill of the
+largest power of two, then blocks of 512, 64, 8 and 1 tokens (`_chunks`), so `generate` compiles once
+per power of two and block size, not per prompt length (a power of two keeps one program, prefill and
+decode; the tokens agree to float rounding).
 """
 
 from __future__ import annotations
@@ -266,8 +270,10 @@ def generate(
     Args:
       prompt_ids: int [B, P], or a list of B lists of ids (of any lengths >= 1); ids in [0, vocab)
         (checked: ValueError). Rows of unequal lengths are not padded: the rows of each length run as
-        one batch (a compile per distinct length), with the key `jax.random.fold_in(rng, i)` where i
-        is the first such row, so a greedy row gives what it gives alone.
+        one batch, with the key `jax.random.fold_in(rng, i)` where i is the first such row, so a greedy
+        row gives what it gives alone. A KVpop or dense cache compiles once per power of two of the
+        length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
+        P + max_new_tokens slots); DMS, the baselines and `stream_prompt` once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -292,6 +298,10 @@ def generate(
     key, eos = _as_key(rng), _eos_array(eos)
 
     def run(prompt, k):  # positional, as compile_generate lowers it, so that its compile is found
+        if _in_blocks(kind, stream_from, prompt.shape[1]):
+            logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
+                                         prompt, first=True)
+            return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
         return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                          cache=kind, stream_from=stream_from)
 
@@ -324,6 +334,18 @@ def compile_generate(
     kind, stream_from = _plan(model.config, cache, stream_prompt)
     # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the
     # avals and placements of a real call, so that call finds this compile.
+    if _in_blocks(kind, stream_from, prompt_len):  # the prefill, each block size's read, the reply
+        state, sizes = _blocks_cache(model, kind, (batch, prompt_len), max_new_tokens), set()
+        for c0, c1 in _chunks(prompt_len, first=True):
+            if (c1 - c0, state.started) not in sizes:
+                sizes.add((c1 - c0, state.started))
+                _read.lower(model, params, state, np.zeros((batch, c1 - c0), np.int32)).compile()
+            logits, state = jax.eval_shape(functools.partial(_read, model), params, state,
+                                           np.zeros((batch, c1 - c0), np.int32))
+            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # concrete again, as above
+        _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
+                     _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
+        return
     _generate.lower(model, params, jnp.zeros((batch, prompt_len), jnp.int32), jax.random.key(0),
                     _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling, cache=kind,
                     stream_from=stream_from).compile()
@@ -343,6 +365,20 @@ def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, samplin
 
 TURN_BLOCKS = (512, 64, 8, 1)  # the block sizes a later turn is read in, largest first
 ONE_CALL_KINDS = ("kvpop", "dense")  # caches whose decode takes several tokens per call
+
+
+def _in_blocks(kind, stream_from, prompt_len: int) -> bool:
+    """Whether `generate` reads a [B, prompt_len] prompt in blocks (`_chunks(first=True)`: a prefill of the
+    largest power of two, then TURN_BLOCKS), compiled once per power of two rather than per length: a KVpop
+    or dense cache, a prompt length not a power of two (those keep one program, prefill and decode)."""
+    return kind in ONE_CALL_KINDS and stream_from is None and prompt_len & (prompt_len - 1) != 0
+
+
+def _blocks_cache(model, kind, shape: tuple[int, int], max_new_tokens: int):
+    """The fresh cache `generate` reads a prompt of `shape` [B, P] into in blocks: a dense one holds the next
+    power of two of P + max_new_tokens slots (so that prompts of other lengths reuse its programs)."""
+    slots = 1 << (shape[1] + max_new_tokens - 1).bit_length()
+    return init_generation_cache(model.config, kind, shape[0], slots, dtype=model.dtype)
 
 
 def _chunks(count: int, first: bool = False) -> list[tuple[int, int]]:
@@ -366,6 +402,14 @@ def _read(model, params, cache, ids):
     fresh cache's prefill -> (the last token's logits float32 [B, V], cache)."""
     out = model.apply({"params": params}, ids, cache=cache)
     return out.logits[:, -1].astype(jnp.float32), out.cache
+
+
+def _read_blocks(model, params, cache, ids, first: bool):
+    """(last logits, cache) after ids [B, n] are read into `cache` in `_chunks(n, first)` blocks, one `_read` each."""
+    ids = np.asarray(ids)  # sliced on the host: no eager compile per block
+    for c0, c1 in _chunks(ids.shape[1], first=first):
+        logits, cache = _read(model, params, cache, ids[:, c0:c1])
+    return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling"))
@@ -451,9 +495,7 @@ class Conversation:
         key = jax.random.key(self._turns) if rng is None else _as_key(rng)
         count = prompt.shape[1]
         if self.kind in ONE_CALL_KINDS and (self._pending or self._stream_from is None):  # in blocks (`_chunks`)
-            ids = np.asarray(prompt)  # sliced on the host: no eager compile per block
-            for c0, c1 in _chunks(count, first=not self._pending):
-                logits, self.cache = _read(self.model, self.params, self.cache, ids[:, c0:c1])
+            logits, self.cache = _read_blocks(self.model, self.params, self.cache, prompt, first=not self._pending)
             tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
                                                  max_new_tokens=max_new_tokens, sampling=sampling)
         else:

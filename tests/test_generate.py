@@ -323,6 +323,51 @@ def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, co
     assert names.count("jit(_read)") == 2 * 3 and names.count("jit(_reply)") == 2 and "jit(_turn)" not in names
 
 
+def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compiles):
+    """generate on a KVpop or dense cache reads a prompt whose length is not a power of two as Conversation's first
+    turn: a prefill of the largest power of two, then blocks. Prompts of 33, 47 and 59 ids (and a ragged list of
+    them) run on one prefill of 32, the blocks of 8 and 1 and one reply (was a program per length), which
+    compile_generate compiles ahead in a worker thread; the tokens equal the one-program path's (`_generate`, kept
+    for powers of two), greedy and sampled."""
+    import threading
+
+    from kvpop_jax.generate import _generate, compile_generate
+
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=5, topk=6, scorer="mlstm")
+    dense_config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    dense, dense_params = Qwen3ForCausalLM(dense_config), init_params(dense_config, jax.random.key(1))
+    no_eos, greedy_33 = jnp.asarray([-1], jnp.int32), None
+    for m, p, kind in ((model, params, "kvpop"), (dense, dense_params, "dense")):
+        jax.clear_caches()
+        before = len(compiles)
+        prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (47, 33, 59)}
+        for sampling in (SamplingConfig.greedy(), SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)):
+            worker = threading.Thread(target=compile_generate, args=(m, p, 2, 47), name="ahead",
+                                      kwargs=dict(max_new_tokens=4, sampling=sampling))
+            worker.start()
+            worker.join()
+            for n, prompt in prompts.items():
+                tokens, lengths = generate(m, p, prompt, max_new_tokens=4, sampling=sampling, rng=jax.random.key(n))
+                np.testing.assert_array_equal(np.asarray(lengths), 4)
+                if (n == 47) == (sampling.temperature == 0):  # greedy: blocks of 1, of 8 and 1; sampled: 8 and 1
+                    continue
+                want = _generate(m, p, jnp.asarray(prompt), jax.random.key(n), no_eos, max_new_tokens=4,
+                                 sampling=sampling, cache=kind)  # a compile per length
+                np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{kind}, {n} ids")
+                greedy_33 = tokens if n == 33 else greedy_33
+        seen = compiles[before:]
+        # 47 ids: the prefill of 32, a block of 8, blocks of 1; 33 and 59 (64 dense slots too) add nothing
+        assert [f for t, f in seen if t == "ahead"].count("jit(_read)") == 3, seen
+        assert [f for t, f in seen if t == "ahead"].count("jit(_reply)") == 2, seen  # one per sampling
+        assert not [f for t, f in seen if t != "ahead" and f in ("jit(_read)", "jit(_reply)")], seen
+        ragged, _ = generate(m, p, [prompts[33][0].tolist(), prompts[59][1].tolist()], max_new_tokens=4,
+                             sampling=SamplingConfig.greedy())  # rows of one each: batch 1's programs
+        np.testing.assert_array_equal(np.asarray(ragged[0]), np.asarray(greedy_33[0]))
+        np.testing.assert_array_equal(np.asarray(ragged[1]), np.asarray(_generate(
+            m, p, jnp.asarray(prompts[59][1:]), jax.random.key(0), no_eos, max_new_tokens=4,
+            sampling=SamplingConfig.greedy(), cache=kind)[0][0]))
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
