@@ -99,6 +99,24 @@ def test_length_generalization_table():
     assert row[3:5] == [0.9, "—"] and row[5:7] == pytest.approx([0.6, 0.75]) and row[7] == "—"
 
 
+def test_a_quick_summary_says_it_is_one(tmp_path, arch):
+    """--quick's summary.md looked like the full job's (only its problem count differed): its numbers, from a
+    quarter of the steps and problems, read as comparable with the shipped benchmarks/demo_cpu/summary.md."""
+    from train.recipe_report import write_summary
+    rows = [dict(method="dense", cr=None, budget=None, abs=1.0, rel=1.0, scores={"t": 1.0}),
+            dict(method="kvpop-mlp", cr=0.75, budget=40, abs=0.5, rel=0.5, scores={"t": 0.5})]
+    results = {"reuse": dict(spec="demo:reuse", rows=rows, oracles={0.75: {name: 0.0 for name in
+                                                                            ("streaming", "insertion_fifo",
+                                                                             "insertion_lifo", "delayed")}})}
+    flags = dict(variants="kvpop-mlp", eval_methods="dense,kvpop-mlp", eval_tasks="reuse", eval_crs="0.75",
+                 eval_problems=40)
+    for quick in (False, True):
+        cfg = parse(tiny_flags(str(tmp_path), arch, quick=quick, **flags))
+        text = write_summary(cfg, results, {}, None, {0.75: 40}, str(tmp_path / f"summary{quick}.md"))
+        assert ("--quick" in text) == quick, text
+    assert f"{cfg.steps} training steps" in text and "10 problems" in text and "not comparable" in text
+
+
 @pytest.mark.long
 def test_variants_then_comparison_end_to_end(tmp_path, arch):
     run = str(tmp_path / "run")

@@ -114,6 +114,7 @@ class EvalConfig:
     long_len: int = 0  # length generalization: the main task at this prompt length too (0: off)
     long_methods: tuple[str, ...] = ()  # the trained variants evaluated at long_len
     stream_prompt: bool = True  # the baselines evict token by token through the prompt (eval.accuracy)
+    quick: bool = False  # --quick: a quarter of the steps and problems (the summary says so)
 
 
 @dataclasses.dataclass(frozen=True)
