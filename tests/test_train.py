@@ -103,6 +103,17 @@ def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch)
     parse(tiny_flags(str(tmp_path / "run"), arch, export_dir=str(tmp_path / "run" / "init-export")))
 
 
+def test_quick_refuses_an_explicit_export_dir(tmp_path, arch):
+    """--quick trains into RUN_DIR-quick so that a full run is never resumed from or into it, but an explicit
+    --export_dir was kept: the quick run's rough export silently replaced the full run's there."""
+    export = str(tmp_path / "exports" / "model")
+    with pytest.raises(FlagError, match=f"--export_dir={export} with --quick: .*RUN_DIR-quick/export"):
+        parse(tiny_flags(str(tmp_path / "run"), arch, quick=True, export_dir=export))
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, quick=True))
+    assert cfg.export_dir == str(tmp_path / "run-quick" / "export")
+    parse(tiny_flags(str(tmp_path / "run"), arch, quick=True, export_dir=export, export=False))  # nothing exported
+
+
 def _step_4_checkpointer(meta):
     """A stand-in for train.checkpointing.Checkpointer over a run whose last step is 4: its meta is `meta`
     (None: reading it fails the test), and reading its parameters always fails the test (the --out checks

@@ -214,6 +214,9 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     if variants and f.export_dir:
         raise FlagError(f"--export_dir={f.export_dir} with --variants: each variant exports into RUN_DIR/NAME/export "
                         "(see README command 1); drop --export_dir")
+    if f.quick and f.export_dir and f.export:  # its rough export would replace the full run's there
+        raise FlagError(f"--export_dir={f.export_dir} with --quick: a quick run exports into RUN_DIR-quick/export "
+                        "(beside its own checkpoints), never over a full run's export; drop --export_dir")
     if f.export and not variants:
         check_output_dir(export_dir, "--export_dir", swapped=True)
     check_export_dir(export_dir, f.init_checkpoint, os.path.join(run_dir, "checkpoints"))

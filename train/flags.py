@@ -212,7 +212,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
     flags.DEFINE_bool("quick", False,
                       "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
-                      "--checkpoint_every and --eval_problems).", **d)
+                      "--checkpoint_every and --eval_problems), exported into RUN_DIR-quick/export (an "
+                      "--export_dir is refused: it would replace a full run's export).", **d)
     flags.DEFINE_bool("dry_run", False,
                       "Compile the train step for the real shapes on abstract arrays, print per-device "
                       "memory, and exit (no weights or data needed).", **d)
