@@ -114,6 +114,16 @@ def test_quick_refuses_an_explicit_export_dir(tmp_path, arch):
     parse(tiny_flags(str(tmp_path / "run"), arch, quick=True, export_dir=export, export=False))  # nothing exported
 
 
+def test_quick_names_its_run_dir_after_the_folder(tmp_path, arch, monkeypatch):
+    """--run_dir=. --quick trained into a hidden '.-quick' in the working folder (and runs/x/./ into runs/x/.-quick),
+    not beside the folder as RUN_DIR-quick."""
+    (tmp_path / "work" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work" / "sub")
+    for run_dir, want in ((".", str(tmp_path / "work" / "sub-quick")), ("..", str(tmp_path / "work-quick")),
+                          ("runs/x/./", "runs/x-quick"), ("runs/x//", "runs/x-quick")):
+        assert parse(tiny_flags(run_dir, arch, quick=True)).run_dir == want, run_dir
+
+
 def _step_4_checkpointer(meta):
     """A stand-in for train.checkpointing.Checkpointer over a run whose last step is 4: its meta is `meta`
     (None: reading it fails the test), and reading its parameters always fails the test (the --out checks

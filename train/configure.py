@@ -145,7 +145,8 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
     steps, warmup, checkpoint_every, run_dir = f.steps, f.warmup_steps, f.checkpoint_every, f.run_dir
     if f.quick:  # its own run directory: a full run must not resume from (or into) a quick one
         steps, warmup, checkpoint_every = max(1, steps // 4), warmup // 4, max(1, checkpoint_every // 4)
-        run_dir = run_dir.rstrip("/") + "-quick"
+        run_dir = os.path.normpath(run_dir)  # "runs/x/./" is runs/x; "." or ".." is a folder named by its own path
+        run_dir = (os.path.abspath(run_dir) if os.path.basename(run_dir) in ("", ".", "..") else run_dir) + "-quick"
     if warmup > steps:
         default = "" if f["warmup_steps"].present else " (its default)"
         raise FlagError(f"--warmup_steps={f.warmup_steps}{default} exceeds --steps={f.steps}"
