@@ -928,7 +928,10 @@ def check_args(args) -> None:
             raise ValueError(f"diagnose {args.what} reads a KVpop export's policy; {path!r} is "
                              f"{'a DMS' if config.dms is not None else 'a dense'} checkpoint (--exports)")
         if not uses_teacher:
-            kv = config.kvpop.retarget(args.budget, config.head_dim)  # --budget below s + w + state: named there
+            try:
+                kv = config.kvpop.retarget(args.budget, config.head_dim)
+            except ValueError as e:  # below s + w + state: "budget 10 < s + w + ..." named as the flag
+                raise ValueError(f"--{e} ({path!r})") from None
             topk, slots = kv.topk, kv.budget  # k, and the s + w + k token slots
             if args.what in ("noise", "ceiling", "margin") and topk < 1:
                 measures = ("the facts' margin over the k-th other token" if args.what == "margin" else

@@ -586,6 +586,8 @@ def test_sinks_window_budget_and_label_k_that_leave_nothing_to_measure_are_refus
          r"--budget 140 keeps every token of a 115-token prompt in 'checkpoints/demo-kvpop-mlstm' \(s \+ w \+ k = "
          r"123 slots\): nothing would be evicted; want --budget below 132"),
         (["noise", "--exports", "checkpoints/demo-kvpop-mlstm", "--budget", "140"], "nothing would be evicted"),
+        (["ceiling", "--exports", "checkpoints/demo-kvpop-mlstm", "--budget", "10"],  # was "budget 10 < ...": no flag
+         r"^--budget 10 < s \+ w \+ scorer state = 4 \+ 32 \+ 17 of the checkpoint \('checkpoints/demo-kvpop-mlstm'\)"),
         (["learn", "--budget", "2000"], r"--budget 2000 exceeds the 115-token prompt: .* of the 79 eligible tokens"),
         (["learn", "--budget", "100", "--labels", "target_topk", "--label_k", "-3"],
          r"--label_k -3 is out of range: .* want 0 .* to 79"),
