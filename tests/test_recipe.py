@@ -117,6 +117,24 @@ def test_a_quick_summary_says_it_is_one(tmp_path, arch):
     assert f"{cfg.steps} training steps" in text and "10 problems" in text and "not comparable" in text
 
 
+def test_a_quick_run_says_so_first(tmp_path, arch, monkeypatch, capsys):
+    """A --quick run said it was one only in the summary at its end: its first line now says so."""
+    from train import recipe
+
+    def stop(cfg):
+        raise RuntimeError("stopped after the first lines")
+
+    monkeypatch.setattr(recipe, "prepare_init_checkpoint", stop)
+    for quick in (False, True):
+        cfg = parse(tiny_flags(str(tmp_path / "run"), arch, quick=quick, variants="kvpop-mlp",
+                               eval_methods="dense,kvpop-mlp", eval_tasks="reuse", eval_crs="0.75", eval_problems=40))
+        with pytest.raises(RuntimeError, match="stopped after the first lines"):
+            recipe._run(cfg)
+        err = capsys.readouterr().err
+        assert ("--quick:" in err) == quick, err
+    assert f"--quick: {cfg.steps} training steps and 10 problems per task" in err and "run-quick" in err
+
+
 @pytest.mark.long
 def test_variants_then_comparison_end_to_end(tmp_path, arch):
     run = str(tmp_path / "run")

@@ -105,6 +105,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
+    if cfg.evaluation is not None and cfg.evaluation.quick:  # said first, not only in the summary at the end
+        info(f"--quick: {cfg.steps} training steps and {cfg.evaluation.problems} problems per task (a quarter of the "
+             f"recipe's) into {cfg.run_dir}; rougher numbers, not comparable with the full job's")
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times, teacher_seconds = {}, {}, None
