@@ -87,6 +87,7 @@ def _dms_model_with_random_gates(rng, budget):
     return Qwen3ForCausalLM(config), params, config
 
 
+@pytest.mark.long  # a DMS chat past its pool: ~13 s on 2 cores
 def test_a_dms_conversation_warns_once_when_its_pool_first_overflows(rng):
     """Past an overflow a DMS reply may differ from generate on the whole history (its prefill and decode drop
     differently): said once, when it first happens; a pool that never overflows says nothing."""
@@ -181,7 +182,8 @@ def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
         generate(model, params, [[1, 2], [3], []], max_new_tokens=2)  # was "got shape (1, 0)"
 
 
-@pytest.mark.parametrize("kind", ["kvpop", "dms", "dense", "tova"])
+@pytest.mark.parametrize("kind", ["kvpop", "tova", *(pytest.param(k, marks=pytest.mark.long)
+                                                     for k in ("dms", "dense"))])  # ~10 s each
 def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
     """Each turn read into the kept cache (the previous reply's last token first) gives the reply `generate`
     gives the whole history as one prompt; a bounded cache keeps its size across turns."""
@@ -290,7 +292,7 @@ def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_leng
         history += np.asarray(reply[:k]).tolist()
 
 
-@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+@pytest.mark.parametrize("scorer", [pytest.param("mlp", marks=pytest.mark.long), "mlstm"])  # mlp: ~17 s
 def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, compiles, scorer):
     """A first turn on a KVpop or dense cache is a prefill of the largest power of two of its ids, then blocks:
     first turns of 33 to 63 ids (past the budget) compile one prefill of 32 and the blocks of 8 and 1 (was one

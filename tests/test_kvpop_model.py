@@ -193,7 +193,8 @@ def test_loss_options_beyond_the_paper_compose_in_the_model(rng):
 @pytest.mark.parametrize("options", [
     dict(),
     dict(normalizer="dense", retention_labels="soft", rank_pairs=3, listwise_queries=4, regression_weight=0.3),
-    dict(rank_pairs=2, rank_partners="similar", keepset_queries=3, target_head_samples=4, target_lookahead=9),
+    pytest.param(dict(rank_pairs=2, rank_partners="similar", keepset_queries=3, target_head_samples=4,
+                      target_lookahead=9), marks=pytest.mark.long),  # ~15 s on 2 cores
     dict(target_reduce="max", normalizer="dense"),
 ])
 def test_padding_tail_is_neither_query_nor_target(rng, options):

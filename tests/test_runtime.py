@@ -65,6 +65,7 @@ def test_background_worker_runs_work_and_does_not_hold_up_an_error():
     release.set()
 
 
+@pytest.mark.long  # a subprocess: ~10 s
 def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
     """jax registers a gc callback; Python only prints an exception raised in one ("Exception ignored in:
     _xla_gc_callback") and goes on. A Ctrl-C handled there was lost: train.main kept running (and its

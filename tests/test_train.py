@@ -473,6 +473,7 @@ def _steps(run_dir):
     return sorted(int(s) for s in os.listdir(path) if s.isdigit()) if os.path.isdir(path) else []
 
 
+@pytest.mark.long  # a run, then resumes of it: ~14 s on 2 cores
 def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metrics_line(tmp_path, arch, capsys):
     run = str(tmp_path / "run")
     train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2)))
@@ -540,6 +541,7 @@ def test_divergence_stops_the_run_naming_step_and_term(tmp_path, arch):
     assert [m["step"] for m in _metrics(run)] == [1, 2]
 
 
+@pytest.mark.long  # a run and its resume: ~11 s on 2 cores
 def test_a_resume_seeds_the_divergence_guard_with_every_step_whatever_log_every(tmp_path, arch, monkeypatch):
     """With --log_every=2 the metrics hold every other step; the guard's history comes from the
     checkpoint, so the resumed run judges step 3 against steps 1 and 2, as the uninterrupted run does."""
@@ -672,6 +674,7 @@ def test_resume_after_kill_matches_uninterrupted_run_precomputed_teacher_and_exp
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), params, params3)
 
 
+@pytest.mark.long  # four train.main subprocesses: ~20 s on 2 cores
 def test_missing_flag_exits_with_message(tmp_path):
     proc = subprocess.run(train_cmd([f"--run_dir={tmp_path}", "--init_checkpoint=random:tiny"]), cwd=REPO,
                           env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
