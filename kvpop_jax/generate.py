@@ -300,7 +300,7 @@ def generate(
     def run(prompt, k):  # positional, as compile_generate lowers it, so that its compile is found
         if _in_blocks(kind, stream_from, prompt.shape[1]):
             logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
-                                         prompt, first=True)
+                                         prompt, first=True, owned=True)
             return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
         return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                          cache=kind, stream_from=stream_from)
@@ -336,10 +336,11 @@ def compile_generate(
     # avals and placements of a real call, so that call finds this compile.
     if _in_blocks(kind, stream_from, prompt_len):  # the prefill, each block size's read, the reply
         state, sizes = _blocks_cache(model, kind, (batch, prompt_len), max_new_tokens), set()
-        for c0, c1 in _chunks(prompt_len, first=True):
-            if (c1 - c0, state.started) not in sizes:
-                sizes.add((c1 - c0, state.started))
-                _read.lower(model, params, state, np.zeros((batch, c1 - c0), np.int32)).compile()
+        for i, (c0, c1) in enumerate(_chunks(prompt_len, first=True)):
+            if (c1 - c0, state.started, i > 0) not in sizes:  # as `_read_blocks(owned=True)` calls them
+                sizes.add((c1 - c0, state.started, i > 0))
+                read = _read_owned if i else _read
+                read.lower(model, params, state, np.zeros((batch, c1 - c0), np.int32)).compile()
             logits, state = jax.eval_shape(functools.partial(_read, model), params, state,
                                            np.zeros((batch, c1 - c0), np.int32))
             state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # concrete again, as above
@@ -404,11 +405,21 @@ def _read(model, params, cache, ids):
     return out.logits[:, -1].astype(jnp.float32), out.cache
 
 
-def _read_blocks(model, params, cache, ids, first: bool):
-    """(last logits, cache) after ids [B, n] are read into `cache` in `_chunks(n, first)` blocks, one `_read` each."""
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _read_owned(model, params, cache, ids):
+    """`_read` of a cache the caller gives up (`generate`'s own): updated in place, not copied per block (a dense
+    cache of 50 rows x 1024 slots is ~100 MB). A `Conversation`'s cache is not donated: a user may keep a copy."""
+    return _read(model, params, cache, ids)
+
+
+def _read_blocks(model, params, cache, ids, first: bool, owned: bool = False):
+    """(last logits, cache) after ids [B, n] are read into `cache` in `_chunks(n, first)` blocks, one `_read` each.
+    `owned`: the caches the blocks return are the caller's to give up (`generate`'s): every block after the first
+    updates its cache in place (`_read_owned`); the first reads the cache given (a fresh one's leaves may share
+    one buffer of zeros, which cannot be donated twice)."""
     ids = np.asarray(ids)  # sliced on the host: no eager compile per block
-    for c0, c1 in _chunks(ids.shape[1], first=first):
-        logits, cache = _read(model, params, cache, ids[:, c0:c1])
+    for i, (c0, c1) in enumerate(_chunks(ids.shape[1], first=first)):
+        logits, cache = (_read_owned if owned and i else _read)(model, params, cache, ids[:, c0:c1])
     return logits, cache
 
 
