@@ -335,15 +335,15 @@ def compile_generate(
     # Concrete placeholders rather than ShapeDtypeStructs: the lowering then sees exactly the
     # avals and placements of a real call, so that call finds this compile.
     if _in_blocks(kind, stream_from, prompt_len):  # the prefill, each block size's read, the reply
-        state, sizes = _blocks_cache(model, kind, (batch, prompt_len), max_new_tokens), set()
-        for i, (c0, c1) in enumerate(_chunks(prompt_len, first=True)):
-            if (c1 - c0, state.started, i > 0) not in sizes:  # as `_read_blocks(owned=True)` calls them
-                sizes.add((c1 - c0, state.started, i > 0))
-                read = _read_owned if i else _read
-                read.lower(model, params, state, np.zeros((batch, c1 - c0), np.int32)).compile()
-            logits, state = jax.eval_shape(functools.partial(_read, model), params, state,
-                                           np.zeros((batch, c1 - c0), np.int32))
-            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # concrete again, as above
+        state, seen = _blocks_cache(model, kind, (batch, prompt_len), max_new_tokens), set()
+        for i, (c0, c1, read) in enumerate(_block_reads(prompt_len, first=True, owned=True)):
+            ids = np.zeros((batch, c1 - c0), np.int32)
+            if (c1 - c0, read) not in seen:
+                seen.add((c1 - c0, read))
+                read.lower(model, params, state, ids).compile()
+            if i == 0:  # the cache is started from here on, its shapes unchanged by later blocks
+                logits, state = jax.eval_shape(functools.partial(_read, model), params, state, ids)
+                state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # concrete again, as above
         _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
                      _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
         return
@@ -412,14 +412,19 @@ def _read_owned(model, params, cache, ids):
     return _read(model, params, cache, ids)
 
 
+def _block_reads(count: int, first: bool, owned: bool) -> list[tuple[int, int, object]]:
+    """(c0, c1, the jitted read) of each `_chunks(count, first)` block, as `_read_blocks` runs them and
+    `compile_generate` compiles them. `owned`: the caches the blocks return are the caller's to give up
+    (`generate`'s): every block after the first updates its cache in place (`_read_owned`); the first reads the
+    cache given (a fresh one's leaves may share one buffer of zeros, which cannot be donated twice)."""
+    return [(c0, c1, _read_owned if owned and i else _read) for i, (c0, c1) in enumerate(_chunks(count, first))]
+
+
 def _read_blocks(model, params, cache, ids, first: bool, owned: bool = False):
-    """(last logits, cache) after ids [B, n] are read into `cache` in `_chunks(n, first)` blocks, one `_read` each.
-    `owned`: the caches the blocks return are the caller's to give up (`generate`'s): every block after the first
-    updates its cache in place (`_read_owned`); the first reads the cache given (a fresh one's leaves may share
-    one buffer of zeros, which cannot be donated twice)."""
+    """(last logits, cache) after ids [B, n] are read into `cache` in blocks, one call each (`_block_reads`)."""
     ids = np.asarray(ids)  # sliced on the host: no eager compile per block
-    for i, (c0, c1) in enumerate(_chunks(ids.shape[1], first=first)):
-        logits, cache = (_read_owned if owned and i else _read)(model, params, cache, ids[:, c0:c1])
+    for c0, c1, read in _block_reads(ids.shape[1], first, owned):
+        logits, cache = read(model, params, cache, ids[:, c0:c1])
     return logits, cache
 
 
