@@ -258,3 +258,43 @@ def test_dms_variant_end_to_end(tmp_path, arch):
     patterns = json.load(open(os.path.join(run, "eval", "dms_patterns", "dms_patterns.json")))
     assert len(patterns["ratio_median"]) == 1 and len(patterns["ratio_median"][0]) == 2  # 1 layer x 2 KV heads
     assert patterns["max_occupancy"] >= patterns["mean_occupancy"] >= 16
+
+
+def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch, monkeypatch):
+    """A rerun with fewer --eval_tasks (or no long pass, other variants) left the earlier run's report folders
+    beside the new summary.md, as if they were its own. They now move to eval/earlier/STAMP/, and the summary
+    says so; files the recipe does not write stay where they are."""
+    def fake_accuracy(methods, checkpoints, spec, *, compression_ratios, out_dir, **_):
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
+            json.dump({"spec": spec}, f)
+        dense = dict(method="dense", cr=None, budget=None, abs=1.0, rel=1.0, scores={"t": 1.0})
+        return [dense] + [dict(method=m, cr=cr, budget=40, abs=0.5, rel=0.5, scores={"t": 0.5})
+                          for m in methods if m != "dense" for cr in compression_ratios]
+
+    monkeypatch.setattr(recipe, "run_accuracy", fake_accuracy)
+    monkeypatch.setattr(recipe, "plot_training", lambda *a, **k: None)
+    run = str(tmp_path / "run")
+    out = os.path.join(run, "eval")
+    flags = dict(variants="kvpop-mlp", eval_methods="dense,tova", eval_crs="0.75", eval_problems=40,
+                 eval_prompt_len=1024, eval_recall_sequences=0)
+    full = parse(tiny_flags(run, arch, eval_tasks="reuse,read_once", eval_long_len=2048, **flags))
+    recipe.evaluate(full, "init", "tok", {})
+    assert {"reuse", "read_once", "long", "summary.md"} <= set(os.listdir(out))
+    os.makedirs(os.path.join(out, "recall_kvpop-mlp_B40"))  # an earlier run's recall, with a variant now dropped
+    with open(os.path.join(out, "notes.txt"), "w") as f:  # the user's own file
+        f.write("mine")
+    fewer = parse(tiny_flags(run, arch, eval_tasks="reuse", **flags))
+    recipe.evaluate(fewer, "init", "tok", {})
+    (stamp,) = os.listdir(os.path.join(out, "earlier"))
+    assert sorted(os.listdir(os.path.join(out, "earlier", stamp))) == ["long", "read_once", "recall_kvpop-mlp_B40"]
+    assert sorted(os.listdir(out)) == ["earlier", "notes.txt", "reuse", "summary.md"]
+    with open(os.path.join(out, "earlier", stamp, "read_once", "accuracy.json")) as f:
+        assert "read_once" in json.load(f)["spec"]  # moved whole, not rewritten
+    with open(os.path.join(out, "summary.md")) as f:
+        summary = f.read()
+    assert f"`earlier/{stamp}/`" in summary and "read_once" not in summary
+    recipe.evaluate(fewer, "init", "tok", {})  # nothing new to set aside: no second folder, no line
+    assert os.listdir(os.path.join(out, "earlier")) == [stamp]
+    with open(os.path.join(out, "summary.md")) as f:
+        assert "earlier" not in f.read()

@@ -171,6 +171,40 @@ def oracle_rates(spec: DemoSpec, budgets: dict[float, int], sinks: int, window: 
     return out
 
 
+EARLIER_DIR = "earlier"  # RUN_DIR/eval/earlier/STAMP/: an earlier evaluation's reports this one did not rewrite
+
+
+def _is_report(path: str) -> bool:
+    """Whether an entry of RUN_DIR/eval is one the recipe writes: a task's (or the long pass's) accuracy
+    folder, a recall folder or its problems, the DMS patterns."""
+    name = os.path.basename(path)
+    if os.path.isdir(path):
+        return (name.startswith("recall_") or name == "dms_patterns"
+                or any(os.path.isfile(os.path.join(path, f)) for f in ("accuracy.json", "accuracy.md")))
+    return name.startswith("recall_") and name.endswith(".jsonl")
+
+
+def set_aside_earlier_reports(out: str, ours: set[str]) -> str | None:
+    """Moves the reports in `out` that this evaluation did not write (an earlier run's with other --eval_tasks,
+    --eval_long_len, --eval_crs or variants) into OUT/earlier/STAMP/, so that OUT holds only what its
+    summary.md describes; nothing is deleted. Returns that folder (relative to `out`), or None."""
+    stale = sorted(n for n in os.listdir(out) if n not in ours and _is_report(os.path.join(out, n)))
+    if not stale:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = os.path.join(out, EARLIER_DIR, stamp)
+    suffix = 1
+    while os.path.exists(dest):  # two evaluations in one second
+        dest, suffix = os.path.join(out, EARLIER_DIR, f"{stamp}-{suffix}"), suffix + 1
+    os.makedirs(dest)
+    for name in stale:
+        os.replace(os.path.join(out, name), os.path.join(dest, name))
+    rel = os.path.relpath(dest, out)
+    info(f"an earlier evaluation's reports this one did not rewrite, moved to {os.path.join(out, rel)}: "
+         + ", ".join(stale))
+    return rel
+
+
 def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[str, str]) -> dict[str, Any]:
     """Greedy pass@1 of every method x CR on every task, oracles, recall, length generalization,
     plots and the summary."""
@@ -223,7 +257,11 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
         dms_stats = run_dms_patterns(exports["dms"], data, num_sequences=ev.recall_sequences, seq_len=ev.prompt_len,
                                      out_dir=os.path.join(out, "dms_patterns"), rows="documents")
     plot_training(cfg, list(exports), os.path.join(out, "training.png"))
+    ours = {*results, *(["long"] if long_rows is not None else []), *(["dms_patterns"] if dms_stats else []),
+            *(f"recall_{name}_B{budget}" for name in recall for budget in budgets.values()),
+            *([os.path.basename(data)] if ev.recall_sequences else [])}
+    earlier = set_aside_earlier_reports(out, ours)
     summary = write_summary(cfg, results, recall, long_rows, budgets, os.path.join(out, "summary.md"),
-                            dms_stats=dms_stats)
+                            dms_stats=dms_stats, earlier=earlier)
     print(summary, flush=True)
     return {"tasks": results, "long": long_rows, "recall": recall, "out_dir": out}

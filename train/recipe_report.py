@@ -82,7 +82,8 @@ def paper_ordering(scores: dict[str, float]) -> bool | None:
 
 
 def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, dict[float, float]],
-                  long_rows: list[dict] | None, budgets: dict[float, int], path: str, dms_stats=None) -> str:
+                  long_rows: list[dict] | None, budgets: dict[float, int], path: str, dms_stats=None,
+                  earlier: str | None = None) -> str:
     ev = cfg.evaluation
     main = ev.tasks[0]
     high, low = max(ev.compression_ratios), min(ev.compression_ratios)
@@ -96,6 +97,9 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
         lines[2:2] = [f"A `--quick` run: {cfg.steps} training steps and {ev.problems} problems per task, a quarter of "
                       "the recipe's, so its numbers are rougher and not comparable with the full job's (the shipped "
                       "`benchmarks/demo_cpu/summary.md`).", ""]
+    if earlier:
+        lines += [f"An earlier evaluation in this folder wrote reports this one did not rewrite (other flags): they "
+                  f"are in `{earlier}/`, apart from this summary's.", ""]
     for task, result in results.items():
         lines += [f"## {'Main task' if task == main else 'Second task'}: {task} (`{result['spec']}`)", "",
                   format_table(result["rows"], list(result["rows"][0]["scores"])).rstrip(), "",
