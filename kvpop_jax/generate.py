@@ -127,6 +127,35 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
     return tokens, first_eos
 
 
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
+def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens, sampling, cache):
+    """`_generate` of a streamed prompt (`stream_from`) given as its prefilled head [B, stream_from] and its tail
+    [B, T] padded to a power of two, of which the first `count` (a traced int) are read one decode step each, the
+    rest skipped: compiled once per power of two of the tail (`_fed_tail`), not once per prompt length."""
+    state = init_generation_cache(model.config, cache, head.shape[0], head.shape[1] + tail.shape[1] + max_new_tokens,
+                                  dtype=model.dtype)
+    out = model.apply({"params": params}, head, cache=state)
+    last_logits, prompt_cache = _feed(model, params, tail, out.cache, out.logits[:, -1], count)
+    tokens, first_eos, _ = _decode(model, params, prompt_cache, last_logits, rng, eos, max_new_tokens, sampling)
+    return tokens, first_eos
+
+
+def _fed_tail(stream_from: int | None, prompt_len: int) -> int | None:
+    """The padded length of a streamed prompt's tail when `generate` runs it through `_generate_fed`: a prompt length
+    not a power of two that runs past the `stream_from` prefilled tokens (the tail P - stream_from, padded to the
+    next power of two); None otherwise (one program per length: a power of two keeps `_generate`'s)."""
+    if stream_from is None or prompt_len <= stream_from or prompt_len & (prompt_len - 1) == 0:
+        return None
+    return 1 << (prompt_len - stream_from - 1).bit_length()
+
+
+def _fed_args(ids: np.ndarray, stream_from: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
+    """(head, padded tail, count) of prompt ids [B, P] for `_generate_fed`, on the host (no eager compile per length)."""
+    padded = np.zeros((ids.shape[0], tail), np.int32)
+    padded[:, : ids.shape[1] - stream_from] = ids[:, stream_from:]
+    return np.ascontiguousarray(ids[:, :stream_from], np.int32), padded, np.int32(ids.shape[1] - stream_from)
+
+
 def _decode(model, params, cache, last_logits, rng, eos, max_new_tokens, sampling):
     """Samples up to `max_new_tokens` from `last_logits` on, feeding each token to `cache` before the
     next, until every row has drawn an EOS: (tokens, lengths, cache). The last token drawn (an EOS, or
@@ -273,7 +302,9 @@ def generate(
         one batch, with the key `jax.random.fold_in(rng, i)` where i is the first such row, so a greedy
         row gives what it gives alone. A KVpop or dense cache compiles once per power of two of the
         length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
-        P + max_new_tokens slots); DMS, the baselines and `stream_prompt` once per length.
+        P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
+        of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
+        skipped); StreamingLLM's banded read, DMS and the one-shot baselines compile once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -302,6 +333,10 @@ def generate(
             logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
                                          prompt, first=True, owned=True)
             return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
+        tail = _fed_tail(stream_from, prompt.shape[1])
+        if tail:
+            return _generate_fed(model, params, *_fed_args(np.asarray(prompt), stream_from, tail), k, eos,
+                                 max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
         return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                          cache=kind, stream_from=stream_from)
 
@@ -346,6 +381,12 @@ def compile_generate(
                 state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # concrete again, as above
         _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
                      _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
+        return
+    tail = _fed_tail(stream_from, prompt_len)
+    if tail:
+        _generate_fed.lower(model, params, *_fed_args(np.zeros((batch, prompt_len), np.int32), stream_from, tail),
+                            jax.random.key(0), _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling,
+                            cache=kind).compile()
         return
     _generate.lower(model, params, jnp.zeros((batch, prompt_len), jnp.int32), jax.random.key(0),
                     _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling, cache=kind,
