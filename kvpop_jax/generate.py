@@ -304,7 +304,8 @@ def generate(
         length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
         P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
-        skipped); StreamingLLM's banded read, DMS and the one-shot baselines compile once per length.
+        skipped); a prompt of at most B tokens (one plain prefill), StreamingLLM's banded read, DMS and the
+        one-shot baselines compile once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
