@@ -129,9 +129,9 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
 def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens, sampling, cache):
-    """`_generate` of a streamed prompt (`stream_from`) given as its prefilled head [B, stream_from] and its tail
-    [B, T] padded to a power of two, of which the first `count` (a traced int) are read one decode step each, the
-    rest skipped: compiled once per power of two of the tail (`_fed_tail`), not once per prompt length."""
+    """`_generate` of a streamed prompt given as its prefilled head [B, H] and its tail [B, T] padded to a power of
+    two, of which the first `count` (a traced int) are read one decode step each, the rest skipped: compiled once
+    per (H, T) (`_fed_split`), not once per prompt length."""
     state = init_generation_cache(model.config, cache, head.shape[0], head.shape[1] + tail.shape[1] + max_new_tokens,
                                   dtype=model.dtype)
     out = model.apply({"params": params}, head, cache=state)
@@ -140,20 +140,26 @@ def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens,
     return tokens, first_eos
 
 
-def _fed_tail(stream_from: int | None, prompt_len: int) -> int | None:
-    """The padded length of a streamed prompt's tail when `generate` runs it through `_generate_fed`: a prompt length
-    not a power of two that runs past the `stream_from` prefilled tokens (the tail P - stream_from, padded to the
-    next power of two); None otherwise (one program per length: a power of two keeps `_generate`'s)."""
-    if stream_from is None or prompt_len <= stream_from or prompt_len & (prompt_len - 1) == 0:
+def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int] | None:
+    """(head, padded tail) of a streamed prompt `generate` runs through `_generate_fed`, for a length not a power of
+    two: past the `stream_from` prefilled tokens, the tail P - stream_from padded to the next power of two; for
+    StreamingLLM's banded read (exact at any length) a banded prefill of the largest power of two, then the rest
+    likewise padded. None otherwise (one program per length: powers of two keep `_generate`'s, and so does a
+    prompt of at most `stream_from` tokens, one plain prefill)."""
+    if prompt_len & (prompt_len - 1) == 0:
         return None
-    return 1 << (prompt_len - stream_from - 1).bit_length()
+    if stream_from is not None:
+        head = stream_from if prompt_len > stream_from else None
+    else:
+        head = 1 << (prompt_len.bit_length() - 1) if isinstance(kind, BaselineConfig) and kind.banded_prefill else None
+    return None if head is None else (head, 1 << (prompt_len - head - 1).bit_length())
 
 
-def _fed_args(ids: np.ndarray, stream_from: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
+def _fed_args(ids: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
     """(head, padded tail, count) of prompt ids [B, P] for `_generate_fed`, on the host (no eager compile per length)."""
     padded = np.zeros((ids.shape[0], tail), np.int32)
-    padded[:, : ids.shape[1] - stream_from] = ids[:, stream_from:]
-    return np.ascontiguousarray(ids[:, :stream_from], np.int32), padded, np.int32(ids.shape[1] - stream_from)
+    padded[:, : ids.shape[1] - head] = ids[:, head:]
+    return np.ascontiguousarray(ids[:, :head], np.int32), padded, np.int32(ids.shape[1] - head)
 
 
 def _decode(model, params, cache, last_logits, rng, eos, max_new_tokens, sampling):
@@ -304,8 +310,8 @@ def generate(
         length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
         P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
-        skipped); a prompt of at most B tokens (one plain prefill), StreamingLLM's banded read, DMS and the
-        one-shot baselines compile once per length.
+        skipped; StreamingLLM: its banded read of the largest power of two, then the rest so); a prompt of at
+        most B tokens (one plain prefill), DMS and the one-shot baselines compile once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -334,9 +340,9 @@ def generate(
             logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
                                          prompt, first=True, owned=True)
             return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
-        tail = _fed_tail(stream_from, prompt.shape[1])
-        if tail:
-            return _generate_fed(model, params, *_fed_args(np.asarray(prompt), stream_from, tail), k, eos,
+        split = _fed_split(kind, stream_from, prompt.shape[1])
+        if split:
+            return _generate_fed(model, params, *_fed_args(np.asarray(prompt), *split), k, eos,
                                  max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
         return _generate(model, params, prompt, k, eos, max_new_tokens=max_new_tokens, sampling=sampling,
                          cache=kind, stream_from=stream_from)
@@ -383,9 +389,9 @@ def compile_generate(
         _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
                      _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
         return
-    tail = _fed_tail(stream_from, prompt_len)
-    if tail:
-        _generate_fed.lower(model, params, *_fed_args(np.zeros((batch, prompt_len), np.int32), stream_from, tail),
+    split = _fed_split(kind, stream_from, prompt_len)
+    if split:
+        _generate_fed.lower(model, params, *_fed_args(np.zeros((batch, prompt_len), np.int32), *split),
                             jax.random.key(0), _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling,
                             cache=kind).compile()
         return

@@ -374,41 +374,47 @@ def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compi
 @pytest.mark.long  # ~45 s of compiles; test_stream_prompt_evicts_token_by_token's 17 ids at B 6 run the new path
 def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens(rng, compiles):
     """generate(stream_prompt=True) compiled a program per prompt length: a user's own benchmark, of many lengths,
-    compiled TOVA and H2O (and a streamed KVpop or DMS cache) once per length and method. A length not a power of
-    two now prefills the first B tokens and reads the rest a decode step each, padded to the next power of two (the
-    padding skipped): prompts of 17 and 21 ids at B 6 (11 and 15 streamed, 16 padded) and a ragged list of them
-    run on one program, which compile_generate compiles ahead; the tokens equal the per-length program's
-    (`_generate`, kept for powers of two), greedy and sampled."""
+    compiled TOVA, H2O, StreamingLLM (and a streamed KVpop or DMS cache) once per length and method. A length not a
+    power of two now prefills the first B tokens (StreamingLLM: its banded read of the largest power of two) and
+    reads the rest a decode step each, padded to the next power of two (the padding skipped): prompts of 17 and 21
+    ids at B 6 (11 and 15 streamed, 16 padded; StreamingLLM: 21 and 23, 16 banded and 5 or 7 streamed, 8 padded)
+    and a ragged list of them run on one program, which compile_generate compiles ahead; the tokens equal the
+    per-length program's (`_generate`, kept for powers of two), greedy and sampled."""
     import threading
 
     from kvpop_jax.baselines import BaselineConfig
     from kvpop_jax.generate import _generate, compile_generate
 
     config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(5))
     kv_model, kv_params, _ = _kvpop_model_with_random_scorers(rng, sinks=2, window=4, topk=3, scorer="mlstm")
-    prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (17, 21)}
     no_eos, greedy, sampled = jnp.asarray([-1], jnp.int32), SamplingConfig.greedy(), SamplingConfig(top_k=0)
-    for m, p, cache in ((Qwen3ForCausalLM(config), init_params(config, jax.random.key(5)), BaselineConfig("h2o", 6)),
-                        (kv_model, kv_params, "kvpop")):  # both stream from their 6th token (KVpop: s + w)
+    banded = dataclasses.replace(BaselineConfig("streaming", 6, sinks=1), banded_prefill=True)
+    for m, p, cache, lengths, stream_from, want_cache in (
+            (model, params, BaselineConfig("h2o", 6), (17, 19, 21), 6, None),
+            (model, params, BaselineConfig("streaming", 6, sinks=1), (21, 22, 23), None, banded),
+            (kv_model, kv_params, "kvpop", (17, 19, 21), 6, None)):  # KVpop streams from s + w
+        first, ahead, last = lengths
+        prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (first, last)}
         jax.clear_caches()
         before = len(compiles)
-        worker = threading.Thread(target=compile_generate, args=(m, p, 2, 19), name="ahead",
+        worker = threading.Thread(target=compile_generate, args=(m, p, 2, ahead), name="ahead",
                                   kwargs=dict(max_new_tokens=4, sampling=greedy, cache=cache, stream_prompt=True))
         worker.start()
         worker.join()
         rows = {}
-        for n, sampling in ((17, greedy), (21, greedy), (21, sampled)):
+        for n, sampling in ((first, greedy), (last, greedy), (last, sampled)):
             tokens, _ = generate(m, p, prompts[n], max_new_tokens=4, sampling=sampling, rng=jax.random.key(n),
                                  cache=cache, stream_prompt=True)
             want = _generate(m, p, jnp.asarray(prompts[n]), jax.random.key(n), no_eos, max_new_tokens=4,
-                             sampling=sampling, cache=cache, stream_from=6)  # a compile per length
+                             sampling=sampling, cache=want_cache or cache, stream_from=stream_from)  # per length
             np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, {n} ids")
             rows[n] = tokens if sampling is greedy else rows[n]
         fed = [t for t, f in compiles[before:] if f == "jit(_generate_fed)"]
         assert fed == ["ahead", "MainThread"], compiles[before:]  # greedy (ahead, used by both lengths), sampled
-        ragged, _ = generate(m, p, [prompts[17][0].tolist(), prompts[21][1].tolist()], max_new_tokens=4,
+        ragged, _ = generate(m, p, [prompts[first][0].tolist(), prompts[last][1].tolist()], max_new_tokens=4,
                              sampling=greedy, cache=cache, stream_prompt=True)  # rows of one each
-        np.testing.assert_array_equal(np.asarray(ragged), np.stack([rows[17][0], rows[21][1]]))
+        np.testing.assert_array_equal(np.asarray(ragged), np.stack([rows[first][0], rows[last][1]]))
 
 
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
