@@ -2,11 +2,12 @@
 
     python benchmarks/stop57/streamed_lengths.py [--lengths 900,950,1000,700,1000] [--batch 50] [--budget 256]
 
-TOVA and H2O on the dense demo teacher and the streamed KVpop-mLSTM export, as an evaluation of one's own prompts of
-several lengths runs them: a batch of `--batch` random prompts per length, in order, with a 16-token greedy reply; a
-length (with stop 57's padded stream, a power of two of the streamed tokens) not seen before pays its compile. Then the
-steady state at the last length: the call again, next to the per-length program (`_generate` with `stream_from`, what
-generate ran before and keeps for powers of two), both compiled, and whether their tokens agree. Prints seconds.
+StreamingLLM, TOVA and H2O on the dense demo teacher and the streamed KVpop-mLSTM export, as an evaluation of one's
+own prompts of several lengths runs them: a batch of `--batch` random prompts per length, in order, with a 16-token
+greedy reply; a length (with stop 57's padded stream, a power of two of the streamed tokens) not seen before pays its
+compile. Then the steady state at the last length: the call again, next to the per-length program (`_generate` with
+`stream_from`, or StreamingLLM's banded read: what generate ran before and keeps for powers of two), both compiled,
+and whether their tokens agree. Prints seconds.
 """
 
 import argparse
@@ -43,7 +44,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     teacher, export = load_pretrained("checkpoints/demo-teacher"), load_pretrained("checkpoints/demo-kvpop-mlstm")
     kv_config = dataclasses.replace(export[0], kvpop=export[0].kvpop.retarget(args.budget, export[0].head_dim))
-    runs = (("TOVA", teacher[0], teacher[1], BaselineConfig("tova", args.budget)),
+    runs = (("StreamingLLM", teacher[0], teacher[1], BaselineConfig("streaming", args.budget, sinks=4)),
+            ("TOVA", teacher[0], teacher[1], BaselineConfig("tova", args.budget)),
             ("H2O", teacher[0], teacher[1], BaselineConfig("h2o", args.budget)),
             ("KVpop-mLSTM, streamed", kv_config, export[1], "kvpop"))
     for name, config, params, cache in runs:
