@@ -144,14 +144,16 @@ def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int
     """(head, padded tail) of a streamed prompt `generate` runs through `_generate_fed`, for a length not a power of
     two: past the `stream_from` prefilled tokens, the tail P - stream_from padded to the next power of two; for
     StreamingLLM's banded read (exact at any length) a banded prefill of the largest power of two, then the rest
-    likewise padded. None otherwise (one program per length: powers of two keep `_generate`'s, and so does a
-    prompt of at most `stream_from` tokens, one plain prefill)."""
+    likewise padded; a prompt of at most `stream_from` tokens (nothing evicted while it is read): a prefill of its
+    largest power of two, the rest padded (prefill equals decode: a policy's scores sum or take the last query as
+    decoding does). None otherwise (a power of two keeps `_generate`'s one program)."""
     if prompt_len & (prompt_len - 1) == 0:
         return None
-    if stream_from is not None:
-        head = stream_from if prompt_len > stream_from else None
+    largest = 1 << (prompt_len.bit_length() - 1)
+    if stream_from is not None:  # a prompt that B holds whole: its largest power of two, as nothing is evicted
+        head = stream_from if prompt_len > stream_from else largest
     else:
-        head = 1 << (prompt_len.bit_length() - 1) if isinstance(kind, BaselineConfig) and kind.banded_prefill else None
+        head = largest if isinstance(kind, BaselineConfig) and kind.banded_prefill else None
     return None if head is None else (head, 1 << (prompt_len - head - 1).bit_length())
 
 
@@ -310,8 +312,8 @@ def generate(
         length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
         P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
-        skipped; StreamingLLM: its banded read of the largest power of two, then the rest so); a prompt of at
-        most B tokens (one plain prefill), DMS and the one-shot baselines compile once per length.
+        skipped; StreamingLLM, or a prompt of at most B tokens: a prefill of its largest power of two, then the
+        rest so); DMS and the one-shot baselines compile once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one

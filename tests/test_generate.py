@@ -371,15 +371,16 @@ def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compi
             sampling=SamplingConfig.greedy(), cache=kind)[0][0]))
 
 
-@pytest.mark.long  # ~45 s of compiles; test_stream_prompt_evicts_token_by_token's 17 ids at B 6 run the new path
+@pytest.mark.long  # ~70 s of compiles; test_stream_prompt_evicts_token_by_token's 17 ids at B 6 run the new path
 def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens(rng, compiles):
     """generate(stream_prompt=True) compiled a program per prompt length: a user's own benchmark, of many lengths,
     compiled TOVA, H2O, StreamingLLM (and a streamed KVpop or DMS cache) once per length and method. A length not a
     power of two now prefills the first B tokens (StreamingLLM: its banded read of the largest power of two) and
     reads the rest a decode step each, padded to the next power of two (the padding skipped): prompts of 17 and 21
     ids at B 6 (11 and 15 streamed, 16 padded; StreamingLLM: 21 and 23, 16 banded and 5 or 7 streamed, 8 padded)
-    and a ragged list of them run on one program, which compile_generate compiles ahead; the tokens equal the
-    per-length program's (`_generate`, kept for powers of two), greedy and sampled."""
+    run on one program, which compile_generate compiles ahead; the tokens equal the per-length program's
+    (`_generate`, kept for powers of two); for H2O also sampled, a ragged list of them, and a prompt B holds whole
+    (5 ids: a prefill of 4, then a step)."""
     import threading
 
     from kvpop_jax.baselines import BaselineConfig
@@ -390,10 +391,10 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
     kv_model, kv_params, _ = _kvpop_model_with_random_scorers(rng, sinks=2, window=4, topk=3, scorer="mlstm")
     no_eos, greedy, sampled = jnp.asarray([-1], jnp.int32), SamplingConfig.greedy(), SamplingConfig(top_k=0)
     banded = dataclasses.replace(BaselineConfig("streaming", 6, sinks=1), banded_prefill=True)
-    for m, p, cache, lengths, stream_from, want_cache in (
-            (model, params, BaselineConfig("h2o", 6), (17, 19, 21), 6, None),
-            (model, params, BaselineConfig("streaming", 6, sinks=1), (21, 22, 23), None, banded),
-            (kv_model, kv_params, "kvpop", (17, 19, 21), 6, None)):  # KVpop streams from s + w
+    for m, p, cache, lengths, stream_from, want_cache, full in (  # full: also sampled, ragged and a short prompt
+            (model, params, BaselineConfig("h2o", 6), (17, 19, 21), 6, None, True),
+            (model, params, BaselineConfig("streaming", 6, sinks=1), (21, 22, 23), None, banded, False),
+            (kv_model, kv_params, "kvpop", (17, 19, 21), 6, None, False)):  # KVpop streams from s + w
         first, ahead, last = lengths
         prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (first, last)}
         jax.clear_caches()
@@ -403,7 +404,7 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
         worker.start()
         worker.join()
         rows = {}
-        for n, sampling in ((first, greedy), (last, greedy), (last, sampled)):
+        for n, sampling in ((first, greedy), (last, greedy), (last, sampled))[:3 if full else 2]:
             tokens, _ = generate(m, p, prompts[n], max_new_tokens=4, sampling=sampling, rng=jax.random.key(n),
                                  cache=cache, stream_prompt=True)
             want = _generate(m, p, jnp.asarray(prompts[n]), jax.random.key(n), no_eos, max_new_tokens=4,
@@ -411,10 +412,19 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
             np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, {n} ids")
             rows[n] = tokens if sampling is greedy else rows[n]
         fed = [t for t, f in compiles[before:] if f == "jit(_generate_fed)"]
-        assert fed == ["ahead", "MainThread"], compiles[before:]  # greedy (ahead, used by both lengths), sampled
+        assert fed == ["ahead", "MainThread"][:2 if full else 1], compiles[before:]  # greedy (ahead), sampled
+        if not full:
+            continue
         ragged, _ = generate(m, p, [prompts[first][0].tolist(), prompts[last][1].tolist()], max_new_tokens=4,
                              sampling=greedy, cache=cache, stream_prompt=True)  # rows of one each
         np.testing.assert_array_equal(np.asarray(ragged), np.stack([rows[first][0], rows[last][1]]))
+        short = rng.integers(0, config.vocab_size, size=(2, 5))  # B holds it whole: a prefill of 4, then a step
+        before = len(compiles)
+        tokens, _ = generate(m, p, short, max_new_tokens=4, sampling=greedy, cache=cache, stream_prompt=True)
+        assert [f for _, f in compiles[before:] if "_generate" in f] == ["jit(_generate_fed)"], compiles[before:]
+        want = _generate(m, p, jnp.asarray(short), jax.random.key(0), no_eos, max_new_tokens=4, sampling=greedy,
+                         cache=cache, stream_from=stream_from)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, 5 ids")
 
 
 @pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
