@@ -127,15 +127,37 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
     return tokens, first_eos
 
 
+def _feed_upto(model, params, ids, cache, logits, count):
+    """`_feed` of the first `count` (a traced int) tokens of ids [B, T] in loops of exactly that many steps
+    (STREAM_UNROLL per iteration, then one by one): the padding past `count` costs nothing, where `_feed`'s skipped
+    steps (`lax.cond` on the cache) cost about as much as read ones."""
+
+    def step(carry, i):
+        cache, logits = carry
+        tok = jax.lax.dynamic_slice_in_dim(ids, i, 1, axis=1)
+        o = model.apply({"params": params}, tok, cache=cache, method=Qwen3ForCausalLM.decode_step)
+        return o.cache, o.logits[:, -1].astype(logits.dtype)
+
+    def unrolled(state):
+        i, carry = state
+        for j in range(STREAM_UNROLL):
+            carry = step(carry, i + j)
+        return i + STREAM_UNROLL, carry
+
+    state = jax.lax.while_loop(lambda s: s[0] + STREAM_UNROLL <= count, unrolled, (jnp.int32(0), (cache, logits)))
+    _, (cache, logits) = jax.lax.while_loop(lambda s: s[0] < count, lambda s: (s[0] + 1, step(s[1], s[0])), state)
+    return logits, cache
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
 def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens, sampling, cache):
     """`_generate` of a streamed prompt given as its prefilled head [B, H] and its tail [B, T] padded to a power of
-    two, of which the first `count` (a traced int) are read one decode step each, the rest skipped: compiled once
-    per (H, T) (`_fed_split`), not once per prompt length."""
+    two, of which the first `count` (a traced int) are read one decode step each (`_feed_upto`), the rest skipped:
+    compiled once per (H, T) (`_fed_split`), not once per prompt length."""
     state = init_generation_cache(model.config, cache, head.shape[0], head.shape[1] + tail.shape[1] + max_new_tokens,
                                   dtype=model.dtype)
     out = model.apply({"params": params}, head, cache=state)
-    last_logits, prompt_cache = _feed(model, params, tail, out.cache, out.logits[:, -1], count)
+    last_logits, prompt_cache = _feed_upto(model, params, tail, out.cache, out.logits[:, -1], count)
     tokens, first_eos, _ = _decode(model, params, prompt_cache, last_logits, rng, eos, max_new_tokens, sampling)
     return tokens, first_eos
 
