@@ -96,24 +96,15 @@ def _prefill(model, params, prompt_ids, state, stream_from: int | None):
     return _feed(model, params, prompt_ids[:, n0:], out.cache, out.logits[:, -1])
 
 
-def _feed(model, params, ids, cache, logits, count=None):
+def _feed(model, params, ids, cache, logits):
     """(last logits, cache) after one decode step per token of `ids` [B, n] on a started cache;
-    `logits` (of the last token before them) sets the carried logits' dtype. With `count` (a traced
-    int), only the first `count` tokens are read: the rest is padding, skipped (`Conversation`'s buckets)."""
+    `logits` (of the last token before them) sets the carried logits' dtype."""
 
     def feed(carry, tok):
         o = model.apply({"params": params}, tok[:, None], cache=carry[0], method=Qwen3ForCausalLM.decode_step)
         return (o.cache, o.logits[:, -1].astype(carry[1].dtype)), None
 
-    def feed_first(carry, tok_i):
-        tok, i = tok_i
-        return jax.lax.cond(i < count, lambda c: feed(c, tok)[0], lambda c: c, carry), None
-
-    if count is None:
-        (cache, logits), _ = jax.lax.scan(feed, (cache, logits), ids.T, unroll=STREAM_UNROLL)
-    else:
-        steps = (ids.T, jnp.arange(ids.shape[1]))
-        (cache, logits), _ = jax.lax.scan(feed_first, (cache, logits), steps, unroll=STREAM_UNROLL)
+    (cache, logits), _ = jax.lax.scan(feed, (cache, logits), ids.T, unroll=STREAM_UNROLL)
     return logits, cache
 
 
@@ -128,9 +119,9 @@ def _generate(model, params, prompt_ids, rng, eos, *, max_new_tokens, sampling, 
 
 
 def _feed_upto(model, params, ids, cache, logits, count):
-    """`_feed` of the first `count` (a traced int) tokens of ids [B, T] in loops of exactly that many steps
-    (STREAM_UNROLL per iteration, then one by one): the padding past `count` costs nothing, where `_feed`'s skipped
-    steps (`lax.cond` on the cache) cost about as much as read ones."""
+    """`_feed` of the first `count` (a traced int) tokens of ids [B, T], the rest padding (a power-of-two bucket:
+    `_generate_fed`, `Conversation`'s later turns), in loops of exactly that many steps (STREAM_UNROLL per iteration,
+    then one by one): the padding costs nothing (steps skipped by a `lax.cond` on the cache cost about a read's)."""
 
     def step(carry, i):
         cache, logits = carry
@@ -429,8 +420,8 @@ def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, samplin
     """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
     decode step per id: the first `count`, the rest padding to n's bucket), then `_decode`."""
     if cache.started:
-        logits, cache = _feed(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
-                              count)
+        logits, cache = _feed_upto(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
+                                   count)
     else:
         logits, cache = _prefill(model, params, ids, cache, stream_from)
     return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
