@@ -171,7 +171,8 @@ def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int
 
 
 def _fed_args(ids: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
-    """(head, padded tail, count) of prompt ids [B, P] for `_generate_fed`, on the host (no eager compile per length)."""
+    """(head, padded tail, count) of prompt ids [B, P] for `_generate_fed`, cut on the host (no eager compile per
+    length)."""
     padded = np.zeros((ids.shape[0], tail), np.int32)
     padded[:, : ids.shape[1] - head] = ids[:, head:]
     return np.ascontiguousarray(ids[:, :head], np.int32), padded, np.int32(ids.shape[1] - head)
