@@ -125,8 +125,9 @@ def test_compile_ahead_compiles_each_next_setting_in_the_background(tmp_path):
                   sampling=SamplingConfig.greedy(), progress=False, stream_prompt=True)
     with logged_compiles() as seen:
         ahead = run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "ahead"), **kwargs)
-    decodes = [thread for thread, fn in seen if fn in ("jit(_generate)", "jit(_reply)")]
-    # dense here (while the worker already compiles the next), 3 methods x 2 CRs there
+    decodes = [thread for thread, fn in seen if fn in ("jit(_generate)", "jit(_generate_fed)", "jit(_reply)")]
+    # dense here (while the worker already compiles the next), 3 methods x 2 CRs there (TOVA and StreamingLLM stream
+    # these prompts, not a power of two long, as a padded tail: `_generate_fed`)
     assert sorted(decodes) == ["MainThread"] + ["compile-ahead_0"] * 6, decodes
     # dense and KVpop read these prompts (not a power of two long) in blocks: dense's reads here, the two CRs' there
     reads = [thread for thread, fn in seen if fn in ("jit(_read)", "jit(_read_owned)")]
