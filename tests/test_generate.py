@@ -182,8 +182,8 @@ def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
         generate(model, params, [[1, 2], [3], []], max_new_tokens=2)  # was "got shape (1, 0)"
 
 
-@pytest.mark.parametrize("kind", ["kvpop", "tova", *(pytest.param(k, marks=pytest.mark.long)
-                                                     for k in ("dms", "dense"))])  # ~10 s each
+@pytest.mark.parametrize("kind", ["kvpop", *(pytest.param(k, marks=pytest.mark.long)
+                                              for k in ("tova", "dms", "dense"))])  # ~10-25 s each
 def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
     """Each turn read into the kept cache (the previous reply's last token first) gives the reply `generate`
     gives the whole history as one prompt; a bounded cache keeps its size across turns."""
@@ -325,7 +325,8 @@ def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, co
     assert names.count("jit(_read)") == 2 * 3 and names.count("jit(_reply)") == 2 and "jit(_turn)" not in names
 
 
-def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compiles):
+@pytest.mark.parametrize("kind", ["kvpop", pytest.param("dense", marks=pytest.mark.long)])  # ~25 s each
+def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compiles, kind):
     """generate on a KVpop or dense cache reads a prompt whose length is not a power of two as Conversation's first
     turn: a prefill of the largest power of two, then blocks. Prompts of 33, 47 and 59 ids (and a ragged list of
     them) run on one prefill of 32, the blocks of 8 and 1 and one reply (was a program per length), which
@@ -339,36 +340,36 @@ def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compi
     dense_config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
     dense, dense_params = Qwen3ForCausalLM(dense_config), init_params(dense_config, jax.random.key(1))
     no_eos, greedy_33 = jnp.asarray([-1], jnp.int32), None
-    for m, p, kind in ((model, params, "kvpop"), (dense, dense_params, "dense")):
-        jax.clear_caches()
-        before = len(compiles)
-        prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (47, 33, 59)}
-        for sampling in (SamplingConfig.greedy(), SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)):
-            worker = threading.Thread(target=compile_generate, args=(m, p, 2, 47), name="ahead",
-                                      kwargs=dict(max_new_tokens=4, sampling=sampling))
-            worker.start()
-            worker.join()
-            for n, prompt in prompts.items():
-                tokens, lengths = generate(m, p, prompt, max_new_tokens=4, sampling=sampling, rng=jax.random.key(n))
-                np.testing.assert_array_equal(np.asarray(lengths), 4)
-                if (n == 47) == (sampling.temperature == 0):  # greedy: blocks of 1, of 8 and 1; sampled: 8 and 1
-                    continue
-                want = _generate(m, p, jnp.asarray(prompt), jax.random.key(n), no_eos, max_new_tokens=4,
-                                 sampling=sampling, cache=kind)  # a compile per length
-                np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{kind}, {n} ids")
-                greedy_33 = tokens if n == 33 else greedy_33
-        seen = compiles[before:]
-        # 47 ids: the prefill of 32, a block of 8, blocks of 1; 33 and 59 (64 dense slots too) add nothing
-        ahead = [f for t, f in seen if t == "ahead"]
-        assert ahead.count("jit(_read)") == 1 and ahead.count("jit(_read_owned)") == 2, seen  # blocks: in place
-        assert ahead.count("jit(_reply)") == 2, seen  # one per sampling
-        assert not [f for t, f in seen if t != "ahead" and f in ("jit(_read)", "jit(_read_owned)", "jit(_reply)")]
-        ragged, _ = generate(m, p, [prompts[33][0].tolist(), prompts[59][1].tolist()], max_new_tokens=4,
-                             sampling=SamplingConfig.greedy())  # rows of one each: batch 1's programs
-        np.testing.assert_array_equal(np.asarray(ragged[0]), np.asarray(greedy_33[0]))
-        np.testing.assert_array_equal(np.asarray(ragged[1]), np.asarray(_generate(
-            m, p, jnp.asarray(prompts[59][1:]), jax.random.key(0), no_eos, max_new_tokens=4,
-            sampling=SamplingConfig.greedy(), cache=kind)[0][0]))
+    m, p = (model, params) if kind == "kvpop" else (dense, dense_params)
+    jax.clear_caches()
+    before = len(compiles)
+    prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (47, 33, 59)}
+    for sampling in (SamplingConfig.greedy(), SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)):
+        worker = threading.Thread(target=compile_generate, args=(m, p, 2, 47), name="ahead",
+                                  kwargs=dict(max_new_tokens=4, sampling=sampling))
+        worker.start()
+        worker.join()
+        for n, prompt in prompts.items():
+            tokens, lengths = generate(m, p, prompt, max_new_tokens=4, sampling=sampling, rng=jax.random.key(n))
+            np.testing.assert_array_equal(np.asarray(lengths), 4)
+            if (n == 47) == (sampling.temperature == 0):  # greedy: blocks of 1, of 8 and 1; sampled: 8 and 1
+                continue
+            want = _generate(m, p, jnp.asarray(prompt), jax.random.key(n), no_eos, max_new_tokens=4,
+                             sampling=sampling, cache=kind)  # a compile per length
+            np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{kind}, {n} ids")
+            greedy_33 = tokens if n == 33 else greedy_33
+    seen = compiles[before:]
+    # 47 ids: the prefill of 32, a block of 8, blocks of 1; 33 and 59 (64 dense slots too) add nothing
+    ahead = [f for t, f in seen if t == "ahead"]
+    assert ahead.count("jit(_read)") == 1 and ahead.count("jit(_read_owned)") == 2, seen  # blocks: in place
+    assert ahead.count("jit(_reply)") == 2, seen  # one per sampling
+    assert not [f for t, f in seen if t != "ahead" and f in ("jit(_read)", "jit(_read_owned)", "jit(_reply)")]
+    ragged, _ = generate(m, p, [prompts[33][0].tolist(), prompts[59][1].tolist()], max_new_tokens=4,
+                         sampling=SamplingConfig.greedy())  # rows of one each: batch 1's programs
+    np.testing.assert_array_equal(np.asarray(ragged[0]), np.asarray(greedy_33[0]))
+    np.testing.assert_array_equal(np.asarray(ragged[1]), np.asarray(_generate(
+        m, p, jnp.asarray(prompts[59][1:]), jax.random.key(0), no_eos, max_new_tokens=4,
+        sampling=SamplingConfig.greedy(), cache=kind)[0][0]))
 
 
 @pytest.mark.long  # ~70 s of compiles; test_stream_prompt_evicts_token_by_token's 17 ids at B 6 run the new path
