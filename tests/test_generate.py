@@ -151,6 +151,7 @@ def test_streaming_with_large_budget_equals_dense(rng):
         generate(model, params, prompt, max_new_tokens=2, cache="paged")
 
 
+@pytest.mark.long  # ~18 s; test_generate_compiles_once_per_power_of_two_of_the_prompt_length[kvpop] decodes ragged rows
 def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
     """A list of rows of unequal lengths (past the KVpop budget, and under it) runs one batch per length: each
     row's tokens are those of the row alone (greedy), and a sampled row those of its length's batch under the key
@@ -251,7 +252,7 @@ def test_a_conversation_cache_dtype_must_be_floating(rng):
     assert chat.cache.layers[0].k.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("kind", ["kvpop", "dms"])
+@pytest.mark.parametrize("kind", ["kvpop", pytest.param("dms", marks=pytest.mark.long)])  # dms ~35 s
 def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_length(rng, compiles, kind):
     """Later turns of 4, 5, 6 and 7 ids (5 to 8 read, the last reply's token first): a KVpop cache reads them in
     blocks of 1 token (5, 6, 7 of them) and one of 8 (one compile per block size, each block one call), DMS one
@@ -292,7 +293,8 @@ def test_a_conversation_compiles_once_per_block_size_or_bucket_not_per_turn_leng
         history += np.asarray(reply[:k]).tolist()
 
 
-@pytest.mark.parametrize("scorer", [pytest.param("mlp", marks=pytest.mark.long), "mlstm"])  # mlp: ~17 s
+@pytest.mark.long  # ~17-28 s each; test_conversation_replies_equal_generate_on_the_whole_history[kvpop]'s first turns
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
 def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, compiles, scorer):
     """A first turn on a KVpop or dense cache is a prefill of the largest power of two of its ids, then blocks:
     first turns of 33 to 63 ids (past the budget) compile one prefill of 32 and the blocks of 8 and 1 (was one
@@ -428,7 +430,7 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, 5 ids")
 
 
-@pytest.mark.parametrize("method", ["h2o", "tova", "streaming"])
+@pytest.mark.parametrize("method", [pytest.param("h2o", marks=pytest.mark.long), "tova", "streaming"])  # h2o ~20 s
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
     greedy decoding, checked against those calls made one at a time from Python. (Not equal to the

@@ -357,8 +357,8 @@ def test_state_saved_before_park_lookups_resumes_without_it(tmp_path):
         restore_state(dataclasses.replace(cfg, park_lookups=True), state)
 
 
-@pytest.mark.parametrize("near,lookups", [pytest.param("full", False, marks=pytest.mark.long),  # ~20 s; full: below
-                                          ("band", False), ("full", True), ("band", True)])
+@pytest.mark.parametrize("near,lookups", [*(pytest.param(n, False, marks=pytest.mark.long)  # ~20 s each
+                                            for n in ("full", "band")), ("full", True), ("band", True)])
 def test_park_loss_is_the_old_attention_of_the_parked_queries(tmp_path, rng, monkeypatch, near, lookups):
     """`park_loss` (from the forward's sown q, k and lse) against a loop over the parked queries, heads
     and layers of a random model's attention weights (with `lookups`, plus the lookups' old attention of
