@@ -338,11 +338,12 @@ def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compi
 
     from kvpop_jax.generate import _generate, compile_generate
 
-    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=5, topk=6, scorer="mlstm")
-    dense_config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
-    dense, dense_params = Qwen3ForCausalLM(dense_config), init_params(dense_config, jax.random.key(1))
+    if kind == "kvpop":
+        m, p, config = _kvpop_model_with_random_scorers(rng, sinks=2, window=5, topk=6, scorer="mlstm")
+    else:
+        config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+        m, p = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
     no_eos, greedy_33 = jnp.asarray([-1], jnp.int32), None
-    m, p = (model, params) if kind == "kvpop" else (dense, dense_params)
     jax.clear_caches()
     before = len(compiles)
     prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (47, 33, 59)}
