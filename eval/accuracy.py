@@ -148,16 +148,16 @@ def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
 
 
 def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[int]]:
-    """Consecutive problem indices in groups of up to `size` with equal prompt length."""
+    """Problem indices in groups of up to `size` with equal prompt length: each length's problems in order, `size`
+    at a time, the groups in order of their first problem. Problems of one length need not be consecutive: a
+    benchmark of mixed lengths batches as a sorted one would (one decode per group, compiled once per shape)."""
     if size < 1:
         raise ValueError(f"problem_batch must be >= 1, got {size}")
-    groups: list[list[int]] = []
+    by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
-        if groups and len(groups[-1]) < size and len(encoded[groups[-1][0]]) == len(ids):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
+        by_length.setdefault(len(ids), []).append(i)
+    groups = [same[j: j + size] for same in by_length.values() for j in range(0, len(same), size)]
+    return sorted(groups, key=lambda group: group[0])
 
 
 @holds_out_dir
@@ -196,9 +196,10 @@ def run_accuracy(
     tokenizers differ are refused; one without a tokenizer runs with the others', with a warning).
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
     instruction. sampling: a SamplingConfig (default: the paper's 0.6 / 0.95 / 20 / 0).
-    problem_batch: with n_rollouts = 1, decode up to this many consecutive problems of equal
-    prompt length as one batch (ignored with more rollouts: those batch one problem's rollouts) (the demo task's prompts all have the same length); the
-    batch starting at problem i uses the key of problem i.
+    problem_batch: with n_rollouts = 1, decode up to this many problems of equal prompt length as one
+    batch, consecutive or not (`_problem_groups`; ignored with more rollouts: those batch one problem's
+    rollouts); the batch whose first problem is i uses the key of problem i. Records and samples keep the
+    benchmark's order.
     stream_prompt: the training-free baselines (streaming, tova, h2o) read the prompt token by token
     past their budget (`generate(stream_prompt=True)`), deciding every eviction with only the
     attention seen so far, as over a generated trace; default: one-shot compression after a dense
@@ -323,8 +324,10 @@ def run_accuracy(
             budget = None if cr is None else budgets[cr]
             bar.set_postfix(method=method, cr=cr)
             for bench, problems in benchmarks.items():
+                done: dict[int, tuple[dict, list[str]]] = {}  # problem -> (record, sample lines): written in order
                 for group in _problem_groups(encoded[bench], problem_batch if n_rollouts == 1 else 1):
                     correct = {i: [] for i in group}
+                    lines: dict[int, list[str]] = {i: [] for i in group}
                     for start in range(0, n_rollouts, batch):
                         # rows: (problem, rollout); one problem's rollouts, or one rollout of each problem
                         rows = [(i, start + r) for i in group for r in range(min(batch, n_rollouts - start))]
@@ -346,13 +349,16 @@ def run_accuracy(
                                 int(tokens[r, max_new_tokens - 1]) not in eos
                             counts[1] += 1
                             correct[i].append(ok)
-                            samples.write(json.dumps(dict(method=method, cr=cr, benchmark=bench, id=problem["id"],
-                                                          rollout=rollout, answer=problem["answer"],
-                                                          extracted=pred, correct=ok, completion=text)) + "\n")
+                            lines[i].append(json.dumps(dict(method=method, cr=cr, benchmark=bench, id=problem["id"],
+                                                            rollout=rollout, answer=problem["answer"],
+                                                            extracted=pred, correct=ok, completion=text)) + "\n")
                     for i in group:
-                        records.append(dict(method=method, cr=cr, budget=budget, benchmark=bench,
-                                            id=problems[i]["id"], correct=correct[i]))
+                        done[i] = (dict(method=method, cr=cr, budget=budget, benchmark=bench, id=problems[i]["id"],
+                                        correct=correct[i]), lines[i])
                     bar.update(len(group))
+                for i in sorted(done):  # in the benchmark's order, however the lengths were grouped
+                    records.append(done[i][0])
+                    samples.writelines(done[i][1])
         bar.close()
 
         # The up-front check bounds completions by max_new_tokens; answers usually end far sooner.

@@ -152,7 +152,7 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
                 raise ValueError(f"benchmark {source!r}: not a local file, and loading it as a hub dataset "
                                  f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         rows = [dict(r) for r in rows]
-    problems = []
+    problems, seen = [], {}
     for i, row in enumerate(rows if limit is None else rows[:limit]):
         if not isinstance(row, dict):
             raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
@@ -165,9 +165,20 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
             # a list or dict would be scored as its string, "['7']", which no completion boxes
             raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a number, got "
                              f"{type(row['answer']).__name__} {str(row['answer'])[:80]!r}")
-        if not isinstance(row[field], str) or not row[field]:
+        if not isinstance(row[field], str) or not row[field].strip():  # whitespace alone asks nothing
             raise ValueError(f"{source!r} row {i}: {field!r} must be a non-empty string, got {str(row[field])[:80]!r}")
-        problems.append(dict(id=str(row.get("id", i)), prompt=row[field], answer=str(row["answer"])))
+        # ids key every record, sample and per-problem comparison: a missing one is its row number
+        problem_id = row.get("id", i)
+        if problem_id is None or isinstance(problem_id, (bool, dict, list)) or not str(problem_id).strip():
+            raise ValueError(f"{source!r} row {i}: 'id' must be a non-empty string or number (or absent: the row "
+                             f"number), got {str(problem_id)[:80]!r}")
+        problem_id = str(problem_id)
+        if problem_id in seen:
+            raise ValueError(f"{source!r} rows {seen[problem_id]} and {i} share the id {problem_id!r}: records and "
+                             "samples are keyed by it, so give each problem its own (a row without 'id' takes its "
+                             "row number)")
+        seen[problem_id] = i
+        problems.append(dict(id=problem_id, prompt=row[field], answer=str(row["answer"])))
     if not problems:
         raise ValueError(f"benchmark {source!r} has no problems")
     return problems

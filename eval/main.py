@@ -152,7 +152,8 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--chat_template", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--problem_batch", type=int, default=1,
-                        help="with --n_rollouts=1: decode this many equal-length problems per batch")
+                        help="with --n_rollouts=1: decode up to this many problems of equal prompt length per batch "
+                             "(consecutive or not)")
     parser.add_argument("--stream_prompt", action="store_true",
                         help="training-free baselines read the prompt token by token (evict as over a generated "
                              "trace) instead of compressing it in one shot after a dense prefill")

@@ -143,6 +143,9 @@ def test_problem_groups():
     from eval.accuracy import _problem_groups
 
     assert _problem_groups([[1, 2], [3, 4], [5], [6], [7], [8, 9]], 2) == [[0, 1], [2, 3], [4], [5]]
+    # equal lengths batch together however they are spread (one compile per shape, not per run of a length)
+    assert _problem_groups([[1], [2, 3], [4], [5, 6], [7], [8]], 2) == [[0, 2], [1, 3], [4, 5]]
+    assert _problem_groups([[1], [2, 3], [4], [5, 6], [7], [8]], 3) == [[0, 2, 4], [1, 3], [5]]
     with pytest.raises(ValueError, match="problem_batch"):
         _problem_groups([[1]], 0)
 
@@ -274,6 +277,36 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
+def test_problems_of_equal_length_batch_together_and_report_in_order(tmp_path, monkeypatch):
+    """--problem_batch grouped only consecutive problems of equal length: a benchmark of interleaved lengths ran
+    one problem per decode. Now each length's problems batch together, each row's completion stays its own, and
+    records and samples keep the benchmark's order."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    prompts = ["x3y5\nask x\n", "w3y5z1w2\nask w\n", "p7q1\nask q\n", "a1b2c3d4\nask d\n", "m2n8\nask n\n"]
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(dict(id=f"p{i}", problem=p, answer="1")) + "\n" for i, p in enumerate(prompts)))
+    shapes = []
+
+    def echo(model, params, prompt_ids, *, max_new_tokens, **kwargs):  # each row answers with its own prompt
+        ids = np.asarray(prompt_ids)
+        shapes.append(ids.shape)
+        return ids[:, :max_new_tokens], np.full(ids.shape[0], max_new_tokens)
+
+    monkeypatch.setattr(accuracy, "generate", echo)
+    kw = dict(n_rollouts=1, compression_ratios=(), max_new_tokens=4, sampling=SamplingConfig.greedy(), progress=False)
+    run_accuracy(["dense"], {"dense": dense}, str(bench), out_dir=str(tmp_path / "b"), problem_batch=2, **kw)
+    short, long = shapes[0][1], shapes[1][1]
+    assert short != long and shapes == [(2, short), (2, long), (1, short)]  # problems 0 2 | 1 3 | 4
+    samples = [json.loads(x) for x in (tmp_path / "b" / "samples.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in samples] == [f"p{i}" for i in range(5)]
+    completions = [x["completion"] for x in samples]  # each its own prompt's first tokens: rows not mixed up
+    assert len(set(completions)) == 5 and all(c and p.startswith(c) for c, p in zip(completions, prompts))
+    records = json.loads((tmp_path / "b" / "accuracy.json").read_text())["records"]
+    assert [r["id"] for r in records] == [f"p{i}" for i in range(5)]
+
+
 def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeypatch, capsys):
     """B < prompt + max_new_tokens passes the up-front check, but answers that stop early may
     never fill it: then the CR evicted nothing, and the report says so."""
@@ -403,6 +436,13 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
             ('{"problem": "a", "answer": {"v": 7}}\n', r"row 0: 'answer' must be a string or a number, got dict", {}),
             ('{"problem": "a", "answer": true}\n', r"row 0: 'answer' must be a string or a number, got bool", {}),
             ('{"problem": "", "answer": "1"}\n', r"row 0: 'problem' must be a non-empty string", {}),
+            ('{"problem": " \\n\\t", "answer": "1"}\n', r"row 0: 'problem' must be a non-empty string", {}),
+            ('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "a", "problem": "y", "answer": "2"}\n',
+             r"rows 0 and 1 share the id 'a'", {}),
+            ('{"id": "1", "problem": "x", "answer": "1"}\n{"problem": "y", "answer": "2"}\n',  # row 1's id is 1
+             r"rows 0 and 1 share the id '1'", {}),
+            ('{"id": null, "problem": "x", "answer": "1"}\n', r"row 0: 'id' must be a non-empty string or number", {}),
+            ('{"id": " ", "problem": "x", "answer": "1"}\n', r"row 0: 'id' must be a non-empty string or number", {}),
             ('{"problem": "a", "answer": "1"}\n',  # the split was ignored
              r"is a local file, which has no splits; split='train' is for hub datasets", dict(split="train"))):
         bench.write_text(text)
