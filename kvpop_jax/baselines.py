@@ -112,6 +112,10 @@ class BaselineLayerCache:
     k, v: [B, Hkv, N, D] with N = budget; pos: int32 [B, Hkv, N] token position per slot
     (-1 = empty); score: float32 [B, Hkv, N] the policy's key (TOVA: last attention; H2O:
     accumulated attention; StreamingLLM: unused, 0); config: the static policy.
+    prompt_len: int32 [] or None; set on a fresh cache only (`with_prompt_len`): its prefill's prompt
+    is the first `prompt_len` of the tokens given, the rest padding at the end, neither cached nor
+    scored (`generate` pads a prompt to a power of two so that it compiles once per power of two, not
+    per length). The cache a prefill returns has None.
     """
 
     k: jax.Array
@@ -119,6 +123,7 @@ class BaselineLayerCache:
     pos: jax.Array
     score: jax.Array
     config: BaselineConfig = flax.struct.field(pytree_node=False, default=None)
+    prompt_len: jax.Array | None = None
 
     def prefill(self, q, k, v, *, positions, length, policy, return_policy=False):
         """Dense attention over the prompt, then its compression to B tokens (`prefill`).
@@ -131,8 +136,16 @@ class BaselineLayerCache:
         del positions, policy, return_policy
         b, p = q.shape[:2]
         index = jnp.broadcast_to(length + jnp.arange(p, dtype=jnp.int32), (b, p))
-        out, cache = prefill(self.config, q, k, v, index)
+        out, cache = prefill(self.config, q, k, v, index, prompt_len=self.prompt_len)
         return out, in_dtype_of(self, cache), None
+
+    def with_prompt_len(self, prompt_len) -> "BaselineLayerCache":
+        """This fresh cache, its prefill told that only the first `prompt_len` (an int or a traced int32 []) of
+        the tokens it reads are the prompt; the rest is padding (the class docstring)."""
+        if self.config.banded_prefill:  # its banded read would cache the padding's band
+            raise ValueError("a padded prefill is for the one-shot policies; StreamingLLM's banded_prefill reads "
+                             "a prompt at any length already")
+        return self.replace(prompt_len=jnp.asarray(prompt_len, jnp.int32))
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions, policy
@@ -176,14 +189,16 @@ def _policy_score(cfg: BaselineConfig, probs_BHGT, prev_score_BHT=None):
     return jnp.zeros(probs_BHGT.shape[:2] + probs_BHGT.shape[3:], jnp.float32)
 
 
-def _column_attention(q, k, lse, positions, block: int = 256):
+def _column_attention(q, k, lse, positions, q_positions=None, block: int = 256):
     """Sum over queries of the causal attention weights: [B, Hkv, G, P] float32.
 
-    q [B, P, Hq, D], k [B, P, Hkv, D], lse [B, Hq, P] from the dense pass; one block of
+    q [B, P, Hq, D], k [B, P, Hkv, D], lse [B, Hq, P] from the dense pass, positions int [B, P] the keys';
+    q_positions the queries' (default: the same), -1 for a query that is padding (it adds nothing). One block of
     queries at a time so only [block, P] weights live at once.
     """
     b, p, hq, d = q.shape
     hkv = k.shape[2]
+    q_positions = positions if q_positions is None else q_positions
 
     def one(args):  # padded queries have position -1 and see nothing
         q_blk, lse_blk, pos_blk = args
@@ -192,7 +207,7 @@ def _column_attention(q, k, lse, positions, block: int = 256):
         probs = jnp.where(mask[:, None, None], jnp.exp(logits - lse_blk[..., None]), 0.0)
         return jnp.sum(probs, axis=3)
 
-    xs = [attn_lib.group_queries(q, hkv), lse.reshape(b, hkv, hq // hkv, p), positions]
+    xs = [attn_lib.group_queries(q, hkv), lse.reshape(b, hkv, hq // hkv, p), q_positions]
     _, blocks = attn_lib.split_query_blocks(xs, [1, 3, 1], block, pad_values=[0, 0, -1])
     return jnp.sum(jax.lax.map(one, tuple(blocks)), axis=0)
 
@@ -225,31 +240,41 @@ def _banded_attention(q, k, v, positions, *, sinks: int, recent: int, block: int
     return out.reshape(b, p, hq, d), lse.reshape(b, hq, p)
 
 
-def prefill(cfg: BaselineConfig, q, k, v, positions):
+def prefill(cfg: BaselineConfig, q, k, v, positions, prompt_len=None):
     """Dense causal attention over a prompt, then its compression to B tokens.
 
     q [B, P, Hq, D], k, v [B, P, Hkv, D], positions int [B, P] (increasing, equal across
-    the batch). Returns (out [B, P, Hq, D], BaselineLayerCache with min(P, B) tokens in
-    position order, the rest empty).
+    the batch). prompt_len (int or traced int32 [], optional): only the first prompt_len of the P
+    tokens are the prompt, the rest padding at its end (the causal pass keeps it out of the prompt's
+    outputs; here it is neither scored nor kept), so that prompts of many lengths share one program:
+    the cache equals that of the unpadded prompt (to float rounding in the scores). Returns
+    (out [B, P, Hq, D], BaselineLayerCache with min(prompt, B) tokens in position order, the rest empty).
     """
     b, p, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     n = cfg.budget
+    if prompt_len is not None and cfg.banded_prefill:
+        raise ValueError("prompt_len (a padded prompt) is for the one-shot policies, not StreamingLLM's banded read")
+    count = p if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
     if cfg.banded_prefill:
         out, lse = _banded_attention(q, k, v, positions, sinks=cfg.sinks, recent=cfg.recent)
     else:
         out, lse = attn_lib.dense_attention(q, k, v, q_positions=positions, kv_positions=positions)
-    pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, p)).astype(jnp.int32)
+    real = jnp.arange(p) < count  # [P]: the prompt's tokens, not its padding
+    pos = jnp.broadcast_to(jnp.where(real, positions, -1)[:, None, :], (b, hkv, p)).astype(jnp.int32)
     if cfg.method == "tova":  # the last prompt query's attention
-        last = q[:, -1].reshape(b, hkv, g, d)
+        last = jax.lax.dynamic_index_in_dim(q, count - 1, axis=1, keepdims=False).reshape(b, hkv, g, d)
         logits = jnp.einsum("bhgd,bthd->bhgt", last, k, preferred_element_type=jnp.float32) * d**-0.5
-        score = _policy_score(cfg, jax.nn.softmax(logits, axis=-1))
+        score = _policy_score(cfg, jax.nn.softmax(jnp.where(real, logits, NEG_INF), axis=-1))
     elif cfg.method == "h2o":
-        score = _policy_score(cfg, _column_attention(q, k, lse, positions))
+        score = _policy_score(cfg, _column_attention(q, k, lse, positions, jnp.where(real, positions, -1)))
     else:
         score = jnp.zeros((b, hkv, p), jnp.float32)
     kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Hkv, P, D]
+    if prompt_len is not None:  # padding reads as empty slots: zeros, as the unpadded prompt's spare slots
+        kh, vh = (jnp.where(real[:, None], x, 0) for x in (kh, vh))
+        score = jnp.where(real, score, 0.0)
     if p <= n:
         padw = ((0, 0), (0, 0), (0, n - p))
         cache = BaselineLayerCache(
@@ -257,11 +282,13 @@ def prefill(cfg: BaselineConfig, q, k, v, positions):
             pos=jnp.pad(pos, padw, constant_values=-1), score=jnp.pad(score, padw), config=cfg,
         )
         return out, cache
-    protected = ~_evictable(cfg, pos, positions[:, -1][:, None, None])
+    last_pos = jax.lax.dynamic_index_in_dim(positions, count - 1, axis=1, keepdims=False)  # [B]
+    protected = ~_evictable(cfg, pos, last_pos[:, None, None])
     key = _policy_key(cfg, score, pos)
-    # Ascending: protected first, then the highest key, then the later position.
-    order = jnp.lexsort((-pos, -key, (~protected).astype(jnp.int32)), axis=-1)
-    keep = jnp.sort(order[..., :n], axis=-1)  # slots in position order
+    # Ascending: protected first, then the highest key, then the later position; padding last of all.
+    rank = jnp.where(pos < 0, 2, (~protected).astype(jnp.int32))
+    order = jnp.lexsort((-pos, -key, rank), axis=-1)
+    keep = jnp.sort(order[..., :n], axis=-1)  # slots in position order (a padded prompt's padding after them)
     take = lambda x: jnp.take_along_axis(x, keep, axis=-1)  # noqa: E731
     take_d = lambda x: jnp.take_along_axis(x, keep[..., None], axis=2)  # noqa: E731
     cache = BaselineLayerCache(k=take_d(kh), v=take_d(vh), pos=take(pos), score=take(score), config=cfg)

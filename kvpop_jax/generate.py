@@ -20,7 +20,9 @@ length run as one batch of their own, so each row decodes as it would alone. On 
 a prompt length that is not a power of two is read as `Conversation`'s first turn: a prefill of the
 largest power of two, then blocks of 512, 64, 8 and 1 tokens (`_chunks`), so `generate` compiles once
 per power of two and block size, not per prompt length (a power of two keeps one program, prefill and
-decode; the tokens agree to float rounding).
+decode; the tokens agree to float rounding). A one-shot baseline (TOVA, H2O, StreamingLLM after a dense
+prefill) is given such a prompt padded at its end to the next power of two, the padding neither cached
+nor scored (`BaselineLayerCache.prompt_len`): the same cache, one program per power of two.
 """
 
 from __future__ import annotations
@@ -153,6 +155,39 @@ def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens,
     return tokens, first_eos
 
 
+def _pads_prompt(kind, stream_from: int | None) -> bool:
+    """Whether a prompt is given to `kind`'s prefill padded at its end to a power of two (`_prefill_padded`): the
+    one-shot baselines (TOVA, H2O, StreamingLLM after a dense prefill), whose prefill takes a padded prompt whole."""
+    return isinstance(kind, BaselineConfig) and not kind.banded_prefill and stream_from is None
+
+
+def _prefill_padded(model, params, ids, count, state):
+    """`_prefill` of a one-shot baseline's prompt ids [B, T] padded at its end, its first `count` (a traced int) the
+    prompt (`BaselineLayerCache.prompt_len`): (the prompt's last logits, the cache after it, its length `count`)."""
+    state = state.replace(layers=tuple(layer.with_prompt_len(count) for layer in state.layers))
+    out = model.apply({"params": params}, ids, cache=state)
+    logits = jax.lax.dynamic_index_in_dim(out.logits, count - 1, axis=1, keepdims=False)
+    return logits, out.cache.replace(length=state.length + count)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
+def _generate_padded(model, params, prompt_ids, count, rng, eos, *, max_new_tokens, sampling, cache):
+    """`_generate` of a one-shot baseline's prompt padded at its end to a power of two, its first `count` (a traced
+    int) the prompt: compiled once per power of two, not once per prompt length."""
+    state = init_generation_cache(model.config, cache, prompt_ids.shape[0], prompt_ids.shape[1] + max_new_tokens,
+                                  dtype=model.dtype)
+    last_logits, prompt_cache = _prefill_padded(model, params, prompt_ids, count, state)
+    tokens, first_eos, _ = _decode(model, params, prompt_cache, last_logits, rng, eos, max_new_tokens, sampling)
+    return tokens, first_eos
+
+
+def _padded_args(ids: np.ndarray) -> tuple[np.ndarray, np.int32]:
+    """(ids [B, P] padded with 0s at the end to the next power of two, P) for `_generate_padded`, on the host."""
+    padded = np.zeros((ids.shape[0], 1 << (ids.shape[1] - 1).bit_length()), np.int32)
+    padded[:, : ids.shape[1]] = ids
+    return padded, np.int32(ids.shape[1])
+
+
 def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int] | None:
     """(head, padded tail) of a streamed prompt `generate` runs through `_generate_fed`, for a length not a power of
     two: past the `stream_from` prefilled tokens, the tail P - stream_from padded to the next power of two; for
@@ -160,7 +195,7 @@ def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int
     likewise padded; a prompt of at most `stream_from` tokens (nothing evicted while it is read): a prefill of its
     largest power of two, the rest padded (prefill equals decode: a policy's scores sum or take the last query as
     decoding does). None otherwise (a power of two keeps `_generate`'s one program)."""
-    if prompt_len & (prompt_len - 1) == 0:
+    if _power_of_two(prompt_len):
         return None
     largest = 1 << (prompt_len.bit_length() - 1)
     if stream_from is not None:  # a prompt that B holds whole: its largest power of two, as nothing is evicted
@@ -327,7 +362,8 @@ def generate(
         P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
         skipped; StreamingLLM, or a prompt of at most B tokens: a prefill of its largest power of two, then the
-        rest so); DMS and the one-shot baselines compile once per length.
+        rest so). The one-shot baselines compile once per power of two (the prompt padded at its end, the
+        padding neither cached nor scored); DMS once per length.
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -356,6 +392,9 @@ def generate(
             logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
                                          prompt, first=True, owned=True)
             return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
+        if _pads_prompt(kind, stream_from) and not _power_of_two(prompt.shape[1]):
+            return _generate_padded(model, params, *_padded_args(np.asarray(prompt)), k, eos,
+                                    max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
         split = _fed_split(kind, stream_from, prompt.shape[1])
         if split:
             return _generate_fed(model, params, *_fed_args(np.asarray(prompt), *split), k, eos,
@@ -405,6 +444,11 @@ def compile_generate(
         _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
                      _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
         return
+    if _pads_prompt(kind, stream_from) and not _power_of_two(prompt_len):
+        _generate_padded.lower(model, params, *_padded_args(np.zeros((batch, prompt_len), np.int32)),
+                               jax.random.key(0), _eos_array(eos_ids), max_new_tokens=max_new_tokens,
+                               sampling=sampling, cache=kind).compile()
+        return
     split = _fed_split(kind, stream_from, prompt_len)
     if split:
         _generate_fed.lower(model, params, *_fed_args(np.zeros((batch, prompt_len), np.int32), *split),
@@ -419,10 +463,13 @@ def compile_generate(
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from"))
 def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from):
     """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
-    decode step per id: the first `count`, the rest padding to n's bucket), then `_decode`."""
+    decode step per id: the first `count`, the rest padding to n's bucket; a one-shot baseline's first turn
+    too is padded so, `_prefill_padded`), then `_decode`."""
     if cache.started:
         logits, cache = _feed_upto(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
                                    count)
+    elif _pads_prompt(getattr(cache.layers[0], "config", None), stream_from):
+        logits, cache = _prefill_padded(model, params, ids, count, cache)
     else:
         logits, cache = _prefill(model, params, ids, cache, stream_from)
     return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
@@ -436,7 +483,11 @@ def _in_blocks(kind, stream_from, prompt_len: int) -> bool:
     """Whether `generate` reads a [B, prompt_len] prompt in blocks (`_chunks(first=True)`: a prefill of the
     largest power of two, then TURN_BLOCKS), compiled once per power of two rather than per length: a KVpop
     or dense cache, a prompt length not a power of two (those keep one program, prefill and decode)."""
-    return kind in ONE_CALL_KINDS and stream_from is None and prompt_len & (prompt_len - 1) != 0
+    return kind in ONE_CALL_KINDS and stream_from is None and not _power_of_two(prompt_len)
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _blocks_cache(model, kind, shape: tuple[int, int], max_new_tokens: int):
@@ -519,8 +570,8 @@ class Conversation:
     for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow, and a
     warning says when it first does) and dense caches; for a training-free baseline, with
     `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and `max_new_tokens`,
-    not per turn length; a first turn on KVpop or dense once per power of two of its length (DMS and the
-    baselines: once per length).
+    not per turn length; a first turn on KVpop, dense or a one-shot baseline (padded) once per power of two of
+    its length (DMS and the streamed baselines: once per length).
     `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
@@ -579,7 +630,9 @@ class Conversation:
             tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
                                                  max_new_tokens=max_new_tokens, sampling=sampling)
         else:
-            if self._pending:  # a later turn on DMS or a baseline: padded to a power of two, one compile per bucket
+            # a later turn on DMS or a baseline, or a one-shot baseline's first: padded to a power of two, one
+            # compile per bucket
+            if self._pending or _pads_prompt(self.kind, self._stream_from):
                 pad = (1 << (count - 1).bit_length()) - count
                 prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
             tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,

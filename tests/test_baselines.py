@@ -97,13 +97,39 @@ CONFIGS = [
 @pytest.mark.parametrize("prompt_len", [9, 3])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.method}-B{c.budget}-s{c.sinks}-r{c.recent}")
 def test_policy_matches_brute_force(rng, cfg, prompt_len):
+    _check_against_brute_force(rng, cfg, prompt_len)
+
+
+@pytest.mark.parametrize("prompt_len,pad_to", [(9, 16), (5, 8)])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.method}-B{c.budget}-s{c.sinks}-r{c.recent}")
+def test_padded_prefill_matches_brute_force(rng, cfg, prompt_len, pad_to):
+    """A prompt padded at its end (random q, k, v: what pad tokens give) with `prompt_len` traced, as `generate`
+    pads a one-shot baseline's prompt to a power of two: the padding is neither kept nor scored, and the decode
+    after it is the unpadded prompt's, by the brute force (9 -> 16: the budget evicts; 5 -> 8: the prompt fits
+    B but the padding would not)."""
+    _check_against_brute_force(rng, cfg, prompt_len, pad_to=pad_to)
+
+
+def _check_against_brute_force(rng, cfg, prompt_len, pad_to=None):
     q = rng.normal(size=(B, T, HQ, D)) * 2
     k = rng.normal(size=(B, T, HKV, D)) * 2
     v = rng.normal(size=(B, T, HKV, D))
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    positions = jnp.broadcast_to(jnp.arange(prompt_len), (B, prompt_len))
-    out, lc = jax.jit(baselines.prefill, static_argnums=0)(
-        cfg, f32(q[:, :prompt_len]), f32(k[:, :prompt_len]), f32(v[:, :prompt_len]), positions)
+    if pad_to is None:
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), (B, prompt_len))
+        out, lc = jax.jit(baselines.prefill, static_argnums=0)(
+            cfg, f32(q[:, :prompt_len]), f32(k[:, :prompt_len]), f32(v[:, :prompt_len]), positions)
+    else:
+        def junk(x):  # the prompt, then random padding
+            return np.concatenate([x[:, :prompt_len], rng.normal(size=(B, pad_to - prompt_len) + x.shape[2:])], axis=1)
+
+        positions = jnp.broadcast_to(jnp.arange(pad_to), (B, pad_to))
+        out, lc = jax.jit(baselines.prefill, static_argnums=0)(
+            cfg, f32(junk(q)), f32(junk(k)), f32(junk(v)), positions, jnp.int32(prompt_len))
+        out = out[:, :prompt_len]
+        assert lc.prompt_len is None and (np.asarray(lc.pos) < prompt_len).all()
+        empty = np.asarray(lc.pos) < 0  # spare slots as the unpadded prompt leaves them: zeros
+        assert not np.asarray(lc.k)[empty].any() and not np.asarray(lc.v)[empty].any()
     outs, caches = [out], [lc]
     step = jax.jit(baselines.decode, static_argnums=0)
     for t in range(prompt_len, T):

@@ -431,6 +431,52 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, 5 ids")
 
 
+@pytest.mark.parametrize("method", ["tova", pytest.param("h2o", marks=pytest.mark.long),
+                                    pytest.param("streaming", marks=pytest.mark.long)])
+def test_a_one_shot_baseline_compiles_once_per_power_of_two(rng, compiles, method):
+    """generate on a one-shot baseline (a dense prefill, then compression: `eval.main accuracy`'s default) compiled a
+    program per prompt length. A length not a power of two is now padded at its end to the next power of two, the
+    padding neither cached nor scored (`BaselineLayerCache.prompt_len`): prompts of 9 and 13 ids at B 6 run on one
+    program, which compile_generate compiles ahead, and the tokens equal the per-length program's (`_generate`), a
+    prompt B holds whole too (5 ids, padded to 8); H2O also sampled, StreamingLLM a ragged list and a
+    Conversation's first turn (padded too) replying as generate (~10 s each)."""
+    import threading
+
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import Conversation, _generate, compile_generate
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(5))
+    cache = BaselineConfig(method, 6, sinks=0 if method == "tova" else 1)
+    no_eos, greedy, sampled = jnp.asarray([-1], jnp.int32), SamplingConfig.greedy(), SamplingConfig(top_k=0)
+    jax.clear_caches()
+    before = len(compiles)
+    worker = threading.Thread(target=compile_generate, args=(model, params, 2, 11), name="ahead",
+                              kwargs=dict(max_new_tokens=4, sampling=greedy, cache=cache))
+    worker.start()
+    worker.join()
+    prompts = {n: rng.integers(0, config.vocab_size, size=(2, n)) for n in (9, 13, 5)}
+    calls = [(9, greedy), (13, greedy), (5, greedy)] + [(13, sampled)] * (method == "h2o")
+    for n, sampling in calls:
+        tokens, _ = generate(model, params, prompts[n], max_new_tokens=4, sampling=sampling, rng=jax.random.key(n),
+                             cache=cache)
+        want = _generate(model, params, jnp.asarray(prompts[n]), jax.random.key(n), no_eos, max_new_tokens=4,
+                         sampling=sampling, cache=cache)  # a program per length
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, {n} ids")
+    padded = [t for t, f in compiles[before:] if f == "jit(_generate_padded)"]
+    assert padded == ["ahead", "MainThread"] + ["MainThread"] * (method == "h2o"), compiles[before:]  # 16; 8; sampled
+    if method != "streaming":
+        return
+    ragged, _ = generate(model, params, [prompts[9][0].tolist(), prompts[13][1].tolist()], max_new_tokens=4,
+                         sampling=greedy, cache=cache)  # rows of one each: batch 1's programs
+    for row, (n, i) in zip(np.asarray(ragged), ((9, 0), (13, 1))):
+        want = _generate(model, params, jnp.asarray(prompts[n][i:i + 1]), jax.random.key(0), no_eos,
+                         max_new_tokens=4, sampling=greedy, cache=cache)
+        np.testing.assert_array_equal(row, np.asarray(want[0][0]))
+        reply, k = Conversation(model, params, cache=cache).send(prompts[n][i], max_new_tokens=4, sampling=greedy)
+        np.testing.assert_array_equal(np.asarray(reply), row)
+
+
 @pytest.mark.parametrize("method", [pytest.param("h2o", marks=pytest.mark.long), "tova", "streaming"])  # h2o ~20 s
 def test_stream_prompt_evicts_token_by_token(rng, method):
     """stream_prompt: prefill of the first B tokens, then one decode step per prompt token, then
