@@ -327,7 +327,10 @@ def test_first_turns_compile_once_per_power_of_two_and_reply_as_generate(rng, co
     assert names.count("jit(_read)") == 2 * 3 and names.count("jit(_reply)") == 2 and "jit(_turn)" not in names
 
 
-@pytest.mark.parametrize("kind", ["kvpop", pytest.param("dense", marks=pytest.mark.long)])  # ~25 s each
+# ~25-40 s each: both long; test_compile_ahead_compiles_each_next_setting_in_the_background (eval) runs generate's and
+# compile_generate's block reads of dense and KVpop by default
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["kvpop", "dense"])
 def test_generate_compiles_once_per_power_of_two_of_the_prompt_length(rng, compiles, kind):
     """generate on a KVpop or dense cache reads a prompt whose length is not a power of two as Conversation's first
     turn: a prefill of the largest power of two, then blocks. Prompts of 33, 47 and 59 ids (and a ragged list of
