@@ -101,16 +101,18 @@ class DMSGate(nn.Module):
         r = jnp.einsum("bshe,he->bhs", z, self.w2) + self.b2[:, None]
         return self.config.logit_scale * r - self.config.logit_offset
 
-    def prefill(self, q, k, v, *, capacity: int, return_policy: bool = False):
+    def prefill(self, q, k, v, *, capacity: int, return_policy: bool = False, prompt_len=None):
         """A prompt through the hard-masked forward, then the cache after its last token.
 
         q [B, P, Hq, D], k/v [B, P, Hkv, D] -> (out [B, P, Hq, D], DMSLayerCache of `capacity`
-        entries, aux or None).
+        entries, aux or None). prompt_len: the prompt is the first prompt_len tokens, the rest
+        padding at its end (`dms_cache.build_from_prefill`; the causal mask keeps it out of the
+        prompt's outputs: a prompt token's visibility is decided by gates of prompt tokens).
         """
         g = self(k, v)
         out, aux = dms_layer_attention(q, k, v, g, self.config, return_policy=return_policy)
         cache = dms_cache.build_from_prefill(k, v, decision_logits(g), window=self.config.window,
-                                             capacity=capacity)
+                                             capacity=capacity, prompt_len=prompt_len)
         return out, cache, aux
 
     def decode(self, lc, q_tok, k_tok, v_tok, position):

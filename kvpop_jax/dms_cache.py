@@ -58,6 +58,7 @@ class DMSLayerCache:
     logit: jax.Array
     evict: jax.Array
     overflow: jax.Array
+    prompt_len: jax.Array | None = None  # set on a fresh pool only (`with_prompt_len`); None after a prefill
 
     @property
     def capacity(self) -> int:
@@ -67,8 +68,15 @@ class DMSLayerCache:
         """The hard-masked forward over the prompt, then its kept tokens (`DMSGate.prefill`)."""
         del positions, length
         _require_dms(policy)
-        out, cache, aux = policy.prefill(q, k, v, capacity=self.capacity, return_policy=return_policy)
+        out, cache, aux = policy.prefill(q, k, v, capacity=self.capacity, return_policy=return_policy,
+                                         prompt_len=self.prompt_len)
         return out, in_dtype_of(self, cache), aux
+
+    def with_prompt_len(self, prompt_len) -> "DMSLayerCache":
+        """This fresh pool, its prefill told that only the first `prompt_len` (an int or a traced int32 []) of the
+        tokens it reads are the prompt, the rest padding at its end, never pooled (`build_from_prefill`): `generate`
+        pads a prompt to a power of two so that it compiles once per power of two, not per length."""
+        return self.replace(prompt_len=jnp.asarray(prompt_len, jnp.int32))
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions
@@ -164,18 +172,24 @@ def decode_step(lc: DMSLayerCache, q_tok, k_t, v_t, g_t, position, *, window: in
     return out.reshape(b, 1, hq, d).astype(q_tok.dtype), lc
 
 
-def build_from_prefill(k: jax.Array, v: jax.Array, a: jax.Array, *, window: int, capacity: int) -> DMSLayerCache:
+def build_from_prefill(k: jax.Array, v: jax.Array, a: jax.Array, *, window: int, capacity: int,
+                       prompt_len=None) -> DMSLayerCache:
     """The pool after query P - 1 of a prefill of P tokens.
 
     k, v [B, P, Hkv, D]; a float32 [B, Hkv, P] decision logits (a_{P-1} = NO_DECISION: pending).
     Keeps the tokens visible to query P - 1 (`q - t < w ∨ a_t <= 0`); if more than `capacity`,
     the window first, then older ones by increasing a_t (ties: the newer), the rest counted in
-    `overflow`.
+    `overflow`. prompt_len (int or traced int32 [], optional): only the first prompt_len of the P
+    tokens are the prompt, the rest padding at its end: the pool after query prompt_len - 1, whose
+    decision is pending (its deciding token would be padding), equal to the unpadded prompt's.
     """
     b, p, hkv, d = k.shape
     t = jnp.arange(p)
-    in_window = jnp.broadcast_to(t > p - 1 - window, (b, hkv, p))
-    keep = in_window | (a <= 0)
+    count = p if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
+    if prompt_len is not None:
+        a = jnp.where(t == count - 1, NO_DECISION, a)
+    in_window = jnp.broadcast_to((t > count - 1 - window) & (t < count), (b, hkv, p))
+    keep = in_window | ((a <= 0) & (t < count))
     flat = lambda x: x.reshape(b, hkv * p)  # noqa: E731  candidate i = h * P + t
     keep_f, win_f, a_f = flat(keep), flat(in_window), flat(a.astype(jnp.float32))
     t_f = flat(jnp.broadcast_to(t, (b, hkv, p)))

@@ -21,8 +21,8 @@ a prompt length that is not a power of two is read as `Conversation`'s first tur
 largest power of two, then blocks of 512, 64, 8 and 1 tokens (`_chunks`), so `generate` compiles once
 per power of two and block size, not per prompt length (a power of two keeps one program, prefill and
 decode; the tokens agree to float rounding). A one-shot baseline (TOVA, H2O, StreamingLLM after a dense
-prefill) is given such a prompt padded at its end to the next power of two, the padding neither cached
-nor scored (`BaselineLayerCache.prompt_len`): the same cache, one program per power of two.
+prefill) or a DMS cache is given such a prompt padded at its end to the next power of two, the padding
+neither cached nor scored (`prompt_len` of their layer caches): the same cache, one program per power of two.
 """
 
 from __future__ import annotations
@@ -157,13 +157,17 @@ def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens,
 
 def _pads_prompt(kind, stream_from: int | None) -> bool:
     """Whether a prompt is given to `kind`'s prefill padded at its end to a power of two (`_prefill_padded`): the
-    one-shot baselines (TOVA, H2O, StreamingLLM after a dense prefill), whose prefill takes a padded prompt whole."""
-    return isinstance(kind, BaselineConfig) and not kind.banded_prefill and stream_from is None
+    one-shot baselines (TOVA, H2O, StreamingLLM after a dense prefill) and DMS, whose prefills take a padded prompt
+    whole (`prompt_len` of their layer caches)."""
+    if stream_from is not None:
+        return False
+    return kind == "dms" or isinstance(kind, BaselineConfig) and not kind.banded_prefill
 
 
 def _prefill_padded(model, params, ids, count, state):
-    """`_prefill` of a one-shot baseline's prompt ids [B, T] padded at its end, its first `count` (a traced int) the
-    prompt (`BaselineLayerCache.prompt_len`): (the prompt's last logits, the cache after it, its length `count`)."""
+    """`_prefill` of a one-shot baseline's or DMS's prompt ids [B, T] padded at its end, its first `count` (a traced
+    int) the prompt (`prompt_len` of their layer caches): (the prompt's last logits, the cache after it, its length
+    `count`)."""
     state = state.replace(layers=tuple(layer.with_prompt_len(count) for layer in state.layers))
     out = model.apply({"params": params}, ids, cache=state)
     logits = jax.lax.dynamic_index_in_dim(out.logits, count - 1, axis=1, keepdims=False)
@@ -172,8 +176,8 @@ def _prefill_padded(model, params, ids, count, state):
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "cache"))
 def _generate_padded(model, params, prompt_ids, count, rng, eos, *, max_new_tokens, sampling, cache):
-    """`_generate` of a one-shot baseline's prompt padded at its end to a power of two, its first `count` (a traced
-    int) the prompt: compiled once per power of two, not once per prompt length."""
+    """`_generate` of a one-shot baseline's or DMS's prompt padded at its end to a power of two, its first `count` (a
+    traced int) the prompt: compiled once per power of two, not once per prompt length."""
     state = init_generation_cache(model.config, cache, prompt_ids.shape[0], prompt_ids.shape[1] + max_new_tokens,
                                   dtype=model.dtype)
     last_logits, prompt_cache = _prefill_padded(model, params, prompt_ids, count, state)
@@ -362,8 +366,8 @@ def generate(
         P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
         skipped; StreamingLLM, or a prompt of at most B tokens: a prefill of its largest power of two, then the
-        rest so). The one-shot baselines compile once per power of two (the prompt padded at its end, the
-        padding neither cached nor scored); DMS once per length.
+        rest so). DMS and the one-shot baselines compile once per power of two (the prompt padded at its end,
+        the padding neither cached nor scored).
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
@@ -460,15 +464,15 @@ def compile_generate(
                     stream_from=stream_from).compile()
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from"))
-def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from", "padded"))
+def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from, padded=False):
     """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
-    decode step per id: the first `count`, the rest padding to n's bucket; a one-shot baseline's first turn
-    too is padded so, `_prefill_padded`), then `_decode`."""
+    decode step per id: the first `count`, the rest padding to n's bucket; `padded`: a first turn padded so,
+    `_prefill_padded`), then `_decode`."""
     if cache.started:
         logits, cache = _feed_upto(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
                                    count)
-    elif _pads_prompt(getattr(cache.layers[0], "config", None), stream_from):
+    elif padded:
         logits, cache = _prefill_padded(model, params, ids, count, cache)
     else:
         logits, cache = _prefill(model, params, ids, cache, stream_from)
@@ -571,7 +575,7 @@ class Conversation:
     warning says when it first does) and dense caches; for a training-free baseline, with
     `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and `max_new_tokens`,
     not per turn length; a first turn on KVpop, dense or a one-shot baseline (padded) once per power of two of
-    its length (DMS and the streamed baselines: once per length).
+    its length (DMS and one-shot baselines padded; streamed baselines: once per length).
     `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
@@ -630,14 +634,15 @@ class Conversation:
             tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
                                                  max_new_tokens=max_new_tokens, sampling=sampling)
         else:
-            # a later turn on DMS or a baseline, or a one-shot baseline's first: padded to a power of two, one
-            # compile per bucket
-            if self._pending or _pads_prompt(self.kind, self._stream_from):
+            # a later turn on DMS or a baseline, or a first turn on DMS or a one-shot baseline: padded to a power of
+            # two, one compile per bucket
+            padded = not self._pending and _pads_prompt(self.kind, self._stream_from)
+            if self._pending or padded:
                 pad = (1 << (count - 1).bit_length()) - count
                 prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
             tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
                                                 _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
-                                                stream_from=self._stream_from)
+                                                stream_from=self._stream_from, padded=padded)
         n = int(lengths[0])
         self._pending = [int(tokens[0, n - 1])]
         self.length += turn.shape[0] + n

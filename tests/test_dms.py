@@ -226,6 +226,59 @@ def test_teacher_forced_decode_equals_masked_forward(rng, window, prompt_len):
         np.testing.assert_array_equal(np.asarray(dms_cache.occupancy(layer, 2)), s - gone)
 
 
+@pytest.mark.parametrize("capacity", [24, 10])  # 24: holds the prompt (the unpadded one pads it); 10: overflows
+def test_a_padded_prefill_builds_the_unpadded_prompts_pool(rng, capacity):
+    """`generate` pads a DMS prompt to a power of two (one compile per power of two, not per length): 11 tokens then
+    5 of random padding build exactly the pool of the 11 alone, whose last decision stays pending (its deciding
+    token would be padding), overflow count included."""
+    b, hkv, d, p, pad_to, window = 2, 2, 8, 11, 16, 4
+    k, v = (rng.normal(size=(b, pad_to, hkv, d)).astype(np.float32) for _ in range(2))
+    a = rng.normal(size=(b, hkv, pad_to)).astype(np.float32)
+    want_a = np.concatenate([a[..., : p - 1], np.full((b, hkv, 1), dms_cache.NO_DECISION, np.float32)], axis=-1)
+    want = dms_cache.build_from_prefill(k[:, :p], v[:, :p], want_a, window=window, capacity=capacity)
+    got = jax.jit(functools.partial(dms_cache.build_from_prefill, window=window, capacity=capacity))(
+        k, v, a, prompt_len=jnp.int32(p))
+    assert (np.asarray(want.overflow) > 0).any() == (capacity == 10)
+    for name in ("k", "v", "head", "pos", "logit", "evict", "overflow"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_generate_pads_a_prompt_to_a_power_of_two(rng):
+    """generate on a DMS model compiled a program per prompt length; prompts of 11 and 13 ids now share the padded
+    program of 16 (`_generate_padded`), the cache after the prompt and the tokens equal the per-length program's, and
+    a Conversation's first turn replies as generate does."""
+    from helpers import logged_compiles
+
+    from kvpop_jax.generate import Conversation, _generate, _prefill, _prefill_padded
+    from kvpop_jax.sampling import SamplingConfig
+
+    model, params = dms_model(DMSConfig(window=3, budget=6, gate_hidden=8, logit_offset=0.0), rng)
+    greedy, no_eos = SamplingConfig.greedy(), jnp.asarray([-1], jnp.int32)
+    prompts = {n: rng.integers(0, BASE.vocab_size, size=(2, n)) for n in (11, 13)}
+    fresh = dms_cache.init_cache(model.config, 2)
+    padded = np.zeros((2, 16), np.int32)
+    padded[:, :11] = prompts[11]
+    _, want = jax.jit(lambda i: _prefill(model, params, i, fresh, None))(jnp.asarray(prompts[11]))
+    _, got = jax.jit(lambda i, n: _prefill_padded(model, params, i, n, fresh))(padded, jnp.int32(11))
+    assert int(got.length) == 11 and any(int(layer.overflow.sum()) for layer in want.layers)  # the pool overflows
+    for got_layer, want_layer in zip(got.layers, want.layers):
+        for name in ("head", "pos", "evict", "overflow"):
+            np.testing.assert_array_equal(np.asarray(getattr(got_layer, name)), np.asarray(getattr(want_layer, name)))
+        for name in ("k", "v", "logit"):
+            np.testing.assert_allclose(np.asarray(getattr(got_layer, name)), np.asarray(getattr(want_layer, name)),
+                                       atol=1e-5, rtol=0)
+    with logged_compiles() as seen:
+        for n, prompt in prompts.items():
+            tokens, _ = generate(model, params, prompt, max_new_tokens=4, sampling=greedy)
+            want_tokens = _generate(model, params, jnp.asarray(prompt), jax.random.key(0), no_eos, max_new_tokens=4,
+                                    sampling=greedy, cache="dms")
+            np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens[0]), err_msg=f"{n} ids")
+    assert [f for _, f in seen].count("jit(_generate_padded)") == 1, seen
+    with pytest.warns(UserWarning, match="the DMS pool overflowed by turn 1"):  # B 6 of 13: as generate's pool
+        reply, _ = Conversation(model, params).send(prompts[13][1], max_new_tokens=4, sampling=greedy)
+    np.testing.assert_array_equal(np.asarray(reply), np.asarray(tokens[1]))
+
+
 def test_occupancy_varies_per_head_and_the_pool_has_fixed_size(rng):
     d = DMSConfig(window=4, budget=20, gate_hidden=8, logit_offset=0.0)
     model, params = dms_model(d, rng)
