@@ -149,10 +149,16 @@ def _generate_fed(model, params, head, tail, count, rng, eos, *, max_new_tokens,
     compiled once per (H, T) (`_fed_split`), not once per prompt length."""
     state = init_generation_cache(model.config, cache, head.shape[0], head.shape[1] + tail.shape[1] + max_new_tokens,
                                   dtype=model.dtype)
-    out = model.apply({"params": params}, head, cache=state)
-    last_logits, prompt_cache = _feed_upto(model, params, tail, out.cache, out.logits[:, -1], count)
+    last_logits, prompt_cache = _prefill_fed(model, params, head, tail, count, state)
     tokens, first_eos, _ = _decode(model, params, prompt_cache, last_logits, rng, eos, max_new_tokens, sampling)
     return tokens, first_eos
+
+
+def _prefill_fed(model, params, head, tail, count, state):
+    """`_prefill` of a streamed prompt given as its head [B, H], prefilled, and its tail [B, T], padded, of which the
+    first `count` (a traced int) are read a decode step each: (last logits, cache)."""
+    out = model.apply({"params": params}, head, cache=state)
+    return _feed_upto(model, params, tail, out.cache, out.logits[:, -1], count)
 
 
 def _pads_prompt(kind, stream_from: int | None) -> bool:
@@ -464,16 +470,20 @@ def compile_generate(
                     stream_from=stream_from).compile()
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from", "padded"))
-def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from, padded=False):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "stream_from", "padded", "head"))
+def _turn(model, params, cache, ids, count, rng, eos, *, max_new_tokens, sampling, stream_from, padded=False,
+          head=None):
     """One `Conversation.send`: the turn's ids [1, n] into `cache` (a prefill on a fresh cache, else one
-    decode step per id: the first `count`, the rest padding to n's bucket; `padded`: a first turn padded so,
-    `_prefill_padded`), then `_decode`."""
+    decode step per id: the first `count`, the rest padding to n's bucket), then `_decode`. A first turn given
+    padded: `padded` (DMS, a one-shot baseline: `_prefill_padded`), or `head` (a streamed one: its first `head`
+    ids prefilled, then the first `count` of the rest a decode step each, `_prefill_fed`)."""
     if cache.started:
         logits, cache = _feed_upto(model, params, ids, cache, jnp.zeros((1, model.config.vocab_size), jnp.float32),
                                    count)
     elif padded:
         logits, cache = _prefill_padded(model, params, ids, count, cache)
+    elif head is not None:
+        logits, cache = _prefill_fed(model, params, ids[:, :head], ids[:, head:], count, cache)
     else:
         logits, cache = _prefill(model, params, ids, cache, stream_from)
     return _decode(model, params, cache, logits, rng, eos, max_new_tokens, sampling)
@@ -567,15 +577,15 @@ class Conversation:
     ids. A KVpop or dense cache reads them in a few calls, blocks of 512, 64, 8 or 1 tokens (`TURN_BLOCKS`;
     `KVpopHead.continue_tokens`: the evictions token by token, the attention in one pass), and the first
     turn likewise after a prefill of the largest power of two of its tokens (1000 tokens: a prefill of 512,
-    then 7 blocks of 64 and 5 of 8); DMS and the training-free baselines prefill the first turn as
-    `generate` does (`stream_prompt` included; also a KVpop cache with `stream_prompt=True`) and read a
-    later one a decode step per token, padded to a power of two (the padding skipped). So a reply is the
+    then 7 blocks of 64 and 5 of 8); DMS and the training-free baselines read the first turn as
+    `generate` does (padded to a power of two, or with `stream_prompt` its first B ids prefilled and the rest
+    a decode step each, padded so; also a KVpop cache with `stream_prompt=True`) and a later one a decode
+    step per token, padded to a power of two (the padding skipped). So a reply is the
     one `generate` gives with the whole history as its prompt (for KVpop and dense to float rounding):
     for KVpop, DMS (whose prefill equals their decode; DMS's while its pool does not overflow, and a
     warning says when it first does) and dense caches; for a training-free baseline, with
     `stream_prompt=True` in both. A chat compiles once per block size (or bucket) and `max_new_tokens`,
-    not per turn length; a first turn on KVpop, dense or a one-shot baseline (padded) once per power of two of
-    its length (DMS and one-shot baselines padded; streamed baselines: once per length).
+    not per turn length, and a first turn once per power of two of its length (streamed: of its ids past B).
     `dtype` is the cache's (a floating dtype; the model's by default).
     """
 
@@ -637,12 +647,18 @@ class Conversation:
             # a later turn on DMS or a baseline, or a first turn on DMS or a one-shot baseline: padded to a power of
             # two, one compile per bucket
             padded = not self._pending and _pads_prompt(self.kind, self._stream_from)
+            # a streamed first turn (a length not a power of two): its first B ids prefilled, the rest padded so
+            split = None if self._pending else _fed_split(self.kind, self._stream_from, count)
             if self._pending or padded:
                 pad = (1 << (count - 1).bit_length()) - count
                 prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
+            elif split:
+                head, tail, count = _fed_args(np.asarray(prompt), *split)
+                prompt = jnp.asarray(np.concatenate([head, tail], axis=1))
             tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
                                                 _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
-                                                stream_from=self._stream_from, padded=padded)
+                                                stream_from=self._stream_from, padded=padded,
+                                                head=split[0] if split else None)
         n = int(lengths[0])
         self._pending = [int(tokens[0, n - 1])]
         self.length += turn.shape[0] + n

@@ -240,6 +240,30 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
             Conversation(model, params, cache="dense", max_len=8).send([], max_new_tokens=1)
 
 
+@pytest.mark.long  # ~12 s of streamed-read compiles
+def test_a_streamed_first_turn_compiles_once_per_power_of_two_of_its_streamed_ids(rng, compiles):
+    """A Conversation's first turn with stream_prompt=True compiled a program per length: it now prefills the first B
+    ids and reads the rest a decode step each, padded to a power of two as generate does (`_generate_fed`): turns of
+    13 and 15 ids at B 8 (5 and 7 streamed, 8 padded) share one program and reply as generate."""
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import Conversation
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
+    cache, greedy = BaselineConfig("tova", 8, sinks=1), SamplingConfig.greedy()
+    jax.clear_caches()
+    before = len(compiles)
+    for n in (13, 15):
+        prompt = rng.integers(0, config.vocab_size, size=n).tolist()
+        reply, k = Conversation(model, params, cache=cache, stream_prompt=True).send(prompt, max_new_tokens=4,
+                                                                                    sampling=greedy)
+        expected, expected_k = generate(model, params, [prompt], max_new_tokens=4, sampling=greedy, cache=cache,
+                                        stream_prompt=True)
+        np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected[0]), err_msg=f"{n} ids")
+        assert k == int(expected_k[0])
+    assert [f for _, f in compiles[before:]].count("jit(_turn)") == 1, compiles[before:]
+
+
 def test_a_conversation_cache_dtype_must_be_floating(rng):
     """An integer cache dtype rounded every key and value, and the replies were silently other tokens."""
     from kvpop_jax.generate import Conversation
