@@ -141,10 +141,8 @@ class BaselineLayerCache:
 
     def with_prompt_len(self, prompt_len) -> "BaselineLayerCache":
         """This fresh cache, its prefill told that only the first `prompt_len` (an int or a traced int32 []) of
-        the tokens it reads are the prompt; the rest is padding (the class docstring)."""
-        if self.config.banded_prefill:  # its banded read would cache the padding's band
-            raise ValueError("a padded prefill is for the one-shot policies; StreamingLLM's banded_prefill reads "
-                             "a prompt at any length already")
+        the tokens it reads are the prompt; the rest is padding (the class docstring; `prefill` refuses it for
+        StreamingLLM's banded read)."""
         return self.replace(prompt_len=jnp.asarray(prompt_len, jnp.int32))
 
     def decode(self, q, k, v, *, positions, length, policy):

@@ -161,11 +161,11 @@ def _prefill_fed(model, params, head, tail, count, state):
     return _feed_upto(model, params, tail, out.cache, out.logits[:, -1], count)
 
 
-def _pads_prompt(kind, stream_from: int | None) -> bool:
-    """Whether a prompt is given to `kind`'s prefill padded at its end to a power of two (`_prefill_padded`): the
-    one-shot baselines (TOVA, H2O, StreamingLLM after a dense prefill) and DMS, whose prefills take a padded prompt
-    whole (`prompt_len` of their layer caches)."""
-    if stream_from is not None:
+def _pads_prompt(kind, stream_from: int | None, prompt_len: int) -> bool:
+    """Whether a [B, prompt_len] prompt is given to `kind`'s prefill padded at its end to the next power of two
+    (`_prefill_padded`): a length not a power of two on the one-shot baselines (TOVA, H2O, StreamingLLM after a dense
+    prefill) or DMS, whose prefills take a padded prompt whole (`prompt_len` of their layer caches)."""
+    if stream_from is not None or _power_of_two(prompt_len):
         return False
     return kind == "dms" or isinstance(kind, BaselineConfig) and not kind.banded_prefill
 
@@ -193,7 +193,7 @@ def _generate_padded(model, params, prompt_ids, count, rng, eos, *, max_new_toke
 
 def _padded_args(ids: np.ndarray) -> tuple[np.ndarray, np.int32]:
     """(ids [B, P] padded with 0s at the end to the next power of two, P) for `_generate_padded`, on the host."""
-    padded = np.zeros((ids.shape[0], 1 << (ids.shape[1] - 1).bit_length()), np.int32)
+    padded = np.zeros((ids.shape[0], _next_power_of_two(ids.shape[1])), np.int32)
     padded[:, : ids.shape[1]] = ids
     return padded, np.int32(ids.shape[1])
 
@@ -212,7 +212,7 @@ def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int
         head = stream_from if prompt_len > stream_from else largest
     else:
         head = largest if isinstance(kind, BaselineConfig) and kind.banded_prefill else None
-    return None if head is None else (head, 1 << (prompt_len - head - 1).bit_length())
+    return None if head is None else (head, _next_power_of_two(prompt_len - head))
 
 
 def _fed_args(ids: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
@@ -402,7 +402,7 @@ def generate(
             logits, state = _read_blocks(model, params, _blocks_cache(model, kind, prompt.shape, max_new_tokens),
                                          prompt, first=True, owned=True)
             return _reply(model, params, state, logits, k, eos, max_new_tokens=max_new_tokens, sampling=sampling)[:2]
-        if _pads_prompt(kind, stream_from) and not _power_of_two(prompt.shape[1]):
+        if _pads_prompt(kind, stream_from, prompt.shape[1]):
             return _generate_padded(model, params, *_padded_args(np.asarray(prompt)), k, eos,
                                     max_new_tokens=max_new_tokens, sampling=sampling, cache=kind)
         split = _fed_split(kind, stream_from, prompt.shape[1])
@@ -454,7 +454,7 @@ def compile_generate(
         _reply.lower(model, params, state, jnp.zeros(logits.shape, logits.dtype), jax.random.key(0),
                      _eos_array(eos_ids), max_new_tokens=max_new_tokens, sampling=sampling).compile()
         return
-    if _pads_prompt(kind, stream_from) and not _power_of_two(prompt_len):
+    if _pads_prompt(kind, stream_from, prompt_len):
         _generate_padded.lower(model, params, *_padded_args(np.zeros((batch, prompt_len), np.int32)),
                                jax.random.key(0), _eos_array(eos_ids), max_new_tokens=max_new_tokens,
                                sampling=sampling, cache=kind).compile()
@@ -504,10 +504,15 @@ def _power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
 
+def _next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): the bucket a padded prompt, tail or turn is compiled for."""
+    return 1 << (n - 1).bit_length()
+
+
 def _blocks_cache(model, kind, shape: tuple[int, int], max_new_tokens: int):
     """The fresh cache `generate` reads a prompt of `shape` [B, P] into in blocks: a dense one holds the next
     power of two of P + max_new_tokens slots (so that prompts of other lengths reuse its programs)."""
-    slots = 1 << (shape[1] + max_new_tokens - 1).bit_length()
+    slots = _next_power_of_two(shape[1] + max_new_tokens)
     return init_generation_cache(model.config, kind, shape[0], slots, dtype=model.dtype)
 
 
@@ -646,12 +651,11 @@ class Conversation:
         else:
             # a later turn on DMS or a baseline, or a first turn on DMS or a one-shot baseline: padded to a power of
             # two, one compile per bucket
-            padded = not self._pending and _pads_prompt(self.kind, self._stream_from)
+            padded = not self._pending and _pads_prompt(self.kind, self._stream_from, count)
             # a streamed first turn (a length not a power of two): its first B ids prefilled, the rest padded so
             split = None if self._pending else _fed_split(self.kind, self._stream_from, count)
             if self._pending or padded:
-                pad = (1 << (count - 1).bit_length()) - count
-                prompt = jnp.asarray(np.pad(np.asarray(prompt), ((0, 0), (0, pad))))
+                prompt = jnp.asarray(_padded_args(np.asarray(prompt))[0])
             elif split:
                 head, tail, count = _fed_args(np.asarray(prompt), *split)
                 prompt = jnp.asarray(np.concatenate([head, tail], axis=1))
