@@ -2,7 +2,8 @@
 
 Cache kinds (the `cache` argument of `generate`):
 
-  "dense"           a dense cache (`cache.init_dense_cache`) of prompt + max_new_tokens slots;
+  "dense"           a dense cache (`cache.init_dense_cache`) of prompt + max_new_tokens slots (a prompt length
+                    not a power of two: its next power of two + max_new_tokens);
   "kvpop"           the bounded KVpop cache (`cache.py`): prefill with the masked parallel
                     forward, then S = 1 steps that reproduce its mask exactly;
   "dms"             DMS's bounded pool (`dms_cache.py`): the same for a DMS model's hard gates;
@@ -201,18 +202,20 @@ def _padded_args(ids: np.ndarray) -> tuple[np.ndarray, np.int32]:
 def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int] | None:
     """(head, padded tail) of a streamed prompt `generate` runs through `_generate_fed`, for a length not a power of
     two: past the `stream_from` prefilled tokens, the tail P - stream_from padded to the next power of two; for
-    StreamingLLM's banded read (exact at any length) a banded prefill of the largest power of two, then the rest
-    likewise padded; a prompt of at most `stream_from` tokens (nothing evicted while it is read): a prefill of its
-    largest power of two, the rest padded (prefill equals decode: a policy's scores sum or take the last query as
-    decoding does). None otherwise (a power of two keeps `_generate`'s one program)."""
+    StreamingLLM's banded read (exact at any length) a banded prefill of the largest power of two, then the rest in
+    a tail of that same size; a prompt of at most `stream_from` tokens (nothing evicted while it is read): a prefill
+    of its largest power of two, the rest likewise (prefill equals decode: a policy's scores sum or take the last
+    query as decoding does). The rest is under the largest power of two, so one (head, tail), one program, serves a
+    whole power-of-two bucket of lengths; only `count` steps of the tail are read. None otherwise (a power of two
+    keeps `_generate`'s one program)."""
     if _power_of_two(prompt_len):
         return None
     largest = 1 << (prompt_len.bit_length() - 1)
-    if stream_from is not None:  # a prompt that B holds whole: its largest power of two, as nothing is evicted
-        head = stream_from if prompt_len > stream_from else largest
-    else:
-        head = largest if isinstance(kind, BaselineConfig) and kind.banded_prefill else None
-    return None if head is None else (head, _next_power_of_two(prompt_len - head))
+    if stream_from is not None and prompt_len > stream_from:
+        return stream_from, _next_power_of_two(prompt_len - stream_from)
+    if stream_from is not None or isinstance(kind, BaselineConfig) and kind.banded_prefill:
+        return largest, largest  # a prompt that B holds whole (nothing is evicted), or StreamingLLM's banded read
+    return None
 
 
 def _fed_args(ids: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray, np.int32]:
@@ -369,10 +372,10 @@ def generate(
         one batch, with the key `jax.random.fold_in(rng, i)` where i is the first such row, so a greedy
         row gives what it gives alone. A KVpop or dense cache compiles once per power of two of the
         length (a prefill of the largest, then blocks; a dense cache then holds the next power of two of
-        P + max_new_tokens slots). With `stream_prompt`, a length not a power of two compiles once per power
+        P, plus max_new_tokens, slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
-        skipped; StreamingLLM, or a prompt of at most B tokens: a prefill of its largest power of two, then the
-        rest so). DMS and the one-shot baselines compile once per power of two (the prompt padded at its end,
+        skipped); StreamingLLM, or a prompt of at most B tokens, once per power of two of its length (a prefill of
+        the largest power of two, then the rest so). DMS and the one-shot baselines compile once per power of two (the prompt padded at its end,
         the padding neither cached nor scored).
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
@@ -511,8 +514,9 @@ def _next_power_of_two(n: int) -> int:
 
 def _blocks_cache(model, kind, shape: tuple[int, int], max_new_tokens: int):
     """The fresh cache `generate` reads a prompt of `shape` [B, P] into in blocks: a dense one holds the next
-    power of two of P + max_new_tokens slots (so that prompts of other lengths reuse its programs)."""
-    slots = _next_power_of_two(shape[1] + max_new_tokens)
+    power of two of P, plus max_new_tokens, slots (so that prompts of its power-of-two bucket reuse its programs,
+    at most P - 1 slots more than the prompt and reply need)."""
+    slots = _next_power_of_two(shape[1]) + max_new_tokens
     return init_generation_cache(model.config, kind, shape[0], slots, dtype=model.dtype)
 
 

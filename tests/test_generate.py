@@ -458,6 +458,50 @@ def test_a_streamed_prompt_compiles_once_per_power_of_two_of_its_streamed_tokens
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]), err_msg=f"{cache}, 5 ids")
 
 
+@pytest.mark.parametrize("banded", [False, pytest.param(True, marks=pytest.mark.long)])
+def test_a_streamed_prompt_without_evictions_or_banded_compiles_once_per_bucket_whatever_its_rest(rng, compiles,
+                                                                                                  banded):
+    """A streamed prompt that B holds whole (TOVA at B 64), or StreamingLLM's banded read, prefills the largest power
+    of two of its length and reads the rest a step each: the rest's tail was padded to the next power of two of the
+    rest, so lengths 17 and 24 (rests 1 and 8) compiled two programs in one bucket; the tail now has the prefill's
+    size, one program per bucket, and the tokens stay the per-length program's."""
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import _generate
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(6))
+    streaming = BaselineConfig("streaming", 6, sinks=1)
+    cache, want_cache, stream_from = ((streaming, dataclasses.replace(streaming, banded_prefill=True), None) if banded
+                                      else (BaselineConfig("tova", 64, sinks=1), BaselineConfig("tova", 64, sinks=1),
+                                            64))
+    no_eos, greedy = jnp.asarray([-1], jnp.int32), SamplingConfig.greedy()
+    jax.clear_caches()
+    before = len(compiles)
+    for n in (17, 24):
+        prompt = rng.integers(0, config.vocab_size, size=(2, n))
+        tokens, _ = generate(model, params, prompt, max_new_tokens=3, sampling=greedy, cache=cache,
+                             stream_prompt=True)
+        if n == 17:
+            want = _generate(model, params, jnp.asarray(prompt), jax.random.key(0), no_eos, max_new_tokens=3,
+                             sampling=greedy, cache=want_cache, stream_from=stream_from)  # the per-length program
+            np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want[0]))
+    fed = [f for _, f in compiles[before:] if f == "jit(_generate_fed)"]
+    assert fed == ["jit(_generate_fed)"], compiles[before:]
+
+
+def test_a_dense_cache_read_in_blocks_holds_the_prompts_bucket_plus_the_reply():
+    """A dense cache for a prompt read in blocks held the next power of two of P + max_new_tokens slots: 300 + 32768
+    took 65536 where 33068 are used. It now holds the prompt's bucket plus the reply (512 + 32768), the same for
+    every length of the bucket, so the programs are still shared."""
+    from kvpop_jax.generate import _blocks_cache
+
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    model = Qwen3ForCausalLM(config)
+    for prompt_len in (257, 300, 511):
+        k = _blocks_cache(model, "dense", (1, prompt_len), 32768).layers[0].k
+        assert 512 + 32768 in k.shape and 65536 not in k.shape, k.shape
+
+
 @pytest.mark.parametrize("method", ["tova", pytest.param("h2o", marks=pytest.mark.long),
                                     pytest.param("streaming", marks=pytest.mark.long)])
 def test_a_one_shot_baseline_compiles_once_per_power_of_two(rng, compiles, method):
