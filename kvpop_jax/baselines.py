@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpop_jax import attention as attn_lib
-from kvpop_jax.cache import Cache, in_dtype_of, one_token
+from kvpop_jax.cache import Cache, in_dtype_of, one_token, prompt_count
 from kvpop_jax.config import _require_bools
 from pallas_kernels.common import NEG_INF
 
@@ -143,7 +143,7 @@ class BaselineLayerCache:
         """This fresh cache, its prefill told that only the first `prompt_len` (an int or a traced int32 []) of
         the tokens it reads are the prompt; the rest is padding (the class docstring; `prefill` refuses it for
         StreamingLLM's banded read)."""
-        return self.replace(prompt_len=jnp.asarray(prompt_len, jnp.int32))
+        return self.replace(prompt_len=prompt_count(prompt_len))
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions, policy
@@ -254,7 +254,7 @@ def prefill(cfg: BaselineConfig, q, k, v, positions, prompt_len=None):
     n = cfg.budget
     if prompt_len is not None and cfg.banded_prefill:
         raise ValueError("prompt_len (a padded prompt) is for the one-shot policies, not StreamingLLM's banded read")
-    count = p if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
+    count = prompt_count(prompt_len, p)
     if cfg.banded_prefill:
         out, lse = _banded_attention(q, k, v, positions, sinks=cfg.sinks, recent=cfg.recent)
     else:

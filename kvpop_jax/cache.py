@@ -83,6 +83,24 @@ def one_token(q: jax.Array, kind: str) -> None:
                          "feed them one at a time (or start a new cache for a new prompt)")
 
 
+def prompt_count(prompt_len, tokens: int | None = None):
+    """How many of a prefill's `tokens` are the prompt: all of them when `prompt_len` is None, else `prompt_len`
+    (an int, or a traced int32 [] whose value `generate` sets) as int32 []. A concrete value that is not an int in
+    [1, tokens] ([1, ...) when `tokens` is None: a fresh cache's `with_prompt_len`) is a ValueError naming it: a
+    traced index past either end would clamp and build another prompt's cache."""
+    if prompt_len is None:
+        return tokens
+    try:
+        value = np.asarray(prompt_len)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return jnp.asarray(prompt_len, jnp.int32)  # traced
+    top = np.iinfo(np.int32).max if tokens is None else tokens
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer) or not 1 <= int(value) <= top:
+        expected = ">= 1" if tokens is None else f"in [1, {tokens}], the prompt's share of the {tokens} tokens read"
+        raise ValueError(f"prompt_len must be an int {expected} (the rest is padding), got {prompt_len!r}")
+    return jnp.asarray(value, jnp.int32)
+
+
 def in_dtype_of(empty, filled):
     """`filled` (a layer cache a prefill built from the prompt's k and v, in the model's dtype) with k and v
     in the dtype `empty` was made with: `init_cache(..., dtype=bf16)` on an f32 model keeps bf16 entries."""

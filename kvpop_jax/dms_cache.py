@@ -40,7 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvpop_jax.cache import Cache, in_dtype_of, one_token
+from kvpop_jax.cache import Cache, in_dtype_of, one_token, prompt_count
 from kvpop_jax.config import Qwen3Config
 from pallas_kernels.common import NEG_INF
 
@@ -76,7 +76,7 @@ class DMSLayerCache:
         """This fresh pool, its prefill told that only the first `prompt_len` (an int or a traced int32 []) of the
         tokens it reads are the prompt, the rest padding at its end, never pooled (`build_from_prefill`): `generate`
         pads a prompt to a power of two so that it compiles once per power of two, not per length."""
-        return self.replace(prompt_len=jnp.asarray(prompt_len, jnp.int32))
+        return self.replace(prompt_len=prompt_count(prompt_len))
 
     def decode(self, q, k, v, *, positions, length, policy):
         del positions
@@ -185,7 +185,7 @@ def build_from_prefill(k: jax.Array, v: jax.Array, a: jax.Array, *, window: int,
     """
     b, p, hkv, d = k.shape
     t = jnp.arange(p)
-    count = p if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
+    count = prompt_count(prompt_len, p)
     if prompt_len is not None:
         a = jnp.where(t == count - 1, NO_DECISION, a)
     in_window = jnp.broadcast_to((t > count - 1 - window) & (t < count), (b, hkv, p))

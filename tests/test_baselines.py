@@ -110,6 +110,20 @@ def test_padded_prefill_matches_brute_force(rng, cfg, prompt_len, pad_to):
     _check_against_brute_force(rng, cfg, prompt_len, pad_to=pad_to)
 
 
+@pytest.mark.parametrize("prompt_len", [0, 9, jnp.int32(-1), 2.0])
+def test_a_prompt_len_outside_the_tokens_read_is_refused_by_name(rng, prompt_len):
+    """`prompt_len` set by hand (the layer cache's `with_prompt_len`, or `prefill`'s argument) past either end of the
+    8 tokens read clamped its index and built another prompt's cache silently; a concrete one outside [1, 8] (or not
+    an int) is now a ValueError naming it; traced ones (generate's) are not checked."""
+    q, k, v = (jnp.asarray(rng.normal(size=(B, 8, h, D)), jnp.float32) for h in (HQ, HKV, HKV))
+    positions = jnp.broadcast_to(jnp.arange(8), (B, 8))
+    with pytest.raises(ValueError, match=r"prompt_len must be an int in \[1, 8\]"):
+        baselines.prefill(BaselineConfig("tova", 4), q, k, v, positions, prompt_len=prompt_len)
+    with pytest.raises(ValueError, match=r"prompt_len must be an int (>= 1|in \[1, 8\])"):  # 9: read by the prefill
+        baselines.init_layer_cache(BaselineConfig("h2o", 4), B, HKV, D).with_prompt_len(prompt_len).prefill(
+            q, k, v, positions=positions, length=0, policy=None)
+
+
 def _check_against_brute_force(rng, cfg, prompt_len, pad_to=None):
     q = rng.normal(size=(B, T, HQ, D)) * 2
     k = rng.normal(size=(B, T, HKV, D)) * 2

@@ -243,6 +243,15 @@ def test_a_padded_prefill_builds_the_unpadded_prompts_pool(rng, capacity):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
 
 
+def test_a_prompt_len_outside_the_tokens_read_is_refused_by_name(rng):
+    """A hand-set `prompt_len` of 0 or past the 16 tokens read clamped its index silently; it is a ValueError now."""
+    k, v = (rng.normal(size=(2, 16, 2, 8)).astype(np.float32) for _ in range(2))
+    a = rng.normal(size=(2, 2, 16)).astype(np.float32)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match=rf"prompt_len must be an int in \[1, 16\].*got {bad}"):
+            dms_cache.build_from_prefill(k, v, a, window=4, capacity=24, prompt_len=bad)
+
+
 def test_generate_pads_a_prompt_to_a_power_of_two(rng):
     """generate on a DMS model compiled a program per prompt length; prompts of 11 and 13 ids now share the padded
     program of 16 (`_generate_padded`), the cache after the prompt and the tokens equal the per-length program's, and
