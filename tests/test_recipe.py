@@ -133,6 +133,15 @@ def test_a_quick_run_says_so_first(tmp_path, arch, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert ("--quick:" in err) == quick, err
     assert f"--quick: {cfg.steps} training steps and 10 problems per task" in err and "run-quick" in err
+    # without an evaluation (variants only, or one training: train.main prints recipe.quick_notice) it said nothing
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, quick=True, variants="kvpop-mlp", eval_methods=""))
+    assert cfg.evaluation is None
+    with pytest.raises(RuntimeError, match="stopped after the first lines"):
+        recipe._run(cfg)
+    assert f"--quick: {cfg.steps} training steps (a quarter" in capsys.readouterr().err
+    single = parse(tiny_flags(str(tmp_path / "one"), arch, quick=True, eval_methods=""))
+    assert recipe.quick_notice(single).startswith(f"--quick: {single.steps} training steps (") and "one-quick" in \
+        recipe.quick_notice(single)
 
 
 @pytest.mark.long

@@ -165,6 +165,7 @@ class TrainConfig:
     variants: tuple[str, ...] = ()
     evaluation: EvalConfig | None = None
     overwrite: bool = False  # start over in a run_dir that holds a run (train/run_dir.py)
+    quick: bool = False  # --quick: a quarter of the steps (and problems) into RUN_DIR-quick (`recipe.quick_notice`)
     divergence_factor: float = 100.0  # stop when a loss term exceeds this x its running median (0: off)
     divergence_warmup: int = 3  # steps of history before the divergence guard checks
     retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)

@@ -236,7 +236,7 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
         export=f.export, export_dir=export_dir, log_every=f.log_every,
         tensorboard=f.tensorboard, progress=f.progress, dry_run=f.dry_run, variants=variants, evaluation=evaluation,
         overwrite=f.overwrite, divergence_factor=f.divergence_factor, divergence_warmup=f.divergence_warmup,
-        retrofit=f.retrofit, dms=dms, scan_layers=f.scan_layers,
+        retrofit=f.retrofit, dms=dms, scan_layers=f.scan_layers, quick=f.quick,
     )
 
 

@@ -32,6 +32,7 @@ from train.dry_run import dry_run
 from train.flags import define_flags
 from train.loop import TrainingAborted, train
 from train.run_dir import resume_advice
+from train.setup import info
 from train.teacher_cache import write_teacher_logits
 
 FLAGS = flags.FLAGS
@@ -67,6 +68,8 @@ def main(argv):
             elif cfg.variants or cfg.evaluation is not None:
                 recipe.run(cfg)
             else:
+                if cfg.quick:
+                    info(recipe.quick_notice(cfg))
                 train(cfg)
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)

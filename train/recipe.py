@@ -105,9 +105,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
-    if cfg.evaluation is not None and cfg.evaluation.quick:  # said first, not only in the summary at the end
-        info(f"--quick: {cfg.steps} training steps and {cfg.evaluation.problems} problems per task (a quarter of the "
-             f"recipe's) into {cfg.run_dir}; rougher numbers, not comparable with the full job's")
+    if cfg.quick:  # said first, not only in the summary at the end
+        info(quick_notice(cfg))
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times, teacher_seconds = {}, {}, None
@@ -144,6 +143,13 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     info("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in {**shared, **times}.items())
          + f"; total {time.perf_counter() - start:.0f} s")
     return summary
+
+
+def quick_notice(cfg: TrainConfig) -> str:
+    """The first line of a --quick run (a recipe's, or a single training's: `train.main`)."""
+    problems = "" if cfg.evaluation is None else f" and {cfg.evaluation.problems} problems per task"
+    return (f"--quick: {cfg.steps} training steps{problems} (a quarter of the flags') into {cfg.run_dir}; rougher "
+            "numbers, not comparable with a full run's")
 
 
 def finished(cfg: TrainConfig) -> bool:
