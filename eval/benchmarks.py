@@ -166,12 +166,13 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
             raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a number, got "
                              f"{type(row['answer']).__name__} {str(row['answer'])[:80]!r}")
         if not isinstance(row[field], str) or not row[field].strip():  # whitespace alone asks nothing
-            raise ValueError(f"{source!r} row {i}: {field!r} must be a non-empty string, got {str(row[field])[:80]!r}")
+            raise ValueError(f"{source!r} row {i}: {field!r} must be a string with text in it (not empty or blank), "
+                             f"got {str(row[field])[:80]!r}")
         # ids key every record, sample and per-problem comparison: a missing one is its row number
         problem_id = row.get("id", i)
         if problem_id is None or isinstance(problem_id, (bool, dict, list)) or not str(problem_id).strip():
-            raise ValueError(f"{source!r} row {i}: 'id' must be a non-empty string or number (or absent: the row "
-                             f"number), got {str(problem_id)[:80]!r}")
+            raise ValueError(f"{source!r} row {i}: 'id' must be a number or a string with text in it (or absent: "
+                             f"the row number), got {str(problem_id)[:80]!r}")
         problem_id = str(problem_id)
         if problem_id in seen:
             raise ValueError(f"{source!r} rows {seen[problem_id]} and {i} share the id {problem_id!r}: records and "
