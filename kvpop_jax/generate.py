@@ -285,6 +285,8 @@ def _as_prompt_array(prompt_ids, vocab_size: int) -> jax.Array:
     if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
         raise ValueError(f"prompt_ids must be integer token ids, got {prompt_ids.dtype}")
     check_token_ids(prompt_ids, vocab_size, "prompt_ids")
+    if isinstance(prompt_ids, np.ndarray):  # cast on the host: jnp's cast of int64 ids compiles once per shape
+        prompt_ids = prompt_ids.astype(np.int32)
     return jnp.asarray(prompt_ids, jnp.int32)
 
 

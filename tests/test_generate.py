@@ -489,6 +489,18 @@ def test_a_streamed_prompt_without_evictions_or_banded_compiles_once_per_bucket_
     assert fed == ["jit(_generate_fed)"], compiles[before:]
 
 
+def test_int64_prompt_ids_compile_nothing_per_length(compiles):
+    """numpy's default int64 ids (and Conversation's own turns) were cast to int32 on the device, an eager compile per
+    prompt shape beside the bucketed programs; they are cast on the host now."""
+    from kvpop_jax.generate import _as_prompt_array
+
+    before = len(compiles)
+    for p in (9, 10, 11):
+        ids = _as_prompt_array(np.arange(2 * p, dtype=np.int64).reshape(2, p) % 90, 97)
+        assert ids.dtype == jnp.int32 and ids.shape == (2, p)
+    assert compiles[before:] == [], compiles[before:]
+
+
 def test_a_dense_cache_read_in_blocks_holds_the_prompts_bucket_plus_the_reply():
     """A dense cache for a prompt read in blocks held the next power of two of P + max_new_tokens slots: 300 + 32768
     took 65536 where 33068 are used. It now holds the prompt's bucket plus the reply (512 + 32768), the same for
