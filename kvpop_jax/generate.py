@@ -377,8 +377,8 @@ def generate(
         P, plus max_new_tokens, slots). With `stream_prompt`, a length not a power of two compiles once per power
         of two of the tokens past the prefilled first B (they are read a decode step each, padded, the padding
         skipped); StreamingLLM, or a prompt of at most B tokens, once per power of two of its length (a prefill of
-        the largest power of two, then the rest so). DMS and the one-shot baselines compile once per power of two (the prompt padded at its end,
-        the padding neither cached nor scored).
+        the largest power of two, then the rest so). DMS and the one-shot baselines compile once per power of two
+        (the prompt padded at its end, the padding neither cached nor scored).
       cache: "auto" | "dense" | "kvpop" | "dms" | BaselineConfig (see the module docstring).
       stream_prompt: a bounded cache reads the prompt as if it were being generated: the first
         `budget` tokens are prefilled (nothing is evicted yet) and every later prompt token is one
