@@ -210,7 +210,7 @@ def _fed_split(kind, stream_from: int | None, prompt_len: int) -> tuple[int, int
     keeps `_generate`'s one program)."""
     if _power_of_two(prompt_len):
         return None
-    largest = 1 << (prompt_len.bit_length() - 1)
+    largest = _largest_power_of_two(prompt_len)
     if stream_from is not None and prompt_len > stream_from:
         return stream_from, _next_power_of_two(prompt_len - stream_from)
     if stream_from is not None or isinstance(kind, BaselineConfig) and kind.banded_prefill:
@@ -286,7 +286,7 @@ def _as_prompt_array(prompt_ids, vocab_size: int) -> jax.Array:
         raise ValueError(f"prompt_ids must be integer token ids, got {prompt_ids.dtype}")
     check_token_ids(prompt_ids, vocab_size, "prompt_ids")
     if isinstance(prompt_ids, np.ndarray):  # cast on the host: jnp's cast of int64 ids compiles once per shape
-        prompt_ids = prompt_ids.astype(np.int32)
+        prompt_ids = prompt_ids.astype(np.int32, copy=False)
     return jnp.asarray(prompt_ids, jnp.int32)
 
 
@@ -514,6 +514,11 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _largest_power_of_two(n: int) -> int:
+    """The largest power of two <= n (n >= 1): the prefill a first turn or a streamed prompt starts with."""
+    return 1 << (n.bit_length() - 1)
+
+
 def _blocks_cache(model, kind, shape: tuple[int, int], max_new_tokens: int):
     """The fresh cache `generate` reads a prompt of `shape` [B, P] into in blocks: a dense one holds the next
     power of two of P, plus max_new_tokens, slots (so that prompts of its power-of-two bucket reuse its programs,
@@ -528,7 +533,7 @@ def _chunks(count: int, first: bool = False) -> list[tuple[int, int]]:
     `first` (the prompt on a fresh cache): the first block is the largest power of two <= count (a prefill,
     compiled once per power of two, not per prompt length), then the rest in TURN_BLOCKS
     (1000 -> 512, 64 x 7, 8 x 5)."""
-    c0 = 1 << (count.bit_length() - 1) if first and count else 0
+    c0 = _largest_power_of_two(count) if first and count else 0
     out = [(0, c0)] if c0 else []
     for size in TURN_BLOCKS:
         while count - c0 >= size:

@@ -114,7 +114,6 @@ class EvalConfig:
     long_len: int = 0  # length generalization: the main task at this prompt length too (0: off)
     long_methods: tuple[str, ...] = ()  # the trained variants evaluated at long_len
     stream_prompt: bool = True  # the baselines evict token by token through the prompt (eval.accuracy)
-    quick: bool = False  # --quick: a quarter of the steps and problems (the summary says so)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +164,7 @@ class TrainConfig:
     variants: tuple[str, ...] = ()
     evaluation: EvalConfig | None = None
     overwrite: bool = False  # start over in a run_dir that holds a run (train/run_dir.py)
-    quick: bool = False  # --quick: a quarter of the steps (and problems) into RUN_DIR-quick (`recipe.quick_notice`)
+    quick: bool = False  # --quick: a quarter of the steps and problems into RUN_DIR-quick (`recipe.quick_notice`)
     divergence_factor: float = 100.0  # stop when a loss term exceeds this x its running median (0: off)
     divergence_warmup: int = 3  # steps of history before the divergence guard checks
     retrofit: str = "kvpop"  # what this run trains: kvpop (the `kvpop` settings) or dms (`dms`)

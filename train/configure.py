@@ -310,4 +310,4 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
     long_methods = tuple(m for m in (x.strip() for x in f.eval_long_methods) if m in methods and m in trained)
     return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences,
-                      tasks, f.eval_long_len, long_methods, f.eval_stream_prompt, f.quick)
+                      tasks, f.eval_long_len, long_methods, f.eval_stream_prompt)

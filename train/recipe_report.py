@@ -93,7 +93,7 @@ def write_summary(cfg: TrainConfig, results: dict[str, dict], recall: dict[str, 
               "generated trace (`--eval_stream_prompt`); KVpop and DMS do so by construction." if ev.stream_prompt else
               "StreamingLLM, TOVA and H2O compress each prompt in one shot after a dense prefill "
               "(`--noeval_stream_prompt`): they see every read in the prompt before they evict."), ""]
-    if ev.quick:
+    if cfg.quick:
         lines[2:2] = [f"A `--quick` run: {cfg.steps} training steps and {ev.problems} problems per task, a quarter of "
                       "the recipe's, so its numbers are rougher and not comparable with the full job's (the shipped "
                       "`benchmarks/demo_cpu/summary.md`).", ""]
