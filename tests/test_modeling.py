@@ -9,7 +9,7 @@ import torch
 from helpers import TINY_HF_CONFIGS
 from kvpop_jax import Qwen3Config, load_pretrained
 from kvpop_jax.cache import init_dense_cache
-from kvpop_jax.modeling import Qwen3ForCausalLM, init_params
+from kvpop_jax.modeling import MLP, Qwen3ForCausalLM, init_params
 
 
 def torch_logits(model, ids):
@@ -106,3 +106,29 @@ def test_bf16_forward_runs_and_is_close(hf_checkpoint, rng):
     ).logits
     ref = torch_logits(torch_model, ids)
     assert np.abs(np.asarray(ours) - ref).max() < 0.25 * np.abs(ref).max()
+
+
+def test_mlp_on_token_rows_equals_the_swiglu_of_its_kernels_with_gradients(rng):
+    """The MLP runs its products on [B * S, E] rows (a CPU layout fast path): its output and every gradient
+    equal a plain SwiGLU over [B, S, E] written with the same kernels, and the parameters keep HF's names."""
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    x = jnp.asarray(rng.normal(size=(3, 7, config.hidden_size)), jnp.float32)
+    mlp = MLP(config)
+    params = mlp.init(jax.random.key(1), x)["params"]
+    assert {k: v["kernel"].shape for k, v in params.items()} == {
+        "gate_proj": (config.hidden_size, config.intermediate_size),
+        "up_proj": (config.hidden_size, config.intermediate_size),
+        "down_proj": (config.intermediate_size, config.hidden_size)}
+    cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+    def reference(p, x):
+        gate = jnp.einsum("bse,ef->bsf", x, p["gate_proj"]["kernel"])
+        up = jnp.einsum("bse,ef->bsf", x, p["up_proj"]["kernel"])
+        return jnp.einsum("bsf,fe->bse", jax.nn.silu(gate) * up, p["down_proj"]["kernel"])
+
+    ours, ours_vjp = jax.vjp(lambda p, x: mlp.apply({"params": p}, x), params, x)
+    ref, ref_vjp = jax.vjp(reference, params, x)
+    assert ours.shape == x.shape
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(ours_vjp(cotangent)), jax.tree.leaves(ref_vjp(cotangent))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
