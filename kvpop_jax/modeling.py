@@ -185,8 +185,8 @@ class MLP(nn.Module):
             feats, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
         )
         # One row per token: the same products bit for bit, but XLA:CPU then lays out the weight gradients
-        # without the strided transposes it fuses with SiLU's backward for [B, S, E] (a 2-core training step
-        # 0.65 -> 0.55 s; BENCHMARKS.md, stop 60). `length` is never sharded: the merge moves no data.
+        # without the strided transposes it fuses with SiLU's backward for [B, S, E] (StreamingLLM+'s 2-core step
+        # 0.61 -> 0.54 s; BENCHMARKS.md, stop 60). `length` is never sharded: the merge moves no data.
         x_TxE = x_BxSxE.reshape(-1, x_BxSxE.shape[-1])
         gate = dense(c.intermediate_size, "gate_proj")(x_TxE)
         up = dense(c.intermediate_size, "up_proj")(x_TxE)
