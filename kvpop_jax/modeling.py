@@ -34,7 +34,7 @@ from kvpop_jax import sharding as shd
 from kvpop_jax.cache import Cache
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.dms import DMS_SUBTREE, DMSGate, dms_layer_attention
-from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention
+from kvpop_jax.kvpop import KVpopHead, kvpop_layer_attention, window_layer_attention
 from kvpop_jax.rope import apply_rope, rope_cos_sin
 
 Dtype = Any
@@ -155,6 +155,9 @@ class Attention(nn.Module):
             out, aux = dms_layer_attention(q, k, v, g, c.dms, noise=noise, return_policy=return_policy,
                                            row_lengths=row_lengths)
             return self.o_proj(out), None, aux
+        if policy is not None and c.kvpop.topk == 0 and query_samples is None and not return_policy \
+                and not self.is_initializing():  # StreamingLLM+: no score can matter (init still makes the scorer)
+            return self.o_proj(window_layer_attention(q, k, v, c.kvpop)), None, None
         if policy is not None:
             scores, log_gamma = policy(k, v, positions)
             out, aux = kvpop_layer_attention(

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from jax.extend import core as jex_core
 
 from helpers import TINY_HF_CONFIGS
 from kvpop_jax import KVpopConfig, Qwen3Config
+from kvpop_jax.kvpop import window_layer_attention
 from kvpop_jax.losses import teacher_topk, topk_kl_loss
 from kvpop_jax.modeling import Qwen3ForCausalLM, init_params, retrofit_params
 
@@ -240,3 +242,44 @@ def test_retention_options_refuse_bad_values_by_name(field, value, message):
     """A typo in a retention option is refused with its name and value, not run as the default."""
     with pytest.raises(ValueError, match=re.escape(f"KVpopConfig.{message}")):
         KVpopConfig(**{**dict(sinks=2, window=4, topk=6), field: value})
+
+
+def _used_top_level(jaxpr) -> set:
+    """The variables a jaxpr's own equations read (or return)."""
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jex_core.Var)}
+    return used | {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_window_only_budget_runs_no_scorer_and_matches_the_scored_forward(rng, scorer):
+    """k = 0 (StreamingLLM+): the forward reads no scorer parameter, and its logits and base-model gradients
+    equal, bit for bit, those of the scored forward (return_policy=True still runs the scorer)."""
+    s, kv = 40, KVpopConfig(sinks=2, window=6, topk=0, scorer=scorer, mlstm_chunk=8)
+    _, config, params = _models(kv, rng)
+    model = Qwen3ForCausalLM(config)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(2, s)))
+    flat = traverse_util.flatten_dict(params, sep="/")
+    retrofit = {k: v for k, v in flat.items() if "/kvpop/" in k}
+    base = {k: v for k, v in flat.items() if "/kvpop/" not in k}
+    assert retrofit
+
+    def logits(base, retrofit, return_policy=False):
+        p = traverse_util.unflatten_dict({**base, **retrofit}, sep="/")
+        return model.apply({"params": p}, ids, return_policy=return_policy).logits
+
+    jaxpr = jax.make_jaxpr(lambda r: logits(base, r))(retrofit).jaxpr
+    assert not set(jaxpr.invars) & _used_top_level(jaxpr), "the k = 0 forward reads scorer parameters"
+    scored = jax.make_jaxpr(lambda r: logits(base, r, True))(retrofit).jaxpr
+    assert set(scored.invars) & _used_top_level(scored)  # the check can fail: the scored forward reads them
+
+    np.testing.assert_array_equal(np.asarray(logits(base, retrofit)), np.asarray(logits(base, retrofit, True)))
+    loss = lambda b, rp: jnp.sum(jnp.tanh(logits(b, retrofit, rp)) * 0.1)  # noqa: E731
+    g_window, g_scored = jax.grad(loss)(base, False), jax.grad(loss)(base, True)
+    for k in base:
+        np.testing.assert_array_equal(np.asarray(g_window[k]), np.asarray(g_scored[k]), err_msg=k)
+
+
+def test_window_only_attention_refuses_a_long_range_budget(rng):
+    x = jnp.asarray(rng.normal(size=(1, 8, 2, 4)).astype(np.float32))
+    with pytest.raises(ValueError, match="topk=3"):
+        window_layer_attention(x, x, x, KVpopConfig(sinks=1, window=2, topk=3))
