@@ -29,6 +29,7 @@ constant: N slots per head and the mLSTM state.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Sequence
@@ -43,6 +44,9 @@ from kvpop_torch.config import KVpopSettings
 from kvpop_torch.scorers import KVpopHead, MLSTMState, static_priority
 
 LATEST_EMPTY = 2**62  # sorts an empty slot after every position when picking the worst slot
+# Token ids a cache keeps of what it read, its last ones: enough to tell the conversation it holds, passed again with
+# a next turn, from a new prompt (`KVpopCache.check_continues`), at a constant 64 ids per row.
+READ_TAIL = 64
 
 
 def ring_slot(t: int, settings: KVpopSettings) -> int:
@@ -349,6 +353,8 @@ class KVpopCache(Cache):
     """
 
     def __init__(self, settings: KVpopSettings, heads: Sequence[KVpopHead]):
+        self.read_tail: torch.Tensor | None = None  # int64 [B, <= READ_TAIL]: the last ids read (`note_read`)
+        self.read_ids_known = True  # False once a call brought embeddings, not ids
         self.settings = settings
         self.warned_positions = False  # past max_position_embeddings (`check_new_tokens`)
         super().__init__(layers=[KVpopLayer(settings, head) for head in heads])
@@ -379,6 +385,57 @@ class KVpopCache(Cache):
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def note_read(self, ids: torch.Tensor | None) -> None:
+        """Remembers the last READ_TAIL of the ids a forward reads into this cache (None: embeddings, ids unknown)."""
+        if ids is None:
+            self.read_ids_known = False
+            return
+        tail = ids if self.read_tail is None else torch.cat([self.read_tail, ids.to(self.read_tail.device)], 1)
+        self.read_tail = tail[:, -READ_TAIL:]
+
+    def check_continues(self, ids: torch.Tensor) -> None:
+        """`generate(ids, cache=self)` on a started cache: ids [B, L] must be the conversation this cache holds
+        (its `held` tokens read so far) with new tokens appended, as `generate` assumes: it feeds ids[:, held:] as
+        their continuation. A new prompt, or a shorter input, is a ValueError naming the fix, not a silent answer
+        to a conversation nobody wrote (generate read a tail of it after the old one). Checked on the last
+        READ_TAIL ids read; another batch size is left to `update` to name."""
+        held = self.get_seq_length()
+        if held == 0 or ids.dim() != 2 or (self.read_tail is not None and ids.shape[0] != self.read_tail.shape[0]):
+            return
+        fix = ("for a new prompt pass a fresh cache (cache=make_cache()); to go on, pass the conversation so far (the last "
+               "output) with the next turn appended")
+        if ids.shape[1] <= held:
+            raise ValueError(f"this KVpopCache already holds a generation ({held} tokens) and the input has "
+                             f"{ids.shape[1]}, so it cannot continue it: {fix}")
+        if self.read_tail is None or not self.read_ids_known:
+            return
+        n = self.read_tail.shape[1]
+        differs = (ids[:, held - n:held].to(self.read_tail.device) != self.read_tail).any(dim=1)
+        if bool(differs.any()):
+            raise ValueError(f"this input does not continue the conversation this KVpopCache holds: its tokens "
+                             f"{held - n}..{held - 1} differ from the ones the cache read (rows "
+                             f"{differs.nonzero().flatten().tolist()}): {fix}")
+
+    def reset(self) -> None:
+        super().reset()
+        self.read_tail, self.read_ids_known = None, True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_read_tail(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_read_tail(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_read_tail(lambda x: x[indices, ...])
+
+    def _map_read_tail(self, fn) -> None:
+        if self.read_tail is not None:
+            self.read_tail = fn(self.read_tail)
+
     def positions(self) -> list[torch.Tensor]:
         """The token in every slot, per layer: int64 [B, Hkv, N] (-1 empty)."""
         return [layer.pos for layer in self.layers]
@@ -401,10 +458,33 @@ def check_attention(model) -> None:
 
 
 def guard_new_tokens(model) -> None:
-    """Installs (once) a forward pre-hook that names a call with no new tokens (`check_new_tokens`)."""
+    """Installs (once) a forward pre-hook that names a call with no new tokens (`check_new_tokens`), and wraps
+    the model's `generate` so that a started KVpopCache is given the conversation it holds
+    (`KVpopCache.check_continues`)."""
     if not getattr(model, "_kvpop_guarded", False):
         model.register_forward_pre_hook(check_new_tokens, with_kwargs=True)
+        model.register_forward_hook(note_read_ids, with_kwargs=True)
+        model.generate = _continuation_checked(model.generate)
         model._kvpop_guarded = True
+
+
+def note_read_ids(module, args, kwargs, output):
+    """After a forward: the ids a KVpopCache read (`KVpopCache.note_read`; None: embeddings)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if isinstance(cache, KVpopCache):
+        cache.note_read(kwargs.get("input_ids", args[0] if args else None))
+
+
+def _continuation_checked(generate):
+    @functools.wraps(generate)
+    def checked(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if isinstance(cache, KVpopCache) and isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+            cache.check_continues(ids)
+        return generate(*args, **kwargs)
+
+    return checked
 
 
 def check_new_tokens(module, args, kwargs):

@@ -499,3 +499,42 @@ def test_a_continuation_with_tied_scores_after_reorder_and_reset_equals_one_toke
     for a, b in zip(got_kept, want_kept):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_a_started_cache_refuses_an_input_that_does_not_continue_its_conversation(tmp_path, rng):
+    """generate() on a started cache reads ids[:, held:] as the continuation of what the cache holds. A new prompt
+    passed with a used cache was answered silently from a conversation nobody wrote (the old one plus a tail of the
+    new prompt) unless it was at most half as long as the cache's; now any input that is not the held
+    conversation with new tokens appended is named, and a true continuation still equals a fresh cache's."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    a = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 12)))
+    with torch.no_grad():
+        for first_new, length in ((1, 12), (3, 12), (6, 10), (6, 30)):  # held 12 / 14 / 17 / 17 tokens
+            cache = make_cache()
+            model.generate(a, cache=cache, max_new_tokens=first_new, **greedy)
+            b = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, length)))
+            held = 12 + first_new - 1
+            message = (rf"already holds a generation \({held} tokens\) and the input has {length}" if length <= held
+                       else rf"does not continue the conversation.*tokens {held - min(held, 64)}\.\.{held - 1} differ")
+            with pytest.raises(ValueError, match=message + r".*cache=make_cache\(\)"):
+                model.generate(b, cache=cache, max_new_tokens=2, **greedy)
+        # One row changed in the history is named by its row; the cache is untouched by the refused call.
+        cache = make_cache()
+        out = model.generate(a, cache=cache, max_new_tokens=4, **greedy)
+        history = torch.cat([out, a[:, :3]], 1)
+        wrong = history.clone()
+        wrong[1, 5] = (wrong[1, 5] + 1) % BASE.vocab_size
+        with pytest.raises(ValueError, match=r"differ from the ones the cache read \(rows \[1\]\)"):
+            model.generate(wrong, cache=cache, max_new_tokens=2, **greedy)
+        torch.testing.assert_close(model.generate(history, cache=cache, max_new_tokens=2, **greedy),
+                                   model.generate(history, cache=make_cache(), max_new_tokens=2, **greedy),
+                                   rtol=0, atol=0)
+        # Read from embeddings, the ids are unknown: only the length is checked.
+        cache = make_cache()
+        model(inputs_embeds=model.get_input_embeddings()(a), cache=cache)
+        assert not cache.read_ids_known
+        model.generate(torch.cat([a, a[:, :2]], 1), cache=cache, max_new_tokens=1, **greedy)
+        cache.reset()
+        assert cache.read_tail is None and cache.read_ids_known
