@@ -100,6 +100,7 @@ class KVpopLayer(CacheLayerMixin):
             raise ValueError("KVpopCache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
                              "kwargs=kwargs), as transformers' Qwen3 attention passes them)")
         require_mask_applied(self._pending)
+        self._writable()
         if not self.is_initialized or (self.seen == 0 and key_states.shape[0] != self.batch_size):  # fresh or reset
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.batch_size:  # torch would fail in a cat or a where, naming no cache
@@ -311,7 +312,14 @@ class KVpopLayer(CacheLayerMixin):
         tensors = [self.keys, self.values, self.pos, self.priority, *(self.state or ())]
         return sum(x.numel() * x.element_size() for x in tensors)
 
+    def _writable(self) -> None:
+        """Filled under torch.inference_mode() and written in place outside it, which torch forbids for inference
+        tensors: the slots go on as normal copies (once), as transformers' DynamicCache goes on by concatenating."""
+        if self.is_initialized and self.keys.is_inference() and not torch.is_inference_mode_enabled():
+            self._map_batch(torch.clone)
+
     def reset(self) -> None:
+        self._writable()
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()

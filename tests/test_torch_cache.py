@@ -538,3 +538,27 @@ def test_a_started_cache_refuses_an_input_that_does_not_continue_its_conversatio
         model.generate(torch.cat([a, a[:, :2]], 1), cache=cache, max_new_tokens=1, **greedy)
         cache.reset()
         assert cache.read_tail is None and cache.read_ids_known
+
+
+def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path, rng):
+    """A first turn under torch.inference_mode() and the next under no_grad (or the other way round, or a reset
+    outside it): torch forbids in-place writes to inference tensors outside inference mode, and the cache's slot
+    writes failed there; DynamicCache goes on. Each continuation equals a fresh cache's."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlstm", sinks=1, window=3, topk=4, mlstm_chunk=4), rng)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 12)))
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for first, then in ((torch.inference_mode, torch.no_grad), (torch.no_grad, torch.inference_mode)):
+        cache = make_cache()
+        with first():
+            history = torch.cat([model.generate(ids, cache=cache, **greedy), ids[:, :3]], 1)
+        with then():
+            got = model.generate(history, cache=cache, **greedy)
+        with torch.no_grad():
+            torch.testing.assert_close(got, model.generate(history, cache=make_cache(), **greedy), rtol=0, atol=0)
+    with torch.inference_mode():
+        cache = make_cache()
+        model(ids, cache=cache)
+    cache.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, cache=cache).logits, model(ids, cache=make_cache()).logits)
