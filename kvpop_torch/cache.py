@@ -410,8 +410,8 @@ class KVpopCache(Cache):
         held = self.get_seq_length()
         if held == 0 or ids.dim() != 2 or (self.read_tail is not None and ids.shape[0] != self.read_tail.shape[0]):
             return
-        fix = ("for a new prompt pass a fresh cache (cache=make_cache()); to go on, pass the conversation so far (the last "
-               "output) with the next turn appended")
+        fix = ("for a new prompt pass a fresh cache (cache=make_cache()); to go on, pass the conversation so far "
+               "(the last output) with the next turn appended")
         if ids.shape[1] <= held:
             raise ValueError(f"this KVpopCache already holds a generation ({held} tokens) and the input has "
                              f"{ids.shape[1]}, so it cannot continue it: {fix}")
@@ -517,9 +517,12 @@ def check_new_tokens(module, args, kwargs):
                                  "marks every pad_token_id), which the KVpop attention does not read; the cache read "
                                  f"its {held} tokens as tokens: to go on so, pass attention_mask=torch.ones_like("
                                  "history)")
-            raise ValueError("KVpopCache needs unpadded prompts of equal length: this attention_mask has zeros "
-                             "(padding), which the KVpop attention does not read; decode ragged prompts one at "
-                             "a time")
+            zeros = (mask == 0).sum(dim=1)
+            rows = {int(r): int(zeros[r]) for r in zeros.nonzero().flatten()}
+            raise ValueError(f"KVpopCache needs unpadded prompts of equal length: this attention_mask has zeros "
+                             f"(padding; row: zeros {rows}), which the KVpop attention does not read; decode ragged "
+                             "prompts one at a time. Passed no attention_mask? transformers made this one from "
+                             "pad_token_id: if those ids are tokens, pass attention_mask=torch.ones_like(ids)")
         if kwargs.get("use_cache") is False:
             raise ValueError("use_cache=False with a KVpopCache: the bounded cache is filled one call at a time "
                              "(a prompt, then the tokens of each later call); pass use_cache=True or leave it out")

@@ -27,6 +27,11 @@ def check_device(device) -> torch.device:
                          "False): load on device='cpu', or install a CUDA build of torch")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}, but this torch sees {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda", "meta"):  # mps, xpu, ...: an empty tensor there fails as the weights would
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(f"device={device!r}, but this torch cannot use it ({type(e).__name__}: {e})") from None
     return dev
 
 

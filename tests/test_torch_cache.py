@@ -114,6 +114,12 @@ def test_a_device_this_torch_cannot_use_is_named_before_loading(tmp_path, rng, m
         kvpop_torch.load(tmp_path, device="cuda:3")
     model, _ = kvpop_torch.load(tmp_path, device=torch.device("cpu"))
     assert next(model.parameters()).device.type == "cpu"
+    # Other accelerators were checked only by moving the weights there: a raw RuntimeError or AssertionError.
+    for dev, usable in (("mps", torch.backends.mps.is_available()),
+                        ("xpu", getattr(getattr(torch, "xpu", None), "is_available", lambda: False)())):
+        if not usable:
+            with pytest.raises(ValueError, match=rf"device='{dev}', but this torch cannot use it"):
+                kvpop_torch.load(tmp_path, device=dev)
 
 
 def test_each_layers_scorer_follows_its_keys_device(tmp_path, rng):
@@ -248,8 +254,15 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
             model(ids, use_cache=False)
         mask = torch.ones_like(ids)
         mask[0, :3] = 0
-        with pytest.raises(ValueError, match="unpadded prompts"):
+        with pytest.raises(ValueError, match=r"unpadded prompts.*\(padding; row: zeros \{0: 3\}\)"):
             model.generate(ids, attention_mask=mask, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        # No mask passed: transformers makes one from pad_token_id, which the message says, with the way out.
+        tokens = ids.clone()
+        tokens[1, 4] = 0
+        with pytest.raises(ValueError, match=r"zeros \{1: 1\}.*from pad_token_id.*attention_mask=torch.ones_like"):
+            model.generate(tokens, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
+        model.generate(tokens, attention_mask=torch.ones_like(tokens),
+                       cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
         # The KVpop attention does not read the mask: a direct forward, or generate given position_ids, ran on
         # the padding as tokens (logits identical to the unmasked run's).
         with pytest.raises(ValueError, match="this attention_mask has zeros"):
