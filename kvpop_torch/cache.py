@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from typing import Sequence
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_torch import policy
@@ -476,6 +478,19 @@ def guard_new_tokens(model) -> None:
         model._kvpop_guarded = True
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, transformers, sys.modules[__package__]))
+
+
+def _callers_level() -> int:
+    """`warnings.warn`'s stacklevel for the first frame outside torch, transformers and kvpop_torch (the user's
+    `generate` or forward line), counted from the caller of this function's caller."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+                                 or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def note_read_ids(module, args, kwargs, output):
     """After a forward: the ids a KVpopCache read (`KVpopCache.note_read`; None: embeddings)."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -532,7 +547,7 @@ def check_new_tokens(module, args, kwargs):
         if reach > limit:
             cache.warned_positions = True  # once per generation, as kvpop_jax.generate warns once per call
             warnings.warn(f"decoding past the model's max_position_embeddings ({limit}): positions it was not "
-                          f"trained at (this call reaches {reach} tokens)", stacklevel=2)
+                          f"trained at (this call reaches {reach} tokens)", stacklevel=_callers_level())
     if ids is None or ids.shape[1] > 0:
         return None
     held = cache.get_seq_length() if isinstance(cache, KVpopCache) else 0

@@ -276,6 +276,8 @@ def test_generate_idioms_and_misuse(tmp_path, rng):
                 as caught:
             model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), **greedy)
         assert sum("max_position_embeddings" in str(w.message) for w in caught) == 1  # once, not per token
+        # ... and at the caller's generate line, not at torch's module.py where the forward hook runs
+        assert [w.filename for w in caught if "max_position_embeddings" in str(w.message)] == [__file__]
         model.config.max_position_embeddings = limit
         with pytest.raises(ValueError, match="use_cache=False with a KVpopCache"):  # was "already holds 12 tokens"
             model.generate(ids, cache=KVpopCache.from_pretrained(tmp_path, model), use_cache=False, **greedy)
