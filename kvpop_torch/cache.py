@@ -29,9 +29,9 @@ constant: N slots per head and the mLSTM state.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
+import types
 import warnings
 from typing import Sequence
 
@@ -474,7 +474,7 @@ def guard_new_tokens(model) -> None:
     if not getattr(model, "_kvpop_guarded", False):
         model.register_forward_pre_hook(check_new_tokens, with_kwargs=True)
         model.register_forward_hook(note_read_ids, with_kwargs=True)
-        model.generate = _continuation_checked(model.generate)
+        model.generate = types.MethodType(_generate_checked, model)  # a copy of the model rebinds it to itself
         model._kvpop_guarded = True
 
 
@@ -498,16 +498,13 @@ def note_read_ids(module, args, kwargs, output):
         cache.note_read(kwargs.get("input_ids", args[0] if args else None))
 
 
-def _continuation_checked(generate):
-    @functools.wraps(generate)
-    def checked(*args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        if isinstance(cache, KVpopCache) and isinstance(ids, torch.Tensor) and not ids.is_floating_point():
-            cache.check_continues(ids)
-        return generate(*args, **kwargs)
-
-    return checked
+def _generate_checked(self, *args, **kwargs):
+    """The model's `generate`, after `KVpopCache.check_continues` on a started cache."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(cache, KVpopCache) and isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+        cache.check_continues(ids)
+    return type(self).generate(self, *args, **kwargs)
 
 
 def check_new_tokens(module, args, kwargs):

@@ -5,6 +5,7 @@ slots hold the same token positions after every step, through prompts shorter an
 B; greedy `generate` on the shipped demo exports gives the tokens of `eval.main generate`.
 """
 
+import copy
 import json
 import os
 
@@ -553,6 +554,9 @@ def test_a_started_cache_refuses_an_input_that_does_not_continue_its_conversatio
         model.generate(torch.cat([a, a[:, :2]], 1), cache=cache, max_new_tokens=1, **greedy)
         cache.reset()
         assert cache.read_tail is None and cache.read_ids_known
+    # The checked generate is bound to its model: a copy generates with its own weights, not the original's.
+    fork = copy.deepcopy(model)
+    assert fork.generate.__self__ is fork and model.generate.__self__ is model
 
 
 def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path, rng):
