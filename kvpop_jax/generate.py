@@ -656,9 +656,9 @@ class Conversation:
         key = jax.random.key(self._turns) if rng is None else _as_key(rng)
         count = prompt.shape[1]
         if self.kind in ONE_CALL_KINDS and (self._pending or self._stream_from is None):  # in blocks (`_chunks`)
-            logits, self.cache = _read_blocks(self.model, self.params, self.cache, prompt, first=not self._pending)
-            tokens, lengths, self.cache = _reply(self.model, self.params, self.cache, logits, key, _eos_array(eos),
-                                                 max_new_tokens=max_new_tokens, sampling=sampling)
+            logits, cache = _read_blocks(self.model, self.params, self.cache, prompt, first=not self._pending)
+            tokens, lengths, cache = _reply(self.model, self.params, cache, logits, key, _eos_array(eos),
+                                            max_new_tokens=max_new_tokens, sampling=sampling)
         else:
             # a later turn on DMS or a baseline, or a first turn on DMS or a one-shot baseline: padded to a power of
             # two, one compile per bucket
@@ -670,14 +670,17 @@ class Conversation:
             elif split:
                 head, tail, count = _fed_args(np.asarray(prompt), *split)
                 prompt = jnp.asarray(np.concatenate([head, tail], axis=1))
-            tokens, lengths, self.cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
-                                                _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
-                                                stream_from=self._stream_from, padded=padded,
-                                                head=split[0] if split else None)
+            tokens, lengths, cache = _turn(self.model, self.params, self.cache, prompt, jnp.int32(count), key,
+                                           _eos_array(eos), max_new_tokens=max_new_tokens, sampling=sampling,
+                                           stream_from=self._stream_from, padded=padded,
+                                           head=split[0] if split else None)
+        # The turn is committed whole once its results are on the host (where an interrupt, or an error of the
+        # asynchronous computation, lands): a failed or interrupted send leaves the conversation as it was, so
+        # the same send can be retried (a half-updated one read the turn twice, past a dense cache's max_len).
         n = int(lengths[0])
-        self._pending = [int(tokens[0, n - 1])]
-        self.length += turn.shape[0] + n
-        self._turns += 1
+        pending = [int(tokens[0, n - 1])]
+        self.cache, self._pending, self.length, self._turns = cache, pending, self.length + turn.shape[0] + n, \
+            self._turns + 1
         if self.kind == "dms" and not self._overflow_warned:
             dropped = int(sum(jnp.sum(layer.overflow) for layer in self.cache.layers))  # one read from the device
             if dropped:

@@ -264,6 +264,52 @@ def test_a_streamed_first_turn_compiles_once_per_power_of_two_of_its_streamed_id
     assert [f for _, f in compiles[before:]].count("jit(_turn)") == 1, compiles[before:]
 
 
+@pytest.mark.parametrize("step", ["_reply", "_turn"])
+def test_an_interrupted_send_leaves_the_conversation_as_it_was(rng, monkeypatch, step):
+    """A send that fails after the turn was read (Ctrl-C while the reply decodes, an OOM) left the cache holding the
+    turn but the length and pending token as before: a retry read the turn twice (a dense cache past its max_len,
+    silently) and replied to another conversation. Now the turn is committed whole or not at all: the retry
+    replies as an uninterrupted conversation does. `_reply` serves KVpop and dense turns, `_turn` a baseline's."""
+    import kvpop_jax.generate as gen
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.generate import Conversation
+
+    if step == "_reply":
+        model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlp")
+        spec, options = "auto", {}
+    else:
+        config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+        model, params = Qwen3ForCausalLM(config), init_params(config, jax.random.key(1))
+        spec, options = BaselineConfig("tova", 8, sinks=1), {"stream_prompt": True}
+    greedy = SamplingConfig.greedy()
+    first, second = (rng.integers(0, config.vocab_size, size=n).tolist() for n in (12, 5))
+    reference, chat = (Conversation(model, params, cache=spec, **options) for _ in range(2))
+    for c in (reference, chat):
+        c.send(first, max_new_tokens=3, sampling=greedy)
+    expected, expected_n = reference.send(second, max_new_tokens=4, sampling=greedy)
+    before = (chat.length, list(chat._pending), chat._turns, jax.tree.leaves(chat.cache))
+    real = getattr(gen, step)
+
+    class Interrupted:  # Ctrl-C lands where the host waits for the asynchronous reply: at its length's read
+        def __getitem__(self, index):
+            raise KeyboardInterrupt
+
+    def interrupted(*args, **kwargs):
+        tokens, _, cache = real(*args, **kwargs)
+        return tokens, Interrupted(), cache
+
+    monkeypatch.setattr(gen, step, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        chat.send(second, max_new_tokens=4, sampling=greedy)
+    monkeypatch.setattr(gen, step, real)
+    assert (chat.length, chat._pending, chat._turns) == before[:3]
+    for a, b in zip(jax.tree.leaves(chat.cache), before[3], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    reply, n = chat.send(second, max_new_tokens=4, sampling=greedy)
+    np.testing.assert_array_equal(np.asarray(reply), np.asarray(expected))
+    assert n == expected_n and chat.length == reference.length
+
+
 def test_a_conversation_cache_dtype_must_be_floating(rng):
     """An integer cache dtype rounded every key and value, and the replies were silently other tokens."""
     from kvpop_jax.generate import Conversation
