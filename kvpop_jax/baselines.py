@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpop_jax import attention as attn_lib
-from kvpop_jax.cache import Cache, in_dtype_of, one_token, prompt_count
+from kvpop_jax.cache import Cache, check_cache_args, in_dtype_of, one_token, prompt_count
 from kvpop_jax.config import _require_bools
 from pallas_kernels.common import NEG_INF
 
@@ -154,6 +154,7 @@ def init_layer_cache(cfg: BaselineConfig, batch: int, num_kv_heads: int, head_di
                      dtype=jnp.float32) -> BaselineLayerCache:
     if not cfg.bounded:
         raise ValueError("the dense baseline has no bounded cache: use modeling.DenseCache")
+    check_cache_args(f"the {cfg.method} cache", dtype, batch=batch)
     shape = (batch, num_kv_heads, cfg.budget)
     return BaselineLayerCache(
         k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),

@@ -248,11 +248,25 @@ def _check_dense_room(slots: int, new: int, length) -> None:
                          f"init it with max_len >= {used + new}")
 
 
+def check_cache_args(where: str, dtype, **counts) -> jnp.dtype:
+    """A cache's dtype (floating: an integer cache rounds every key and value, and decodes other tokens silently)
+    and its counts (batch, max_len: positive ints), checked by name for `where`; returns the dtype."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{where}: {name}={value!r}; expected a positive integer")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"{where}: dtype must be a floating dtype for the cache's keys and values (e.g. "
+                         f"jnp.bfloat16), got {dtype!r}")
+    return jnp.dtype(dtype)
+
+
 def init_dense_cache(config: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
     """An empty dense cache of `max_len` slots per layer (it holds every token): k, v [B, Hkv, T, D]."""
-    for name, value in (("batch", batch), ("max_len", max_len)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"init_dense_cache: {name}={value!r}; expected a positive integer")
+    check_cache_args("init_dense_cache", dtype, batch=batch, max_len=max_len)
     shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
     layer = DenseLayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return Cache(layers=(layer,) * config.num_hidden_layers, length=jnp.zeros((), jnp.int32))
@@ -302,6 +316,7 @@ def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> Cache:
     if config.kvpop is None:
         raise ValueError("init_cache needs a config with kvpop set")
     kv = config.kvpop
+    check_cache_args("init_cache", dtype, batch=batch)
     state = None
     if kv.scorer == "mlstm":  # the shapes of MLSTMScorer.init_state
         state = mlstm_init_state(batch, config.num_key_value_heads, kv.mlstm_features(config.head_dim),
@@ -311,6 +326,7 @@ def init_cache(config: Qwen3Config, batch: int, dtype=jnp.float32) -> Cache:
 
 
 def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, scorer_state=None) -> KVpopLayerCache:
+    check_cache_args("init_cache", dtype, batch=batch)
     kv = config.kvpop
     shape = (batch, config.num_key_value_heads, kv.budget)
     return KVpopLayerCache(

@@ -40,7 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvpop_jax.cache import Cache, in_dtype_of, one_token, prompt_count
+from kvpop_jax.cache import Cache, check_cache_args, in_dtype_of, one_token, prompt_count
 from kvpop_jax.config import Qwen3Config
 from pallas_kernels.common import NEG_INF
 
@@ -95,6 +95,7 @@ def init_layer_cache(config: Qwen3Config, batch: int, dtype=jnp.float32, capacit
     tokens, which are never dropped (a smaller pool overwrote them; 0 silently meant the default)."""
     if config.dms is None:
         raise ValueError("the DMS cache needs a config with dms set")
+    check_cache_args("the DMS cache", dtype, batch=batch)
     least = config.num_key_value_heads * config.dms.window
     if capacity is None:
         capacity = config.num_key_value_heads * config.dms.budget

@@ -280,8 +280,8 @@ def _as_prompt_array(prompt_ids, vocab_size: int) -> jax.Array:
         prompt_ids = np.asarray(prompt_ids)
     if not isinstance(prompt_ids, jax.Array):
         prompt_ids = np.asarray(prompt_ids)  # host ids keep their width until checked
-    if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
-        raise ValueError(f"prompt_ids must be [batch, prompt_len >= 1], got shape {prompt_ids.shape}")
+    if prompt_ids.ndim != 2 or prompt_ids.shape[0] < 1 or prompt_ids.shape[1] < 1:
+        raise ValueError(f"prompt_ids must be [batch >= 1, prompt_len >= 1], got shape {prompt_ids.shape}")
     if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
         raise ValueError(f"prompt_ids must be integer token ids, got {prompt_ids.dtype}")
     check_token_ids(prompt_ids, vocab_size, "prompt_ids")
@@ -693,14 +693,7 @@ class Conversation:
 
 def _cache_dtype(dtype):
     """`Conversation`'s cache dtype, checked: a floating dtype (an integer cache would round every key and value)."""
-    try:
-        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        floating = False
-    if not floating:
-        raise ValueError(f"dtype must be a floating dtype for the cache's keys and values (e.g. jnp.bfloat16), "
-                         f"got {dtype!r}")
-    return jnp.dtype(dtype)
+    return cache_lib.check_cache_args("Conversation", dtype)
 
 
 def _as_key(rng) -> jax.Array:

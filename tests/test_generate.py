@@ -310,6 +310,33 @@ def test_an_interrupted_send_leaves_the_conversation_as_it_was(rng, monkeypatch,
     assert n == expected_n and chat.length == reference.length
 
 
+def test_every_cache_refuses_an_integer_dtype_and_a_bad_batch_by_name(rng):
+    """init_cache / init_dense_cache (and the baselines' and DMS's) took an integer dtype and decoded other tokens
+    silently (Conversation alone refused it); init_cache took batch 0, and -1 or 2.0 failed in jax's broadcast.
+    generate with no rows failed as a ZeroDivisionError in the mLSTM scorer."""
+    from kvpop_jax import cache as cache_lib
+    from kvpop_jax import dms_cache
+    from kvpop_jax.baselines import BaselineConfig
+    from kvpop_jax.baselines import init_cache as baseline_cache
+
+    model, params, config = _kvpop_model_with_random_scorers(rng, sinks=1, window=3, topk=4, scorer="mlstm")
+    dms_model, _, dms_config = _dms_model_with_random_gates(rng, budget=32)
+    makers = {"init_cache": lambda **kw: cache_lib.init_cache(config, **kw),
+              "init_dense_cache": lambda **kw: cache_lib.init_dense_cache(config, max_len=8, **kw),
+              "the tova cache": lambda **kw: baseline_cache(config, BaselineConfig("tova", 8, sinks=1), **kw),
+              "the DMS cache": lambda **kw: dms_cache.init_cache(dms_config, **kw)}
+    for where, make in makers.items():
+        for dtype in (jnp.int8, "int32", bool):
+            with pytest.raises(ValueError, match=rf"{where}: dtype must be a floating dtype.*got"):
+                make(batch=1, dtype=dtype)
+        for batch in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match=rf"{where}: batch={batch!r}; expected a positive integer"):
+                make(batch=batch)
+        assert jax.tree.leaves(make(batch=2, dtype=jnp.bfloat16))[0].shape[0] == 2
+    with pytest.raises(ValueError, match=r"prompt_ids must be \[batch >= 1, prompt_len >= 1\], got shape \(0, 4\)"):
+        generate(model, params, np.zeros((0, 4), np.int32), max_new_tokens=2)
+
+
 def test_a_conversation_cache_dtype_must_be_floating(rng):
     """An integer cache dtype rounded every key and value, and the replies were silently other tokens."""
     from kvpop_jax.generate import Conversation
