@@ -473,6 +473,9 @@ class KVpopConfig:
         """B = round((1 - CR) * context_len) (paper: 16k context, B 4096 / 2048 = CR 75% / 88%)."""
         if not 0.0 <= compression_ratio < 1.0:
             raise ValueError(f"compression ratio must be in [0, 1), got {compression_ratio}")
+        if isinstance(context_len, bool) or not isinstance(context_len, (int, np.integer)) or context_len < 1:
+            raise ValueError(f"context_len must be a positive int (the tokens the CR is taken of), got "
+                             f"{context_len!r}")
         return max(1, int(round((1.0 - compression_ratio) * context_len)))
 
     def memory(self, head_dim: int) -> int:
@@ -496,18 +499,22 @@ class KVpopConfig:
 
     def retarget(self, budget: int, head_dim: int | None = None) -> "KVpopConfig":
         """This config at a memory budget of `budget` KV entries per head (CR = 1 - budget / context):
-        k = budget - s - w - the scorer's state slots, or w = budget - s when k = 0 (StreamingLLM+).
+        k = budget - s - w - the scorer's state slots, or w = budget - s - the state slots when k = 0
+        (StreamingLLM+), so that `memory` is `budget` either way.
 
         Every method of a comparison gets the same memory: a stateful (mLSTM) scorer pays for its
         state with long-range slots, as in the paper. `head_dim` is needed for the mLSTM's state.
         """
-        if self.topk == 0:
-            if budget - self.sinks < 1:
-                raise ValueError(f"budget {budget} leaves no window after {self.sinks} sinks")
-            return dataclasses.replace(self, window=budget - self.sinks)
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+            raise ValueError(f"retarget: budget must be an int (KV entries per head), got {budget!r}")
         if self.scorer == "mlstm" and head_dim is None:
             raise ValueError("retarget needs head_dim for an mLSTM scorer (its state counts against the budget)")
         state = self.scorer_state_slots(head_dim) if head_dim is not None else 0
+        if self.topk == 0:
+            if budget - self.sinks - state < 1:
+                raise ValueError(f"budget {budget} leaves no window after {self.sinks} sinks and {state} entries "
+                                 "of scorer state")
+            return dataclasses.replace(self, window=budget - self.sinks - state)
         topk = budget - self.sinks - self.window - state
         if topk < 0:
             raise ValueError(f"budget {budget} < s + w + scorer state = {self.sinks} + {self.window} + {state} "

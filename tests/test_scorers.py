@@ -306,6 +306,28 @@ def test_state_slots_and_memory_matched_topk():
         KVpopConfig(mlstm_gate_softcap=-1.0)
 
 
+@pytest.mark.parametrize("scorer,topk", [("mlstm", 7), ("mlstm", 0), ("mlp", 0), ("mlp", 7)])
+def test_retarget_gives_the_memory_asked_for_by_any_path(scorer, topk):
+    """retarget(B) has memory B whatever the path: at k = 0 an mLSTM config's state was left out (retarget(100)
+    had memory 117, and retarget(53).retarget(60) another config than retarget(60)); a budget below s + w + state
+    at k = 0 was taken. A float budget or a context length <= 0 is named."""
+    d = 64
+    kv = KVpopConfig(scorer=scorer, sinks=4, window=32, topk=topk)
+    state = kv.scorer_state_slots(d)
+    for budget in (60, 100, 123, 256):
+        assert kv.retarget(budget, d).memory(d) == budget
+        assert kv.retarget(budget, d).retarget(160, d) == kv.retarget(160, d)
+    floor = kv.sinks + state + (kv.window if topk else 1)  # k = 0 keeps a window of at least 1
+    kv.retarget(floor, d)
+    with pytest.raises(ValueError, match=rf"budget {floor - 1} "):
+        kv.retarget(floor - 1, d)
+    with pytest.raises(ValueError, match=r"budget must be an int .*got 123.0"):
+        kv.retarget(123.0, d)
+    for bad in (0, -1024, 1024.7):
+        with pytest.raises(ValueError, match=rf"context_len must be a positive int .*got {bad!r}"):
+            KVpopConfig.budget_at(0.5, bad)
+
+
 def test_unrotate_inverts_rope_against_numpy(rng):
     """rope.unrotate undoes the attention's rotation at each key's position (a numpy rotation by
     -position per frequency pair), for fresh random keys and positions."""
