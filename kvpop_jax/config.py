@@ -356,6 +356,9 @@ class KVpopConfig:
         for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
                      "listwise_queries"):
             value = getattr(self, name)
+            if isinstance(value, np.integer):  # e.g. a budget computed with numpy: a Python int, as BaselineConfig
+                value = int(value)  # takes it (hashable and JSON like one)
+                object.__setattr__(self, name, value)
             minimum, why = (1, " (the newest token is always kept)") if name == "window" else (0, "")
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= {minimum}{why}, got {value!r}")

@@ -344,6 +344,12 @@ class Qwen3ForCausalLM(nn.Module):
             if len(cache.layers) != self.config.num_hidden_layers:  # else an IndexError or a reshape error
                 raise ValueError(f"the cache has {len(cache.layers)} layers but the model has "
                                  f"{self.config.num_hidden_layers}: a cache serves the model config it was made for")
+            k0 = getattr(cache.layers[0], "k", None)  # [B, Hkv, N, D] (dense, KVpop, baselines); DMS: [B, N, D]
+            if k0 is not None and (k0.shape[-1] != self.config.head_dim
+                                   or k0.ndim == 4 and k0.shape[1] != self.config.num_key_value_heads):
+                raise ValueError(f"the cache's keys are {tuple(k0.shape)} but the model has "
+                                 f"{self.config.num_key_value_heads} KV heads of head_dim {self.config.head_dim}: "
+                                 "a cache serves the model config it was made for")
             decoding = cache.started or s == 1  # a one-token prompt is a step on an empty cache
         x = self.embed_tokens(input_ids)
         layer_aux, new_layers = [], []

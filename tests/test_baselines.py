@@ -331,6 +331,12 @@ def test_a_cache_made_for_another_model_is_named():
     for cache in (baselines.init_cache(small, BaselineConfig("tova", 4), 2), init_dense_cache(small, 2, 8)):
         with pytest.raises(ValueError, match="the cache has 1 layers but the model has 2"):
             Qwen3ForCausalLM(config).apply({"params": params}, ids, cache=cache)
+    # Another KV head count or head size: jax's own shape errors, or (4 KV heads, dense prefill) a silent run.
+    for other in (dataclasses.replace(config, num_key_value_heads=4), dataclasses.replace(config, head_dim=8)):
+        for cache in (baselines.init_cache(other, BaselineConfig("tova", 4), 2), init_dense_cache(other, 2, 8)):
+            with pytest.raises(ValueError, match=rf"the cache's keys are \(2, {other.num_key_value_heads}, \d+, "
+                                                 rf"{other.head_dim}\) but the model has 2 KV heads of head_dim 16"):
+                Qwen3ForCausalLM(config).apply({"params": params}, ids, cache=cache)
 
 
 def test_decode_refuses_what_it_would_silently_misread(rng):

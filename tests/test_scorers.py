@@ -3,6 +3,7 @@ causal, inputs are detached, zero-init is neutral, weights are headwise."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -326,6 +327,10 @@ def test_retarget_gives_the_memory_asked_for_by_any_path(scorer, topk):
     for bad in (0, -1024, 1024.7):
         with pytest.raises(ValueError, match=rf"context_len must be a positive int .*got {bad!r}"):
             KVpopConfig.budget_at(0.5, bad)
+    # numpy ints are taken as BaselineConfig takes them (they were refused), and stored as Python ints
+    numpy_made = KVpopConfig(scorer=scorer, sinks=np.int64(4), window=np.int32(32), topk=np.int64(topk))
+    assert numpy_made == kv and all(type(getattr(numpy_made, f)) is int for f in ("sinks", "window", "topk"))
+    assert json.loads(json.dumps(numpy_made.to_dict()))["topk"] == topk
 
 
 def test_unrotate_inverts_rope_against_numpy(rng):
