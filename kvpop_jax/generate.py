@@ -583,7 +583,9 @@ class Conversation:
     """Multi-turn decoding of one conversation on one cache: each `send` reads only the new turn.
 
     With a bounded cache (KVpop, DMS, a training-free baseline) memory stays constant however long the
-    conversation runs: that is the method's point. A dense cache holds `max_len` tokens in all.
+    conversation runs: that is the method's point. `max_len` caps the tokens the conversation reads in all (every
+    turn and reply; a turn that would pass it is refused): a dense cache needs it and is sized by it, on a bounded
+    cache it is optional (None: no cap) and its memory does not depend on it.
 
         chat = Conversation(model, params)                    # cache="auto", as `generate`
         reply, n = chat.send(prompt_ids, max_new_tokens=64, eos_ids=eos)
@@ -613,8 +615,9 @@ class Conversation:
             if max_len is None:
                 raise ValueError("a Conversation on a dense cache needs max_len (the tokens it may hold in all: "
                                  "every turn and reply); a bounded cache needs none")
+        if max_len is not None:
             max_len = _count(max_len, "max_len")
-        self.max_len = max_len if self.kind == "dense" else None
+        self.max_len = max_len
         self.cache = init_generation_cache(model.config, self.kind, 1, max_len or 1,
                                            dtype=model.dtype if dtype is None else _cache_dtype(dtype))
         self.length = 0  # tokens of the conversation so far: every turn and reply (the last reply's last token
@@ -648,8 +651,9 @@ class Conversation:
         prompt = _as_prompt_array(row[None], self.model.config.vocab_size)
         reach = self.length + turn.shape[0] + max_new_tokens  # positions, the last drawn token's included
         if self.max_len is not None and reach - 1 > self.max_len:  # the last drawn token is not read
-            raise ValueError(f"this turn would bring the conversation to {reach - 1} tokens read, past the dense "
-                             f"cache's max_len {self.max_len}: start a Conversation with a larger max_len")
+            raise ValueError(f"this turn would bring the conversation to {reach - 1} tokens read, past "
+                             f"{'the dense cache' if self.kind == 'dense' else 'the Conversation'}'s max_len "
+                             f"{self.max_len}: start a Conversation with a larger max_len")
         if reach > self.model.config.max_position_embeddings:
             warnings.warn(f"the conversation reaches {reach} tokens, beyond the model's max_position_embeddings "
                           f"{self.model.config.max_position_embeddings}", stacklevel=2)

@@ -223,6 +223,14 @@ def test_conversation_replies_equal_generate_on_the_whole_history(rng, kind):
         sizes.append(chat.cache.nbytes)
     if kind != "dense":
         assert len(set(sizes)) == 1
+        # max_len caps a bounded conversation too (it was ignored silently): 10 ids and 3 new make 12 read
+        capped = Conversation(model, params, cache=spec, max_len=12, **options)
+        with pytest.raises(ValueError, match=r"to 13 tokens read, past the Conversation's max_len 12"):
+            capped.send(history[:10], max_new_tokens=4, sampling=greedy)
+        assert capped.length == 0
+        capped.send(history[:10], max_new_tokens=3, sampling=greedy)
+        with pytest.raises(ValueError, match=r"to 14 tokens read, past the Conversation's max_len 12"):
+            capped.send([1], max_new_tokens=1)
     with pytest.raises(ValueError, match="a turn's ids must be one row"):
         chat.send(np.zeros((2, 3), np.int32), max_new_tokens=1)
     with pytest.raises(ValueError, match="must be integer token ids"):
