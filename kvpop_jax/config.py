@@ -40,6 +40,16 @@ def _require_bools(obj: Any) -> None:
             object.__setattr__(obj, f.name, bool(value))  # numpy's bool is not JSON
 
 
+def _python_ints(obj: Any) -> None:
+    """Every field annotated `int` (or `int | None`) that holds a numpy integer holds it as a Python int:
+    a size computed with numpy (np.int64(8)) was refused as "must be a positive int, got np.int64(8)", and
+    numpy's ints are not JSON. Other values are left to the field's own check."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type in ("int", "int | None") and isinstance(value, np.integer):
+            object.__setattr__(obj, f.name, int(value))
+
+
 def _require_finite_floats(obj: Any) -> None:
     """Every field annotated `float` holds a finite real number, not a bool: a NaN weight or logit offset
     passes every `> 0` check and fails silently later (NaN > 0 is false), a string fails far from here."""
@@ -110,6 +120,7 @@ class Qwen3Config:
         if self.kvpop is not None and self.dms is not None:
             raise ValueError("Qwen3Config has both kvpop and dms set; a model is retrofitted with one of them")
         _require_bools(self)
+        _python_ints(self)
         _require_positive(
             "Qwen3Config",
             vocab_size=self.vocab_size,
@@ -349,6 +360,7 @@ class KVpopConfig:
 
     def __post_init__(self):
         _require_bools(self)
+        _python_ints(self)  # e.g. a budget computed with numpy, as BaselineConfig takes it
         _require_finite_floats(self)
         for name in ("retention_loss_weight", "regression_weight"):
             if getattr(self, name) < 0:
@@ -356,9 +368,6 @@ class KVpopConfig:
         for name in ("sinks", "window", "topk", "rank_pairs", "target_head_samples", "keepset_queries",
                      "listwise_queries"):
             value = getattr(self, name)
-            if isinstance(value, np.integer):  # e.g. a budget computed with numpy: a Python int, as BaselineConfig
-                value = int(value)  # takes it (hashable and JSON like one)
-                object.__setattr__(self, name, value)
             minimum, why = (1, " (the newest token is always kept)") if name == "window" else (0, "")
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= {minimum}{why}, got {value!r}")
@@ -569,6 +578,7 @@ class DMSConfig:
     kl_temperature: float = 1.0
 
     def __post_init__(self):
+        _python_ints(self)
         _require_positive("DMSConfig", window=self.window, budget=self.budget, gate_hidden=self.gate_hidden,
                           kl_topk=self.kl_topk)
         _require_finite_floats(self)  # a NaN offset would evict nothing (NaN > 0 is false) and pass silently

@@ -12,7 +12,7 @@ import transformers
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
-from kvpop_jax.config import hf_layer_types
+from kvpop_jax.config import DMSConfig, hf_layer_types
 from kvpop_jax.modeling import Qwen3ForCausalLM
 
 
@@ -110,8 +110,14 @@ def test_config_validation_and_from_hf_errors(tmp_path):
             Qwen3Config(**{**ok, field: value})
     assert Qwen3Config(**{**ok, "eos_token_id": [3, 9], "bos_token_id": 0}).eos_token_id == (3, 9)
     numpy_made = Qwen3Config(**{**ok, "tie_word_embeddings": np.bool_(True), "eos_token_id": np.array([1, 2]),
-                                "bos_token_id": np.int64(0)})  # numpy values become Python ones: JSON can write them
+                                "bos_token_id": np.int64(0), "hidden_size": np.int64(8), "head_dim": np.int32(4),
+                                "dms": DMSConfig(window=np.int64(8), budget=np.int32(16))})
+    # numpy values become Python ones, JSON can write them (a numpy size was "must be a positive int, got
+    # np.int64(8)")
     assert numpy_made.eos_token_id == (1, 2) and type(numpy_made.bos_token_id) is int
+    assert type(numpy_made.hidden_size) is int and type(numpy_made.dms.window) is int
+    assert numpy_made == Qwen3Config(**{**ok, "tie_word_embeddings": True, "eos_token_id": [1, 2], "bos_token_id": 0,
+                                        "dms": DMSConfig(window=8, budget=16)})
     assert json.loads(json.dumps(numpy_made.to_hf()))["tie_word_embeddings"] is True
     for field in ("delayed_readout", "mlstm_skip", "count_normalize"):
         block = {**KVpopConfig().to_dict(), field: "false"}
