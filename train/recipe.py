@@ -54,7 +54,7 @@ from kvpop_jax.sampling import SamplingConfig
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
-from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, lock_run_dir, training_changes
+from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, held_run, lock_run_dir, training_changes
 from train.setup import info, prepare_init_checkpoint, run_tokenizer
 from train.teacher_cache import write_teacher_logits
 
@@ -107,6 +107,13 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
     if cfg.quick:  # said first, not only in the summary at the end
         info(quick_notice(cfg))
+    if not cfg.resume and not cfg.overwrite:  # before any work; a finished variant was skipped without a word
+        held = [f"{v.run_dir} (a run's {what})" for v in
+                (dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, n)) for n in cfg.variants)
+                if (what := held_run(v))]
+        if held:
+            raise FlagError(f"--noresume would start over in {', '.join(held)}; pass --overwrite to retrain every "
+                            "variant, resume without --noresume, or choose another --run_dir")
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times, teacher_seconds = {}, {}, None

@@ -113,18 +113,24 @@ def checkpoint_steps(cfg: TrainConfig) -> list[int]:
 def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
     """--overwrite deletes the run's outputs (where `delete`: process 0); without it, --noresume over
     a run is refused."""
-    steps = checkpoint_steps(cfg)
-    metrics = os.path.join(cfg.run_dir, METRICS_FILE)
-    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
     if cfg.overwrite:
         for name in RUN_OUTPUTS if delete else ():
             _overwritten.add(os.path.realpath(cfg.run_dir))  # from the first deletion on
             _delete_output(os.path.join(cfg.run_dir, name))
         return
-    if not cfg.resume and (steps or logged):
-        what = f"checkpoints (steps {', '.join(map(str, steps))})" if steps else f"a {METRICS_FILE}"
-        raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {what}; pass "
+    held = held_run(cfg)
+    if not cfg.resume and held:
+        raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {held}; pass "
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
+
+
+def held_run(cfg: TrainConfig) -> str | None:
+    """What of a run RUN_DIR holds ("checkpoints (steps 30, 60)" or "a metrics.jsonl"), or None."""
+    steps = checkpoint_steps(cfg)
+    if steps:
+        return f"checkpoints (steps {', '.join(map(str, steps))})"
+    metrics = os.path.join(cfg.run_dir, METRICS_FILE)
+    return f"a {METRICS_FILE}" if os.path.isfile(metrics) and os.path.getsize(metrics) > 0 else None
 
 
 # In a RUN_OUTPUTS folder that is a symlink (to another disk, or a shared TensorBoard folder): what the run wrote
@@ -275,5 +281,5 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["RESUME_CHANGES_KEY", "check_no_live_run_inside", "check_resume", "checkpoint_steps", "lock_run_dir",
-           "prepare_run_dir", "read_metrics", "resume_advice", "step_folders", "training_changes"]
+__all__ = ["RESUME_CHANGES_KEY", "check_no_live_run_inside", "check_resume", "checkpoint_steps", "held_run",
+           "lock_run_dir", "prepare_run_dir", "read_metrics", "resume_advice", "step_folders", "training_changes"]
