@@ -483,6 +483,7 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
         (["--curriculum=128:1:4:reuse=2"], "reuse=2 must be a share of the batch in [0, 1]"),
         (["--curriculum=128:1:4:drill=0.8/lookup=0.8"], "drill, lookup and recall rows take all 4 rows"),
         (["--curriculum=128:1:4:seq_len=200"], "seq_len is the phase's LEN, not an override"),
+        (["--curriculum=128:1:4:lookp=0.5"], "phase 128:1: unknown override 'lookp'; known: drill, lookup"),  # a trace
         ([f"--out_dir={tmp_path / 'f' / 'x'}"], "--out_dir"),
     ]
     (tmp_path / "f").write_text("a file")

@@ -10,6 +10,10 @@ from demo.atoms import VOCAB
 from kvpop_jax.config import Qwen3Config
 from train.demo_teacher.data import MAX_BATCH, Phase, reuse_rows
 
+# A phase's overrides that are not demo-task fields: shares of drill / reuse rows, the parking weight, and (last)
+# the phase's difficulty
+PHASE_OVERRIDES = ("drill", "lookup", "recall", "reuse", "park", "difficulty")
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
@@ -72,6 +76,12 @@ class PretrainConfig:
                                  "the task")
             if "seq_len" in dict(p.task):
                 raise ValueError(f"phase {p}: seq_len is the phase's LEN, not an override")
+            known = PHASE_OVERRIDES + tuple(f.name for f in dataclasses.fields(demo_task.DemoTaskConfig)
+                                            if f.name != "seq_len")
+            unknown = [k for k, _ in p.task if k not in known]
+            if unknown:  # was a TypeError from DemoTaskConfig, with a traceback
+                raise ValueError(f"phase {p.prompt_len}:{p.steps}: unknown override {unknown[0]!r}; known: "
+                                 f"{', '.join(known)}")
             park = dict(p.task).get("park", 0.0)  # park_weight_of's override, checked before step 0
             if not isinstance(park, (int, float)) or park < 0:
                 raise ValueError(f"phase {p}: park={park!r} must be a parking-loss weight >= 0")
@@ -128,8 +138,8 @@ class PretrainConfig:
         if isinstance(phase, int):
             return demo_task.make_config(self.difficulty, seq_len=phase)
         overrides = dict(phase.task)
-        for drill in ("drill", "lookup", "recall", "reuse", "park"):  # not task fields: shares of drill / reuse
-            overrides.pop(drill, None)                                  # rows, the phase's parking weight
+        for drill in PHASE_OVERRIDES[:-1]:  # not task fields: shares of drill / reuse rows, the phase's parking
+            overrides.pop(drill, None)     # weight
         difficulty = overrides.pop("difficulty", self.difficulty)
         return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)
 
