@@ -391,6 +391,15 @@ def test_orbax_bare_exception_on_a_damaged_array_is_the_same_one_error(tmp_path)
     ckpt.close()
 
 
+def test_train_export_without_a_required_flag_says_so_in_one_line(tmp_path):
+    """train.export with no --out printed absl's whole docstring and help, then the error, and exited 1."""
+    for argv, missing in (([f"--checkpoint={tmp_path}"], "--out is"), ([], "--checkpoint and --out are")):
+        proc = subprocess.run([sys.executable, "-m", "train.export", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {missing} required"), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_a_run_dir_named_by_a_number_is_a_run_dir_not_a_step(tmp_path):
     """train.export --checkpoint=runs/7 (a run dir of that name) read step 7 of runs/ and called it damaged."""
     from train.checkpointing import split_step_dir

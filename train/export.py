@@ -122,8 +122,11 @@ def main(argv):
     del argv
     # orbax logs every read at INFO and warns that a read-only checkpoint folder is read-only: its own errors only
     absl_logging.set_verbosity(absl_logging.ERROR)
-    if not FLAGS.checkpoint or not FLAGS.out:
-        raise app.UsageError("--checkpoint and --out are required")
+    missing = [f"--{name}" for name in ("checkpoint", "out") if not FLAGS[name].value]
+    if missing:  # one line and exit 2, as train.main (absl's UsageError printed the whole docstring, exit 1)
+        print(f"error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: python -m "
+              "train.export --checkpoint RUN_DIR --out EXPORT_DIR [--dtype bfloat16]", file=sys.stderr)
+        sys.exit(2)
     try:
         FLAGS.checkpoint, FLAGS.out = os.path.expanduser(FLAGS.checkpoint), os.path.expanduser(FLAGS.out)  # ~/x
         config, step = export_checkpoint(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype)
