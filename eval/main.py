@@ -289,6 +289,10 @@ def _read_text(path: str, flag: str = "--text_file") -> str:
             return f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{flag} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except FileNotFoundError:  # was the bare "[Errno 2] No such file or directory: 'nope.txt'"
+        raise ValueError(f"{flag} {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{flag} {path!r} is a folder; expected a text file") from None
 
 
 def _utf8_arg(text: str, flag: str) -> str:

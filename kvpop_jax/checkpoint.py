@@ -269,14 +269,23 @@ def checkpoint_fingerprint(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def _require_directory(path: str) -> None:
+    """FileNotFoundError for a checkpoint folder that is not there, or naming a file given for it
+    (its config.json, say: it was called missing)."""
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} is a file; pass the folder that holds it "
+                                f"({os.path.dirname(path) or '.'!r})")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+
+
 def check_checkpoint(path: str | os.PathLike) -> Qwen3Config:
     """The config of the checkpoint directory `path`, after checking all that can be checked
     without reading the weights: config.json parses, every safetensors file's header opens (a
     truncated or non-safetensors file is a ValueError naming it), and the headers hold exactly
     the tensors the config implies, at its shapes. Cheap at any model size."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    _require_directory(path)
     config = Qwen3Config.from_hf(path)
     _matched_tensors(path, config, _weight_files(path))
     return config
@@ -311,8 +320,7 @@ def load_pretrained(
         tensor is placed straight onto its shards.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    _require_directory(path)
     dtype = _float_dtype(dtype)
     config = config or Qwen3Config.from_hf(path)
     files = _weight_files(path)

@@ -12,6 +12,7 @@ import transformers
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig, Qwen3Config, load_pretrained, save_pretrained
+from kvpop_jax.checkpoint import check_checkpoint
 from kvpop_jax.config import DMSConfig, hf_layer_types
 from kvpop_jax.modeling import Qwen3ForCausalLM
 
@@ -180,6 +181,9 @@ def test_missing_directory_config_and_weights(tmp_path, hf_checkpoint):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_pretrained(empty)
     path, _ = hf_checkpoint("g2_untied")
+    for load in (load_pretrained, check_checkpoint):  # its config.json given for the folder was called missing
+        with pytest.raises(FileNotFoundError, match=r"config.json' is a file; pass the folder that holds it"):
+            load(os.path.join(path, "config.json"))
     os.unlink(os.path.join(path, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="no weights in"):
         load_pretrained(path)

@@ -743,6 +743,12 @@ def test_cli_generate_reads_a_prompt_file(tmp_path, capsys):
         main(["generate", "--checkpoint", dense, "--prompt_file", str(tmp_path / "bad.txt")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"--prompt_file '{tmp_path / 'bad.txt'}' is not UTF-8 text" in err
+    # a missing file or a folder is named with its flag (was a bare "[Errno 2] No such file or directory")
+    for path, message in ((tmp_path / "nope.txt", "no such file"), (tmp_path, "is a folder; expected a text file")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--checkpoint", dense, "--prompt_file", str(path)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"error: --prompt_file '{path}'" in err and message in err, err
 
 
 def test_cli_generate_stops_at_the_generation_configs_eos_ids(tmp_path, capsys):

@@ -485,6 +485,9 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
         (["--curriculum=128:1:4:seq_len=200"], "seq_len is the phase's LEN, not an override"),
         (["--curriculum=128:1:4:lookp=0.5"], "phase 128:1: unknown override 'lookp'; known: drill, lookup"),  # a trace
         ([f"--out_dir={tmp_path / 'f' / 'x'}"], "--out_dir"),
+        ([f"--init_from={tmp_path / 'stage1'}"], "does not exist (a stage's --init_from is the --out_dir of the stage "
+                                                 "before it: train that one first)"),
+        ([f"--init_from={os.path.join(TEACHER, 'config.json')}"], "is a file; pass the folder that holds it"),  # a trace
     ]
     (tmp_path / "f").write_text("a file")
     for argv, message in bad:

@@ -80,6 +80,14 @@ def test_bad_flags_raise_clear_errors(tmp_path, arch, overrides, message):
         parse(tiny_flags(str(tmp_path / "run"), arch, **overrides))
 
 
+def test_an_init_checkpoint_that_is_a_file_is_named(tmp_path, arch):
+    """--init_checkpoint=CKPT/config.json read CKPT/config.json/config.json and said no config.json is there."""
+    with pytest.raises(FlagError, match=r"--init_checkpoint=.*tiny_arch.json is a file; pass the folder that holds"):
+        parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=arch))
+    with pytest.raises(FlagError, match=r"--init_checkpoint=.*tiny_arch.json is a file; pass the folder that holds"):
+        parse(tiny_flags(str(tmp_path / "run"), arch, init_checkpoint=arch, dry_run=True))  # read X/config.json/...
+
+
 def test_export_dir_may_not_be_or_lie_inside_the_init_checkpoint(tmp_path, arch):
     teacher = tmp_path / "teacher"
     teacher.mkdir()

@@ -51,6 +51,9 @@ def config_from_flags(fv: flags.FlagValues = flags.FLAGS, *, on_accelerator: boo
                         "--dry_run needs only --model_config")
     if f.init_checkpoint and f.init_checkpoint.startswith("random:"):
         resolve_model_config(f.init_checkpoint.removeprefix("random:"))
+    elif f.init_checkpoint and os.path.isfile(f.init_checkpoint):  # its config.json, say: was "no such directory"
+        raise FlagError(f"--init_checkpoint={f.init_checkpoint} is a file; pass the folder that holds the checkpoint "
+                        f"({os.path.dirname(f.init_checkpoint) or '.'})")
     elif f.init_checkpoint and not f.dry_run:
         if not os.path.isdir(f.init_checkpoint):
             raise FlagError(f"--init_checkpoint={f.init_checkpoint}: no such directory (download the HF "

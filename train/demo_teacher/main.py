@@ -11,6 +11,7 @@ from absl import flags
 
 from demo.atoms import VOCAB
 from kvpop_jax import load_pretrained
+from kvpop_jax.checkpoint import check_checkpoint
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import init_params
 from kvpop_jax.runtime import interrupt_outside_gc_callbacks
@@ -106,7 +107,12 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         head_dim=f.head_dim, rope_theta=f.rope_theta, tie_word_embeddings=True, attention_bias=bool(offsets),
         max_position_embeddings=f.max_position_embeddings, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
     if f.init_from and not f.eval_only:  # the model is the checkpoint's; the shape flags describe a fresh init
-        model = Qwen3Config.from_hf(f.init_from)
+        try:  # its config and weights' headers, before any work (a file given for the folder failed at load)
+            model = check_checkpoint(f.init_from)
+        except FileNotFoundError as e:
+            raise FlagError(f"--init_from={f.init_from}: {e}" + ("" if os.path.exists(f.init_from) else
+                            " (a stage's --init_from is the --out_dir of the stage before it: train that one "
+                            "first)")) from None
         given = [f"--{flag}={getattr(f, flag)} (the checkpoint's {getattr(model, field)})"
                  for flag, field in SHAPE_FLAGS.items()
                  if f[flag].present and getattr(f, flag) != getattr(model, field)]
