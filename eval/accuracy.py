@@ -137,8 +137,13 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
     key = "dense" if method in BASELINES else method
-    if key not in checkpoints:
-        raise ValueError(f"no checkpoint for method {method!r} (looked up {key!r}); have {sorted(checkpoints)}")
+    if key not in checkpoints and key == "dense":
+        raise ValueError(f"method {method!r} runs on the dense checkpoint: give it as dense=DIR (have "
+                         f"{', '.join(sorted(checkpoints)) or 'none'})")
+    if key not in checkpoints:  # a typo'd baseline was "no checkpoint for method 'tovaa'" without the baselines
+        raise ValueError(f"unknown method {method!r}: methods are dense, the training-free baselines "
+                         f"({', '.join(sorted(BASELINES))}; on the dense checkpoint) and the names of the checkpoints "
+                         f"given ({', '.join(sorted(checkpoints)) or 'none'})")
     path = checkpoints[key]
     if isinstance(path, Mapping):
         if cr not in path:
