@@ -615,7 +615,8 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
                                          r"\(h2o, streaming, tova; on the dense checkpoint\) and the names of the "
                                          r"checkpoints given \(dense\)"):
         run(["dense", "tovaa"], {"dense": dense})
-    with pytest.raises(ValueError, match=r"method 'tova' runs on the dense checkpoint: give it as dense=DIR \(have kv\)"):
+    with pytest.raises(ValueError, match=r"method 'tova' runs on the dense checkpoint: give it as dense=DIR "
+                                         r"\(have kv\)"):
         run(["tova"], {"kv": dense})
     with pytest.raises(ValueError, match=f"seed {2**65} is outside jax.random.key's int64 range"):
         run(["dense", "tova"], seed=2**65)  # was a bare OverflowError at the first rollout, after the loads
