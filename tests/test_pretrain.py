@@ -190,8 +190,12 @@ def test_train_checkpoint_resume_export(tmp_path):
     resumed, records2 = train(cut, progress=False)
     assert records2[0]["step"] == 12  # continued from the save at 10, not from 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), resumed.params, state.params)
-    with pytest.raises(ValueError, match="different settings"):
+    lr = json.loads(json.dumps(cut.lr))
+    with pytest.raises(ValueError, match=rf"different settings: lr {lr} -> 0.005\. Rerun with the old values"):
         train(tiny_config(tmp_path, run_dir=cut.run_dir, lr=5e-3), progress=False)
+    wider = dataclasses.replace(cut.model, hidden_size=cut.model.hidden_size * 2)
+    with pytest.raises(ValueError, match=rf"model.hidden_size {cut.model.hidden_size} -> {wider.hidden_size}"):
+        train(dataclasses.replace(cut, model=wider), progress=False)  # was "(model)" alone
 
     export(cfg, state.params, [evaluate(Qwen3ForCausalLM(cfg.model), state.params, cfg,
                                                           128, 2, split="test", batch=2)], "cmd", 1.0)
@@ -353,7 +357,7 @@ def test_state_saved_before_park_lookups_resumes_without_it(tmp_path):
         f.write(flax.serialization.msgpack_serialize(payload))
     restored, seconds = restore_state(cfg, state)
     assert seconds == 3.0 and int(restored.step) == 0
-    with pytest.raises(ValueError, match=r"different settings \(park_lookups\)"):
+    with pytest.raises(ValueError, match=r"different settings: park_lookups false -> true\."):
         restore_state(dataclasses.replace(cfg, park_lookups=True), state)
 
 

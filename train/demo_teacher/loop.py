@@ -204,11 +204,22 @@ def check_saved_run(cfg: PretrainConfig) -> dict | None:
         payload = flax.serialization.msgpack_restore(f.read())
     saved = json.loads(payload["config"])
     saved.setdefault("park_lookups", False)  # states saved before the option ran without it
-    if saved != cfg.resume_key():
-        diff = sorted(k for k in saved.keys() | cfg.resume_key().keys() if saved.get(k) != cfg.resume_key().get(k))
-        raise ValueError(f"{path} was saved with different settings ({', '.join(diff)}); "
-                         "use another --run_dir or delete it")
+    if saved != cfg.resume_key():  # each changed value named, old -> new (it named only "model, phases")
+        raise ValueError(f"{path} was saved with different settings: {'; '.join(_changes(saved, cfg.resume_key()))}. "
+                         "Rerun with the old values to resume it, use another --run_dir, or delete it")
     return payload
+
+
+def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """"KEY OLD -> NEW" for every leaf that differs between two resume keys (nested dicts by dotted key)."""
+    out = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {json.dumps(a)} -> {json.dumps(b)}")
+    return out
 
 
 def _log(cfg: PretrainConfig, record: dict) -> None:
