@@ -906,3 +906,19 @@ def test_ctrl_c_mid_training_exits_130_with_one_line(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, err[-4000:])
     assert "interrupted; rerun the same command" in err and "Segmentation fault" not in err
+
+
+def test_dry_run_and_recipe_print_the_slots_and_memory_b(tmp_path, arch):
+    """B is memory per KV head (README, reports, `eval.main generate`); --dry_run printed "B=106" of the slots alone
+    and the recipe "B = 106 ...; memory 123 entries"."""
+    from train.dry_run import _retrofit
+    from train.recipe import describe
+
+    for scorer in ("mlstm", "mlp"):
+        cfg = parse(tiny_flags(str(tmp_path / "run"), arch, scorer=scorer))
+        state = cfg.kvpop.scorer_state_slots(cfg.head_dim)
+        assert (state > 0) == (scorer == "mlstm")
+        plus = f" + {state} of scorer state" if state else ""
+        assert _retrofit(cfg) == f"s=4, w=16, k=16: 36 slots{plus} = memory B {36 + state} per KV head, scorer {scorer}"
+        plus = f" + {state} of mLSTM state" if state else ""
+        assert describe(cfg) == f"s 4, w 16, k 16: 36 slots{plus} = memory B {36 + state} per KV head"

@@ -23,8 +23,11 @@ def _retrofit(cfg: TrainConfig) -> str:
         d = cfg.dms
         return (f"DMS (w={d.window}, memory {d.budget} per KV head, target eviction {d.target_eviction:.4f}, "
                 f"gate width {d.gate_hidden})")
-    kv = cfg.kvpop
-    return f"B={kv.budget} (s={kv.sinks}, w={kv.window}, k={kv.topk}), scorer {kv.scorer}"
+    kv = cfg.kvpop  # B is memory per KV head, as in the README and the reports: the slots plus any scorer state
+    state = kv.scorer_state_slots(cfg.head_dim)
+    return (f"s={kv.sinks}, w={kv.window}, k={kv.topk}: {kv.budget} slots"
+            + (f" + {state} of scorer state" if state else "") + f" = memory B {kv.memory(cfg.head_dim)} per KV head, "
+            f"scorer {kv.scorer}")
 
 
 def dry_run(cfg: TrainConfig) -> dict[str, int]:

@@ -93,7 +93,10 @@ def describe(cfg: TrainConfig) -> str:
         return (f"DMS: w {d.window}, target eviction {d.target_eviction:.3f} (compression {d.target_compression:.1f}x) for a "
                 f"mean occupancy of {d.budget} entries at {cfg.seq_len} tokens, gate width {d.gate_hidden}")
     kv = cfg.kvpop
-    return (f"B = {kv.budget}: s {kv.sinks}, w {kv.window}, k {kv.topk}; memory {kv.memory(cfg.head_dim)} entries")
+    state = kv.scorer_state_slots(cfg.head_dim)  # B is memory, as in the README and the summary
+    return (f"s {kv.sinks}, w {kv.window}, k {kv.topk}: {kv.budget} slots" + (f" + {state} of mLSTM state" if state
+                                                                              else "")
+            + f" = memory B {kv.memory(cfg.head_dim)} per KV head")
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
