@@ -36,7 +36,7 @@ from kvpop_jax.checkpoint import chat_prompt_ids, checkpoint_tokenizer, load_tok
 from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
-from kvpop_jax.runtime import interrupt_outside_gc_callbacks, report_backend
+from kvpop_jax.runtime import exit_at_once_on_interrupt, interrupt_outside_gc_callbacks, report_backend
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -352,4 +352,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_at_once_on_interrupt(main)  # a Ctrl-C's exit 130 without the teardown (it could segfault)

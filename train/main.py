@@ -24,7 +24,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from kvpop_jax import sharding as shd
-from kvpop_jax.runtime import ctrl_c_kills, gpu_workload_reasons, interrupt_outside_gc_callbacks, report_backend
+from kvpop_jax.runtime import (ctrl_c_kills, exit_at_once_on_interrupt, gpu_workload_reasons,
+                               interrupt_outside_gc_callbacks, report_backend)
 from train import recipe
 from train.config import FlagError, parse_flags
 from train.configure import config_from_flags
@@ -99,13 +100,5 @@ def _quiet_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main, flags_parser=parse_flags)
-    except SystemExit as e:
-        if e.code != 130:
-            raise
-        # Ctrl-C: the run's files are closed and its lock released, but the interrupted step may still be
-        # computing, and the interpreter's teardown would free its buffers under it (a segfault, exit 139).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+    # Ctrl-C: the run's files are closed and its lock released, but the interrupted step may still be computing
+    exit_at_once_on_interrupt(lambda: app.run(main, flags_parser=parse_flags))
