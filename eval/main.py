@@ -125,9 +125,20 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 0.75,0.88)") from None
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with each option's default where it has one (not None, not a switch's, not a required option's)."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        shown = action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool) \
+            and not action.required
+        return help_text + (" (default: %(default)s)" if shown and "%(default)" not in help_text else "")
+
+
 def cmd_accuracy(argv: Sequence[str]) -> None:
     """pass@1 of dense, training-free baselines and KVpop checkpoints on a benchmark."""
-    parser = argparse.ArgumentParser(prog="python -m eval.main accuracy", description=cmd_accuracy.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m eval.main accuracy", description=cmd_accuracy.__doc__,
+                                     formatter_class=DefaultsHelpFormatter)  # the paper's settings, shown
     parser.add_argument("--checkpoints", required=True,
                         help="NAME=DIR[,NAME@CR=DIR...]; 'dense' serves dense/streaming/tova/h2o, other names are "
                              "KVpop exports (e.g. kvpop-mlp=runs/x/export)")
@@ -136,21 +147,23 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--benchmark", required=True,
                         help="comma-separated: JSONL/JSON/parquet/csv files, hub dataset names, or generated demo "
                              "problems demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D], e.g. "
-                             "demo:reuse:test:seed=123:n=100:len=2048 (then pass --context_len L too)")
-    parser.add_argument("--n_rollouts", type=int, default=16)
-    parser.add_argument("--compression_ratios", type=_floats, default=(0.75, 0.88))
+                             "demo:reuse:test:seed=123:n=100:len=2048 (--context_len L then takes the CRs of that length; keep "
+                             "the shorter one's to compare at its B)")
+    parser.add_argument("--n_rollouts", type=int, default=16, help="sampled completions per problem (the paper's "
+                        "pass@1 over 16; 1 with --temperature 0: greedy)")
+    parser.add_argument("--compression_ratios", type=_floats, default=(0.75, 0.88), help="comma-separated CRs")
     parser.add_argument("--context_len", type=int, default=16384,
                         help="CR = 1 - B / context_len (the paper's 16384; the prompt length for demo problems)")
-    parser.add_argument("--max_new_tokens", type=int, default=4096)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top_p", type=float, default=0.95)
-    parser.add_argument("--top_k", type=int, default=20)
-    parser.add_argument("--min_p", type=float, default=0.0)
-    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--max_new_tokens", type=int, default=4096, help="tokens per completion at most")
+    parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
+    parser.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling")
+    parser.add_argument("--top_k", type=int, default=20, help="0: off")
+    parser.add_argument("--min_p", type=float, default=0.0, help="0: off")
+    parser.add_argument("--sinks", type=int, default=4, help="the training-free baselines' sink tokens")
     parser.add_argument("--limit", type=int, default=None, help="first N >= 1 problems only")
     parser.add_argument("--split", default=None, help="hub datasets: the split (default test); a demo spec names its own")
     parser.add_argument("--chat_template", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the sampling's")
     parser.add_argument("--problem_batch", type=int, default=1,
                         help="with --n_rollouts=1: decode up to this many problems of equal prompt length per batch "
                              "(consecutive or not)")
