@@ -10,9 +10,9 @@ from demo.atoms import VOCAB
 from kvpop_jax.config import Qwen3Config
 from train.demo_teacher.data import MAX_BATCH, Phase, reuse_rows
 
-# A phase's overrides that are not demo-task fields: shares of drill / reuse rows, the parking weight, and (last)
-# the phase's difficulty
-PHASE_OVERRIDES = ("drill", "lookup", "recall", "reuse", "park", "difficulty")
+# A phase's overrides that are not demo-task fields: shares of drill / reuse rows, the parking weight, and (the last
+# two, `demo.task.make_config`'s presets) the phase's difficulty and task
+PHASE_OVERRIDES = ("drill", "lookup", "recall", "reuse", "park", "difficulty", "task")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +80,7 @@ class PretrainConfig:
                                             if f.name != "seq_len")
             unknown = [k for k, _ in p.task if k not in known]
             if unknown:  # was a TypeError from DemoTaskConfig, with a traceback
-                raise ValueError(f"phase {p.prompt_len}:{p.steps}: unknown override {unknown[0]!r}; known: "
-                                 f"{', '.join(known)}")
+                raise ValueError(f"phase {p}: unknown override {unknown[0]!r}; known: {', '.join(known)}")
             park = dict(p.task).get("park", 0.0)  # park_weight_of's override, checked before step 0
             if not isinstance(park, (int, float)) or park < 0:
                 raise ValueError(f"phase {p}: park={park!r} must be a parking-loss weight >= 0")
@@ -138,7 +137,7 @@ class PretrainConfig:
         if isinstance(phase, int):
             return demo_task.make_config(self.difficulty, seq_len=phase)
         overrides = dict(phase.task)
-        for drill in PHASE_OVERRIDES[:-1]:  # not task fields: shares of drill / reuse rows, the phase's parking
+        for drill in PHASE_OVERRIDES[:-2]:  # not task fields: shares of drill / reuse rows, the phase's parking
             overrides.pop(drill, None)     # weight
         difficulty = overrides.pop("difficulty", self.difficulty)
         return demo_task.make_config(difficulty, seq_len=phase.prompt_len, **overrides)

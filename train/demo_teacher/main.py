@@ -54,7 +54,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("seed", 0, "Data and init seed.", **d)
     flags.DEFINE_string("curriculum", "256:1000,1024:500", "Phases LEN:STEPS[:BATCH][:KEY=VALUE/...] (prompt length, "
                         "steps, rows; overrides: demo-task fields, drill/lookup/recall/reuse row shares, park=W the "
-                        "phase's parking-loss weight instead of --park_weight).", **d)
+                        "phase's parking-loss weight instead of --park_weight, difficulty=D and task=T presets).", **d)
     flags.DEFINE_integer("batch", 16, "Rows per step where a phase does not say.", **d)
     flags.DEFINE_float("lr", 3e-3, "Peak learning rate.", **d)
     flags.DEFINE_float("final_lr", 1e-4, "Learning rate at the last step (cosine).", **d)
