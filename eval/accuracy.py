@@ -30,6 +30,7 @@ renamed together at the end, so a failed rerun leaves the previous report as it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import sys
@@ -135,15 +136,28 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
+def _missing_checkpoint(checkpoints: Mapping[str, Any], method: str) -> str:
+    """Why `method` has no checkpoint: dense's or a baseline's is dense=DIR; a name close to a known method is
+    likely a typo (it was "no checkpoint for method 'tovaa'", the baselines unnamed); any other name is an export
+    not given."""
+    have = ", ".join(sorted(checkpoints)) or "none"
+    if method == "dense" or method in BASELINES:
+        return (f"method {method!r} {'needs' if method == 'dense' else 'runs on'} the dense checkpoint: give it as "
+                f"dense=DIR in --checkpoints (have {have})")
+    known = ["dense", *sorted(BASELINES), *sorted(k for k in checkpoints if k != "dense")]
+    close = difflib.get_close_matches(method, known, n=1, cutoff=0.75)
+    if close:
+        return (f"unknown method {method!r} (did you mean {close[0]!r}?): methods are dense, the training-free "
+                f"baselines ({', '.join(sorted(BASELINES))}; on the dense checkpoint) and the names of the checkpoints "
+                f"given ({have}); an export not given goes in --checkpoints as {method}=DIR")
+    return (f"no checkpoint named {method!r}: give the export as {method}=DIR in --checkpoints (have {have}; the "
+            f"training-free baselines are {', '.join(sorted(BASELINES))})")
+
+
 def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
     key = "dense" if method in BASELINES else method
-    if key not in checkpoints and key == "dense":
-        raise ValueError(f"method {method!r} runs on the dense checkpoint: give it as dense=DIR (have "
-                         f"{', '.join(sorted(checkpoints)) or 'none'})")
-    if key not in checkpoints:  # a typo'd baseline was "no checkpoint for method 'tovaa'" without the baselines
-        raise ValueError(f"unknown method {method!r}: methods are dense, the training-free baselines "
-                         f"({', '.join(sorted(BASELINES))}; on the dense checkpoint) and the names of the checkpoints "
-                         f"given ({', '.join(sorted(checkpoints)) or 'none'})")
+    if key not in checkpoints:
+        raise ValueError(_missing_checkpoint(checkpoints, method))
     path = checkpoints[key]
     if isinstance(path, Mapping):
         if cr not in path:

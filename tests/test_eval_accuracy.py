@@ -611,13 +611,18 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"checkpoints given for \['h2o'\]: the training-free baselines run on the dense"):
         run(["dense", "h2o"], {"dense": dense, "h2o": dense})  # was silently ignored
     # a typo'd baseline: was "no checkpoint for method 'tovaa'", the baselines unnamed
-    with pytest.raises(ValueError, match=r"unknown method 'tovaa': methods are dense, the training-free baselines "
-                                         r"\(h2o, streaming, tova; on the dense checkpoint\) and the names of the "
-                                         r"checkpoints given \(dense\)"):
+    with pytest.raises(ValueError, match=r"unknown method 'tovaa' \(did you mean 'tova'\?\): methods are dense, the "
+                                         r"training-free baselines \(h2o, streaming, tova; on the dense checkpoint\) "
+                                         r"and the names of the checkpoints given \(dense\)"):
         run(["dense", "tovaa"], {"dense": dense})
-    with pytest.raises(ValueError, match=r"method 'tova' runs on the dense checkpoint: give it as dense=DIR "
-                                         r"\(have kv\)"):
+    with pytest.raises(ValueError, match=r"no checkpoint named 'kvpop-mlp': give the export as kvpop-mlp=DIR in "
+                                         r"--checkpoints \(have dense;"):
+        run(["dense", "kvpop-mlp"], {"dense": dense})  # an export left out: not a typo
+    with pytest.raises(ValueError, match=r"method 'tova' runs on the dense checkpoint: give it as dense=DIR in "
+                                         r"--checkpoints \(have kv\)"):
         run(["tova"], {"kv": dense})
+    with pytest.raises(ValueError, match=r"method 'dense' needs the dense checkpoint"):
+        run(["dense"], {"kv": dense})
     with pytest.raises(ValueError, match=f"seed {2**65} is outside jax.random.key's int64 range"):
         run(["dense", "tova"], seed=2**65)  # was a bare OverflowError at the first rollout, after the loads
     for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):
