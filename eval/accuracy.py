@@ -257,7 +257,9 @@ def run_accuracy(
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
         path = _checkpoint_for(checkpoints, method, cr)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: no such directory")
+            raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: "
+                                    + ("a file; give the folder that holds it" if os.path.isfile(path) else
+                                       "no such directory"))
         if path not in configs:
             configs[path] = check_checkpoint(path)  # config.json and the weights' headers
         try:

@@ -623,6 +623,8 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         run(["tova"], {"kv": dense})
     with pytest.raises(ValueError, match=r"method 'dense' needs the dense checkpoint"):
         run(["dense"], {"kv": dense})
+    with pytest.raises(FileNotFoundError, match=r"config.json': a file; give the folder that holds it"):
+        run(["dense"], {"dense": os.path.join(dense, "config.json")})  # was "no such directory"
     with pytest.raises(ValueError, match=f"seed {2**65} is outside jax.random.key's int64 range"):
         run(["dense", "tova"], seed=2**65)  # was a bare OverflowError at the first rollout, after the loads
     for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):

@@ -398,6 +398,10 @@ def test_train_export_without_a_required_flag_says_so_in_one_line(tmp_path):
                               timeout=120)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {missing} required"), proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    (tmp_path / "config.json").write_text("{}")  # a file given for the run folder: was "no such directory"
+    proc = subprocess.run([sys.executable, "-m", "train.export", f"--checkpoint={tmp_path / 'config.json'}",
+                           f"--out={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "config.json: a file; give the run folder" in proc.stderr, proc.stderr
 
 
 def test_a_run_dir_named_by_a_number_is_a_run_dir_not_a_step(tmp_path):

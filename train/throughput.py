@@ -179,7 +179,8 @@ def main(argv):
     try:
         ckpt = FLAGS.init_checkpoint  # the recipes name the HF weights, which a GPU node may not have yet
         if ckpt and not ckpt.startswith("random:") and not os.path.isdir(ckpt):
-            raise FlagError(f"--init_checkpoint={ckpt}: no such directory; train.throughput times a random model "
+            raise FlagError(f"--init_checkpoint={ckpt}: {'a file' if os.path.isfile(ckpt) else 'no such directory'}; "
+                            "train.throughput times a random model "
                             f"anyway, so pass --init_checkpoint=random:{FLAGS.model_config or 'NAME'} (the "
                             "architecture, configs/models/NAME.json)")
         if FLAGS.dry_run:
