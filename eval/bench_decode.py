@@ -428,8 +428,10 @@ def _budget_line(b: dict | None, dms: dict | None) -> str:
     if b is None:
         return "- Budget: none (dense only)"
     if "topk" in b:
-        line = (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']} (B={b['budget']}), scorer {b['scorer']}; "
-                f"memory {b['memory']} entries per KV head; baselines at the same memory")
+        state = b["memory"] - b["budget"]  # the same words as --dry_run's and the recall report's
+        line = (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']}: {b['budget']} slots"
+                + (f" + {state} of scorer state" if state else "") + f" = memory B {b['memory']} per KV head, "
+                f"scorer {b['scorer']}; baselines at the same memory")
     else:
         line = f"- Budget: memory {b['memory']} entries per KV head (the DMS export's); baselines at the same memory"
     if dms is not None:

@@ -262,8 +262,8 @@ def run_bench_train(
     variants = ("dense",) + tuple(v for v in variants if v != "dense")
     seq_lens = sorted({int(s) for s in seq_lens})
     if not seq_lens or seq_lens[0] <= config.kvpop.budget:
-        raise ValueError(f"every S must exceed the budget B = {config.kvpop.budget} (the retention loss samples "
-                         f"saturated queries), got {seq_lens}")
+        raise ValueError(f"every S must exceed the budget s + w + k = {config.kvpop.budget} (the retention loss "
+                         f"samples saturated queries), got {seq_lens}")
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1; got {steps}, {warmup}, {batch}")
     if not 1 <= kl_topk <= config.vocab_size or num_query_samples < 1:  # named here, not as the library's k / num
@@ -352,7 +352,8 @@ def bench_markdown(rows: Sequence[Row], info: dict, png: str, relative_to: str, 
         f"- Command: `{info['command']}`",
         f"- Device: {where}; jax {dev['jax']}, jaxlib {dev['jaxlib']}, Python {dev['python']}",
         f"- Model: {info['model']}; float32, batch {info['batch']}; budget s={b['sinks']}, w={b['window']}, "
-        f"k={b['topk']} (B={b['budget']}) for every KVpop variant; `KVPOP_ATTENTION_IMPL` = {info['attention_impl']}",
+        f"k={b['topk']}: {b['budget']} slots for every KVpop variant; "
+        f"`KVPOP_ATTENTION_IMPL` = {info['attention_impl']}",
         f"- Method: median of {info['steps']} calls after compile + {info['warmup']} warmup; ratios are within "
         "this run. Train step: teacher top-K + student forward/backward + AdamW (eval/bench_train.py).",
         "",

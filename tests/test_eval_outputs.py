@@ -116,3 +116,15 @@ def test_a_report_folder_this_process_holds_is_not_refused(tmp_path):
             run_bench_gpu(stages=(), out_dir=out, benchmarks_md=None)
         with lock_run_dir(out):
             pass
+
+
+def test_bench_decode_budget_line_names_the_slots_and_memory_b():
+    """B is memory per KV head (README, --dry_run, recall); the decode report said "(B=106) ...; memory 123"."""
+    from eval.bench_decode import _budget_line
+
+    kv = dict(sinks=4, window=32, topk=70, budget=106, scorer="mlstm")
+    assert _budget_line({**kv, "memory": 123}, None) == ("- Budget: s=4, w=32, k=70: 106 slots + 17 of scorer state "
+                                                         "= memory B 123 per KV head, scorer mlstm; baselines at the "
+                                                         "same memory")
+    assert "106 slots = memory B 106 per KV head, scorer mlp" in _budget_line({**kv, "memory": 106, "scorer": "mlp"},
+                                                                              None)

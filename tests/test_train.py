@@ -920,5 +920,4 @@ def test_dry_run_and_recipe_print_the_slots_and_memory_b(tmp_path, arch):
         assert (state > 0) == (scorer == "mlstm")
         plus = f" + {state} of scorer state" if state else ""
         assert _retrofit(cfg) == f"s=4, w=16, k=16: 36 slots{plus} = memory B {36 + state} per KV head, scorer {scorer}"
-        plus = f" + {state} of mLSTM state" if state else ""
         assert describe(cfg) == f"s 4, w 16, k 16: 36 slots{plus} = memory B {36 + state} per KV head"

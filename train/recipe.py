@@ -94,7 +94,7 @@ def describe(cfg: TrainConfig) -> str:
                 f"mean occupancy of {d.budget} entries at {cfg.seq_len} tokens, gate width {d.gate_hidden}")
     kv = cfg.kvpop
     state = kv.scorer_state_slots(cfg.head_dim)  # B is memory, as in the README and the summary
-    return (f"s {kv.sinks}, w {kv.window}, k {kv.topk}: {kv.budget} slots" + (f" + {state} of mLSTM state" if state
+    return (f"s {kv.sinks}, w {kv.window}, k {kv.topk}: {kv.budget} slots" + (f" + {state} of scorer state" if state
                                                                               else "")
             + f" = memory B {kv.memory(cfg.head_dim)} per KV head")
 
