@@ -147,11 +147,11 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--benchmark", required=True,
                         help="comma-separated: JSONL/JSON/parquet/csv files, hub dataset names, or generated demo "
                              "problems demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D], e.g. "
-                             "demo:reuse:test:seed=123:n=100:len=2048 (--context_len L then takes the CRs of that length; keep "
-                             "the shorter one's to compare at its B)")
+                             "demo:reuse:test:seed=123:n=100:len=2048 (--context_len is the length the CRs are taken of: "
+                             "L for that prompt length's budgets, or e.g. 1024 to keep the budgets of 1024 tokens)")
     parser.add_argument("--n_rollouts", type=int, default=16, help="sampled completions per problem (the paper's "
                         "pass@1 over 16; 1 with --temperature 0: greedy)")
-    parser.add_argument("--compression_ratios", type=_floats, default=(0.75, 0.88), help="comma-separated CRs")
+    parser.add_argument("--compression_ratios", type=_floats, default="0.75,0.88", help="comma-separated CRs")
     parser.add_argument("--context_len", type=int, default=16384,
                         help="CR = 1 - B / context_len (the paper's 16384; the prompt length for demo problems)")
     parser.add_argument("--max_new_tokens", type=int, default=4096, help="tokens per completion at most")
@@ -306,6 +306,8 @@ def _read_text(path: str, flag: str = "--text_file") -> str:
         raise ValueError(f"{flag} {path!r}: no such file") from None
     except IsADirectoryError:
         raise ValueError(f"{flag} {path!r} is a folder; expected a text file") from None
+    except PermissionError:
+        raise ValueError(f"{flag} {path!r}: no permission to read it") from None
 
 
 def _utf8_arg(text: str, flag: str) -> str:

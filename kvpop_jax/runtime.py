@@ -120,8 +120,8 @@ def ctrl_c_kills() -> Iterator[None]:
 def exit_at_once_on_interrupt(entry: Callable[[], object]) -> None:
     """Runs a command-line tool's `entry`; its Ctrl-C exit (SystemExit 130, after the tool has said what it left)
     skips the interpreter's teardown: the interrupted program may still be computing on another thread, and the
-    teardown would free its buffers under it (a segfault, exit -11 or 139, in 3 of 7 interrupts of
-    `eval.main diagnose noise`)."""
+    teardown would free its buffers under it (a segfault, exit -11 or 139, in 3 of 7 and 3 of 9
+    interrupts of `eval.main diagnose noise`, 4-12 s in)."""
     try:
         entry()
     except SystemExit as e:

@@ -104,8 +104,9 @@ def test_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_tool():
 
 def test_a_tools_ctrl_c_exit_skips_the_interpreters_teardown():
     """eval.main and train.pretrain exited 130 through the interpreter's teardown (train.main did not), which frees
-    the buffers of a program still computing on another thread: 3 of 7 Ctrl-Cs of `eval.main diagnose noise` ended
-    in a segfault (-11). A 130 exit now skips the teardown (its atexit handlers show it); other exits keep it."""
+    the buffers of a program still computing on another thread: 3 of 7 (and 3 of 9) Ctrl-Cs of `eval.main diagnose
+    noise` ended in a segfault (-11). A 130 exit now skips the teardown (its atexit handlers show it); other exits
+    keep it."""
     import sys
     import textwrap
 

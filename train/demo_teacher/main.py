@@ -110,7 +110,7 @@ def config_from_flags(f: flags.FlagValues = FLAGS) -> PretrainConfig:
         try:  # its config and weights' headers, before any work (a file given for the folder failed at load)
             model = check_checkpoint(f.init_from)
         except FileNotFoundError as e:
-            raise FlagError(f"--init_from={f.init_from}: {e}" + ("" if os.path.exists(f.init_from) else
+            raise FlagError(f"--init_from: {e}" + ("" if os.path.exists(f.init_from) else
                             " (a stage's --init_from is the --out_dir of the stage before it: train that one "
                             "first)")) from None
         given = [f"--{flag}={getattr(f, flag)} (the checkpoint's {getattr(model, field)})"
