@@ -147,8 +147,9 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--benchmark", required=True,
                         help="comma-separated: JSONL/JSON/parquet/csv files, hub dataset names, or generated demo "
                              "problems demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D], e.g. "
-                             "demo:reuse:test:seed=123:n=100:len=2048 (--context_len is the length the CRs are taken of: "
-                             "L for that prompt length's budgets, or e.g. 1024 to keep the budgets of 1024 tokens)")
+                             "demo:reuse:test:seed=123:n=100:len=2048 (--context_len is the length the CRs are taken "
+                             "of: L for that prompt length's budgets, or e.g. 1024 to keep the budgets of 1024 "
+                             "tokens)")
     parser.add_argument("--n_rollouts", type=int, default=16, help="sampled completions per problem (the paper's "
                         "pass@1 over 16; 1 with --temperature 0: greedy)")
     parser.add_argument("--compression_ratios", type=_floats, default="0.75,0.88", help="comma-separated CRs")

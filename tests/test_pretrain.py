@@ -491,7 +491,7 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
         ([f"--out_dir={tmp_path / 'f' / 'x'}"], "--out_dir"),
         ([f"--init_from={tmp_path / 'stage1'}"], "does not exist (a stage's --init_from is the --out_dir of the stage "
                                                  "before it: train that one first)"),
-        ([f"--init_from={os.path.join(TEACHER, 'config.json')}"], "is a file; pass the folder that holds it"),  # a trace
+        ([f"--init_from={os.path.join(TEACHER, 'config.json')}"], "is a file; pass the folder that holds it"),
     ]
     (tmp_path / "f").write_text("a file")
     for argv, message in bad:

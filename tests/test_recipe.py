@@ -193,8 +193,8 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     # export resumes from its last checkpoint and exports; the run-folder lock and --overwrite rules allow it.
     rerun = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+")
     # --noresume over finished variants was ignored: they were skipped as "already trained"
-    with pytest.raises(FlagError, match=r"--noresume would start over in .*kvpop-mlp \(a run's checkpoints \(steps 3\)\)"
-                                        r", .*streamingllm\+ .*pass --overwrite"):
+    with pytest.raises(FlagError, match=r"--noresume would start over in .*kvpop-mlp \(a run's checkpoints "
+                                        r"\(steps 3\)\), .*streamingllm\+ .*pass --overwrite"):
         recipe.run(parse(rerun + ["--noresume"]))
     shutil.rmtree(os.path.join(run, "streamingllm+", "export"))
     summary = recipe.run(parse(rerun))

@@ -85,9 +85,9 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
     """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`."""
     directory, step = checkpointing.split_step_dir(checkpoint)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--checkpoint={checkpoint}: " + ("a file; give the run folder (or its checkpoints/ or a "
-                                                                   "step folder in it)" if os.path.isfile(checkpoint)
-                                                                   else "no such directory"))
+        what = ("a file; give the run folder (or its checkpoints/ or a step folder in it)" if os.path.isfile(checkpoint)
+                else "no such directory")
+        raise FileNotFoundError(f"--checkpoint={checkpoint}: {what}")
     check_out(out, directory)  # before the (long) restore
     ckpt = checkpointing.Checkpointer(directory, read_only=True)
     if step is None:
