@@ -61,7 +61,7 @@ from eval.outputs import holds_out_dir, out_dir_arg, staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
 from kvpop_jax.cache import Cache, DenseLayerCache, init_cache
-from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config
+from kvpop_jax.config import DMSConfig, KVpopConfig, Qwen3Config, memory_words
 from kvpop_jax.dms import matched_gate_hidden
 from kvpop_jax.modeling import RETROFIT_SUBTREES, Qwen3ForCausalLM, init_params, retrofit_params, strip_kvpop
 
@@ -428,9 +428,7 @@ def _budget_line(b: dict | None, dms: dict | None) -> str:
     if b is None:
         return "- Budget: none (dense only)"
     if "topk" in b:
-        state = b["memory"] - b["budget"]  # the same words as --dry_run's and the recall report's
-        line = (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']}: {b['budget']} slots"
-                + (f" + {state} of scorer state" if state else "") + f" = memory B {b['memory']} per KV head, "
+        line = (f"- Budget: s={b['sinks']}, w={b['window']}, k={b['topk']}: {memory_words(b['budget'], b['memory'])}, "
                 f"scorer {b['scorer']}; baselines at the same memory")
     else:
         line = f"- Budget: memory {b['memory']} entries per KV head (the DMS export's); baselines at the same memory"

@@ -50,6 +50,13 @@ def _python_ints(obj: Any) -> None:
             object.__setattr__(obj, f.name, int(value))
 
 
+def memory_words(slots: int, memory: int) -> str:
+    """"106 slots + 17 of scorer state = memory B 123 per KV head" (no state: "123 slots = memory B 123 per KV
+    head"): how `--dry_run`, the recipe and the benches word a KVpop budget, B being memory as in the README."""
+    state = f" + {memory - slots} of scorer state" if memory != slots else ""
+    return f"{slots} slots{state} = memory B {memory} per KV head"
+
+
 def _require_finite_floats(obj: Any) -> None:
     """Every field annotated `float` holds a finite real number, not a bool: a NaN weight or logit offset
     passes every `> 0` check and fails silently later (NaN > 0 is false), a string fails far from here."""

@@ -9,6 +9,7 @@ import time
 import jax
 
 from kvpop_jax import sharding as shd
+from kvpop_jax.config import memory_words
 from train import optim
 from train.config import TrainConfig, load_model_config
 from train.setup import build_mesh, jitted_step, step_config
@@ -23,10 +24,8 @@ def _retrofit(cfg: TrainConfig) -> str:
         d = cfg.dms
         return (f"DMS (w={d.window}, memory {d.budget} per KV head, target eviction {d.target_eviction:.4f}, "
                 f"gate width {d.gate_hidden})")
-    kv = cfg.kvpop  # B is memory per KV head, as in the README and the reports: the slots plus any scorer state
-    state = kv.scorer_state_slots(cfg.head_dim)
-    return (f"s={kv.sinks}, w={kv.window}, k={kv.topk}: {kv.budget} slots"
-            + (f" + {state} of scorer state" if state else "") + f" = memory B {kv.memory(cfg.head_dim)} per KV head, "
+    kv = cfg.kvpop
+    return (f"s={kv.sinks}, w={kv.window}, k={kv.topk}: {memory_words(kv.budget, kv.memory(cfg.head_dim))}, "
             f"scorer {kv.scorer}")
 
 

@@ -49,7 +49,7 @@ from eval.benchmarks import DemoSpec
 from eval.dms_patterns import run_dms_patterns
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
-from kvpop_jax.config import KVpopConfig
+from kvpop_jax.config import KVpopConfig, memory_words
 from kvpop_jax.sampling import SamplingConfig
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
@@ -93,10 +93,7 @@ def describe(cfg: TrainConfig) -> str:
         return (f"DMS: w {d.window}, target eviction {d.target_eviction:.3f} (compression {d.target_compression:.1f}x) for a "
                 f"mean occupancy of {d.budget} entries at {cfg.seq_len} tokens, gate width {d.gate_hidden}")
     kv = cfg.kvpop
-    state = kv.scorer_state_slots(cfg.head_dim)  # B is memory, as in the README and the summary
-    return (f"s {kv.sinks}, w {kv.window}, k {kv.topk}: {kv.budget} slots" + (f" + {state} of scorer state" if state
-                                                                              else "")
-            + f" = memory B {kv.memory(cfg.head_dim)} per KV head")
+    return f"s {kv.sinks}, w {kv.window}, k {kv.topk}: {memory_words(kv.budget, kv.memory(cfg.head_dim))}"
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

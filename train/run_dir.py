@@ -118,8 +118,7 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
             _overwritten.add(os.path.realpath(cfg.run_dir))  # from the first deletion on
             _delete_output(os.path.join(cfg.run_dir, name))
         return
-    held = held_run(cfg)
-    if not cfg.resume and held:
+    if not cfg.resume and (held := held_run(cfg)):  # a resume need not list the folder
         raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {held}; pass "
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
 
