@@ -185,7 +185,7 @@ def patterns_markdown(result: PatternsResult) -> str:
     lines = [
         "# Eviction patterns\n",
         f"{st['date']} · checkpoint `{st['checkpoint']}` · {st['seq_len']} tokens, final query q = {st['query']} · "
-        f"s={st['sinks']}, w={st['window']}, k={st['topk']}: {st['budget']} slots{memory_note(st)}, "
+        f"s={st['sinks']}, w={st['window']}, k={st['topk']}: {memory_note(st)}, "
         f"scorer {st['scorer']}, "
         f"{h} KV heads per layer · {st['evictable']} evictable tokens at q\n",
     ]

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax.checkpoint import checkpoint_tokenizer
+from kvpop_jax.config import memory_words
 from kvpop_jax.documents import (DocumentSpec, checked_rows, columns_and_first, open_dataset, render, text_spec,
                                  tokenize)
 from kvpop_jax.kvpop import kept_long_range
@@ -415,9 +416,9 @@ def plot_recall(recall_LxH: np.ndarray, path: str, title: str = "Teacher top-k r
 
 
 def memory_note(st: dict) -> str:
-    """", memory B = M entries per KV head" where the scorer's state adds to the slots (`--budget` is that B)."""
-    memory = st.get("memory", st["budget"])
-    return "" if memory == st["budget"] else f" + the scorer's state = memory B {memory} entries per KV head"
+    """A report's budget in `config.memory_words`' words: "106 slots + 17 of scorer state = memory B 123 per KV
+    head" (`--budget` is that B), as `--dry_run`, the recipe and the benches print it."""
+    return memory_words(st["budget"], st.get("memory", st["budget"]))
 
 
 def recall_markdown(result: RecallResult) -> str:
@@ -428,7 +429,7 @@ def recall_markdown(result: RecallResult) -> str:
         f"{st['date']} · checkpoint `{st['checkpoint']}` · data `{st['data']}` · "
         f"{st['num_sequences']} sequences x {st['seq_len']} tokens · {st['num_queries']} saturated queries per "
         f"sequence (uniform in [s + w + k, S), seed {st['seed']}) · s={st['sinks']}, w={st['window']}, "
-        f"k={st['topk']}: {st['budget']} slots{memory_note(st)}, scorer {st['scorer']}\n",
+        f"k={st['topk']}: {memory_note(st)}, scorer {st['scorer']}\n",
         "Recall = |student ∩ teacher| / |teacher| over the long-range keep sets (the k slots) at each query; "
         "teacher = ranks of the future-attention target under the same decay γ.\n",
         f"**Global mean recall: {result.global_mean:.3f}**\n",

@@ -443,6 +443,7 @@ def test_float_or_boolean_token_ids_are_named_not_read_as_text(tmp_path):
 def test_recall_names_the_slots_and_the_memory(recall_run):
     """`--budget` is memory B (slots + the scorer's state); the reports said "B=" of the slots alone."""
     text = open(recall_run[1].files["md"]).read()
-    assert f"k={KV.topk}: {KV.budget} slots, scorer mlp" in text  # a stateless scorer: the slots are B
+    assert f"k={KV.topk}: {KV.budget} slots = memory B {KV.budget} per KV head, scorer mlp" in text  # stateless
     assert f"positions >= s + w + k ({KV.budget})" in text
-    assert memory_note({"budget": 106, "memory": 123}) == " + the scorer's state = memory B 123 entries per KV head"
+    # the words of --dry_run, the recipe and the benches
+    assert memory_note({"budget": 106, "memory": 123}) == "106 slots + 17 of scorer state = memory B 123 per KV head"
