@@ -38,7 +38,7 @@ def solve_from_tokens(tokens: Sequence[str], visible: Iterable[int] | None = Non
 
 def kept_positions(n_tokens: int, s: int, w: int, k: int, priority: Sequence[float]) -> set[int]:
     """Cache contents after prefilling n_tokens with static priorities (higher kept; ties:
-    earlier position), per DESIGN.md: sinks, the last w positions, and the top-k eligible."""
+    earlier position), the mask of `kvpop_jax/policy.py`: sinks, the last w positions, and the top-k eligible."""
     eligible = range(s, max(s, n_tokens - w))  # E(q) at q = n_tokens - 1
     top = sorted(eligible, key=lambda t: (-priority[t], t))[:k]
     return set(range(min(s, n_tokens))) | set(range(max(0, n_tokens - w), n_tokens)) | set(top)

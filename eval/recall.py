@@ -2,7 +2,7 @@
 
 For every layer and KV head: the fraction of the teacher's long-range keep set that the
 learned scorer also keeps, at sampled saturated query positions q (s + w + k <= q < S).
-The teacher is the policy of the future-attention target (DESIGN.md, "Teacher policy"):
+The teacher is the policy of the future-attention target (`policy.teacher_boundary`, Eq. 5–6):
 ranks of `r_tgt` under the same decay γ, its running top-k cutoff, computed by the model
 itself (`aux["layers"][i]["teacher_ranks"/"teacher_cutoffs"]`). At a saturated q both sets
 hold exactly k tokens, so recall = |student ∩ teacher| / k, summed over sequences and

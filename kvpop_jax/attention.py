@@ -195,7 +195,7 @@ def dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids=None, k
 
 def kvpop_block_mask(q_pos: jax.Array, k_pos: jax.Array, ranks: jax.Array, cutoffs: jax.Array, *, sinks: int,
                      window: int) -> jax.Array:
-    """The KVpop mask (DESIGN.md) on a tile: query positions `q_pos [Q]`, key positions `k_pos [T]`.
+    """The KVpop mask (`policy.py`'s conventions) on a tile: query positions `q_pos [Q]`, key positions `k_pos [T]`.
 
     ranks: int [..., T] for the keys; cutoffs: int [..., Q] τ for the queries (S keeps every
     eligible key, negative keeps none). Returns bool [..., Q, T]:

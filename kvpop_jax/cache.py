@@ -21,7 +21,7 @@ Bounded KVpop cache. Each layer keeps `B = s + w + k` slots per (batch, KV head)
   slots [s, s + w)      the protected window, a ring buffer: token t >= s in slot s + (t - s) % w
   slots [s + w, B)      the long-range top-k, with each token's static priority
 
-Decoding token q (DESIGN.md, "Decoding must reproduce this mask exactly"): the token
+Decoding token q (it must reproduce the masked forward's mask exactly): the token
 u = q - w leaves the window (its ring slot is the one q is written to). It is scored
 (stateless scorers and the non-delayed mLSTM scored it when it entered; the delayed
 mLSTM reads its state after q with u's query features), and competes with the worst

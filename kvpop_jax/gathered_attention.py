@@ -2,7 +2,7 @@
 
 The blockwise reference (`attention.kvpop_attention_reference`) scores every query block
 against all S keys and masks, so it costs what dense attention costs. But a query block
-[q0, q1] keeps keys from three places only (DESIGN.md's mask):
+[q0, q1] keeps keys from three places only (the mask of `policy.py`'s docstring):
 
   sinks       t < s                                   s keys, the same for every block
   window      q0 − w < t <= q1                        w + block − 1 contiguous keys

@@ -9,7 +9,7 @@ per call by their dispatchers (`attention.kvpop_attention`,
 `targets.future_attention_log_mass`, `policy.running_topk_cutoff`): Pallas on GPU, the XLA
 references elsewhere (`$KVPOP_ATTENTION_IMPL`, `$KVPOP_FUTURE_LSE_IMPL`, `$KVPOP_CUTOFF_IMPL`).
 
-Gradient flow (DESIGN.md): the scorer reads stop-gradient [k; v]; the attention sees only
+Gradient flow: the scorer reads stop-gradient [k; v]; the attention sees only
 integer ranks/cutoffs, so the distillation loss never reaches scorer or decay; the
 retention loss reaches only scorer and decay (its target is a constant).
 """

@@ -8,7 +8,7 @@ effective scores `r̂_x(q) = r̂_x + (q − x) log γ_h` (Eq. 5, n = 1), so the 
 `r̂_new − r̂_bnd + (t_bnd − t_new) log γ_h`: the decay term stays in (it is the
 difference of static priorities) and gives log γ its gradient.
 
-Distillation: forward KL(teacher ‖ student) on the teacher's top-K logits (DESIGN.md).
+Distillation: forward KL(teacher ‖ student) on the teacher's top-K logits (App. F).
 """
 
 from __future__ import annotations
@@ -555,7 +555,7 @@ def topk_kl_loss(
     temperature: float = 1.0,
     mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Forward KL(teacher ‖ student) on the teacher's top-K (DESIGN.md: Distillation).
+    """Forward KL(teacher ‖ student) on the teacher's top-K (App. F).
 
     The teacher distribution p̃ is the softmax over its K kept logits (zero elsewhere);
     the student log-probs are the full-vocabulary log_softmax gathered at the indices:

@@ -1,7 +1,7 @@
 """The KVpop retention policy: decay, static priorities, ranks, running top-k cutoffs.
 
 Everything here is a pure function of arrays, batched over any leading dims (usually
-`[batch, kv_heads]`); per-token arrays are `[..., S]`. Conventions (DESIGN.md): at
+`[batch, kv_heads]`); per-token arrays are `[..., S]`. Conventions (every module follows them): at
 query q the sinks are `t < s`, the window `q - w < t <= q`, the eligible long-range
 set `E(q) = {t : s <= t <= q - w}` and the newly eligible token `t_new = q - w`.
 Ranks order tokens best-first by static priority (rank 0 is best; ties go to the

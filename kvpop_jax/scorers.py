@@ -9,7 +9,7 @@ applied with einsum. Parameters are float32 and all compute is float32.
 The mLSTM scorer (Eq. 37-42) keeps a stabilized matrix memory per KV head. With
 delayed readout the score of token u reads the state after token `min(u + w, S - 1)`
 with u's own query features (Eq. 41): at query position q the newly eligible token is
-`u = q - w` (DESIGN.md). The last w tokens of a sequence never become eligible inside
+`u = q - w` (`policy.py`'s conventions). The last w tokens of a sequence never become eligible inside
 it; they read the final state, which is what a decoder that stops at S - 1 would see.
 Three forms compute the same scores: `mlstm_recurrent` (token scan, mirrors decoding),
 `mlstm_chunkwise` (chunk scan with a parallel quadratic form inside; the training

@@ -11,7 +11,7 @@ blockwise pass below is the transposed attention of Appendix D.2: the keys own t
 computation and a loop over blocks of query positions keeps an online log-sum-exp,
 so no `S × S` array is ever built (memory O(S · block)).
 
-Conventions (DESIGN.md wins over the paper where they differ):
+Conventions:
   * q [B, S, Hq, D], k [B, S, Hkv, D]; query head h*G + g reads KV head h.
   * lse [B, Hq, S] float32, natural log.
   * A key with no future query (t + w >= S) has log m̄ = −inf exactly (the log of an
@@ -22,8 +22,8 @@ Conventions (DESIGN.md wins over the paper where they differ):
     query's; a key whose only future queries are padding has log m̄ ≈ −1e4 (finite, not −inf)
     and again the target log ε. N_t then counts the row's real queries.
   * `r_tgt = Agg_g log(ε + m^(g))` with `m = m̄ / N_t`, `N_t = max(1, S − (t + w))`
-    (DESIGN.md; Eq. 2–3). Appendix B.2 instead puts ε before the count normalization,
-    `log(ε + m̄) − log N_t`; we follow DESIGN.md. Max aggregation is
+    (the main text's Eq. 2–3). Appendix B.2 instead puts ε before the count normalization,
+    `log(ε + m̄) − log N_t`; we follow the main text. Max aggregation is
     `max_g log(ε + m^(g)) = log(ε + max_g m^(g))` (Eq. 3/14), mean is
     `log(ε + mean_g m^(g))` (Eq. 15, probability-space mean).
   * The target is a constant: every input passes through `stop_gradient`.
@@ -352,7 +352,7 @@ def future_attention_target(
     lookahead: int | None = None,
     lengths: jax.Array | None = None,
 ) -> jax.Array:
-    """Future-utility target r_tgt per KV head (Eq. 2–3, DESIGN.md).
+    """Future-utility target r_tgt per KV head (Eq. 2–3).
 
     `r_tgt[b, h, t] = log(ε + Agg_g m_t^(h,g))` with `m = m̄ / N_t` when `normalize`
     (else `m = m̄`), Agg = max (Eq. 14) or probability-space mean (Eq. 15). Computed in

@@ -1,6 +1,6 @@
 """The KVpop policy over a prompt, in torch: ranks, the running top-k, the retained set.
 
-Same conventions as `kvpop_jax/policy.py` (DESIGN.md): at query q the sinks are `t < s`, the
+Same conventions as `kvpop_jax/policy.py`: at query q the sinks are `t < s`, the
 window `q - w < t <= q`, the eligible set `E(q) = {t : s <= t <= q - w}`; ranks order tokens
 best-first by static priority, ties to the smaller position; `t ∈ E(q)` is kept iff fewer
 than k tokens of E(q) rank better than t (rank(t) <= τ_q).

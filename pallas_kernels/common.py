@@ -56,7 +56,7 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ checks
-# Shapes (DESIGN.md): q [B, S, Hq, D], k/v [B, S, Hkv, D], per-KV-head arrays [B, Hkv, S],
+# Shapes (README, "How KVpop works in code"): q [B, S, Hq, D], k/v [B, S, Hkv, D], per-KV-head arrays [B, Hkv, S],
 # per-query-head normalizers [B, Hq, S]; query head h*G + g reads KV head h.
 
 REDUCTIONS = ("sum", "max")  # over a key's future queries: the paper's mass, or its strongest read

@@ -163,7 +163,8 @@ def running_cutoffs_np(ranks, *, sinks, window, topk):
 
 
 def kvpop_mask_np(ranks, cutoffs, *, sinks, window):
-    """bool [B, Hkv, S, S], one (q, t) at a time, straight from DESIGN.md."""
+    """bool [B, Hkv, S, S], one (q, t) at a time, straight from the mask's definition
+    (`kvpop_jax/policy.py`'s docstring)."""
     b, h, s = ranks.shape
     m = np.zeros((b, h, s, s), bool)
     for q in range(s):

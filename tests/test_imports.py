@@ -1,5 +1,5 @@
 """The package seams: no import cycles (function-level imports included) and one direction,
-pallas_kernels <- kvpop_jax <- demo <- eval <- train (DESIGN.md). kvpop_torch, the PyTorch
+pallas_kernels <- kvpop_jax <- demo <- eval <- train (README, "Layout"). kvpop_torch, the PyTorch
 serving side, stands alone: it imports no project package and no JAX, so torch + transformers
 are all it needs; only eval's benchmarks reach it, from inside a function."""
 

@@ -38,7 +38,7 @@ def _np_dense_probs(q, k):
 
 
 def _np_target(mass_bar, hkv, window, eps, aggregate, normalize):
-    """Eq. 2–3 (DESIGN.md) from per-query-head masses m̄ [B, Hq, S]."""
+    """Eq. 2–3 (ε after dividing by N_t) from per-query-head masses m̄ [B, Hq, S]."""
     b, hq, s = mass_bar.shape
     n_t = np.maximum(1, s - (np.arange(s) + window))
     m = mass_bar / n_t if normalize else mass_bar

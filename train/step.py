@@ -16,7 +16,7 @@ updates once. Per micro-batch:
            + aux_loss_weight * relu(target(step) - eviction rate) (DMS, `kvpop_jax/dms.py`;
            the target rises with the optimizer step)
 
-Gradient routing is the model's (DESIGN.md): the KL reaches only base weights, the
+Gradient routing is the model's (`kvpop_jax/kvpop.py`'s docstring): the KL reaches only base weights, the
 retention loss only scorers and decay; DMS's KL and auxiliary loss reach base weights and
 gates (the gates read stop-gradient [k; v]). With `freeze_base` the base weights are
 stop-gradient, so XLA drops the whole backward pass through the network.
