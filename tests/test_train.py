@@ -281,6 +281,11 @@ def test_paper_recipes_parse(tmp_path, monkeypatch):
         assert cfg.seq_len == 16384 and cfg.global_batch == 128 and cfg.steps == 2000, name
         assert cfg.optim.weight_decay == 1e-4 and cfg.optim.clip_norm == 1.0 and cfg.kvpop.kl_topk == 256
         assert cfg.compute_dtype == "bfloat16" and cfg.teacher_dtype == "bfloat16"
+        # §4: Qwen3-4B-Instruct-2507 (RoPE base 5e6, 256k context) and Qwen3-8B; the 4B recipes named the
+        # original Qwen3-4B (RoPE base 1e6), whose checkpoint the paper did not retrofit
+        model = "Qwen3-8B" if "8b" in name else "Qwen3-4B-Instruct-2507"
+        assert cfg.init_checkpoint == f"checkpoints/{model}", name
+        assert load_model_config(cfg).rope_theta == (1e6 if "8b" in name else 5e6), name
 
 
 def test_paper_recipes_follow_app_a_and_mlp_recipes_are_memory_matched(tmp_path, monkeypatch):
