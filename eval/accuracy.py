@@ -45,7 +45,7 @@ from eval.answers import is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, held_out_note, load_benchmark
 from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, write_text
-from eval.report import format_table, plot_bars, summarize
+from eval.report import cr_percent, format_table, plot_bars, summarize
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
@@ -186,8 +186,9 @@ def run_accuracy(
     benchmark: str | Sequence[str],
     *,
     n_rollouts: int = 16,
-    compression_ratios: Sequence[float] = (0.75, 0.88),
+    compression_ratios: Sequence[float] | None = None,
     context_len: int = 16384,
+    budgets: Sequence[int] | None = None,
     max_new_tokens: int = 4096,
     sampling=None,
     out_dir: str,
@@ -211,6 +212,11 @@ def run_accuracy(
     or several (JSONL path, data file or hub name). n_rollouts samples per problem, in
     batches of `batch_size` (default n_rollouts) copies of the prompt; rollout r of problem
     i uses the same seed for every method. context_len defines CR = 1 - B / context_len.
+    compression_ratios (default 0.75, 0.88) give each setting's memory B per KV head as
+    round((1 - CR) * context_len); `budgets` gives the Bs themselves instead (e.g. an export's trained
+    memory: 2309 for the Qwen3 CR 88% recipes), each run at CR = 1 - B / context_len. A {B: dir}
+    checkpoint map (NAME@B=DIR) is then keyed by budget. A KVpop or DMS export run at a memory other
+    than the one it was trained with is named (stderr and the report): `retarget` changes its k.
     tokenizer: object or path; default: the checkpoints' own, which must agree (checkpoints whose
     tokenizers differ are refused; one without a tokenizer runs with the others', with a warning).
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
@@ -242,6 +248,17 @@ def run_accuracy(
     if named_baselines:
         raise ValueError(f"checkpoints given for {named_baselines}: the training-free baselines run on the dense "
                          "checkpoint (dense=DIR); name a trained export after its own method (e.g. kvpop-mlstm=DIR)")
+    keyed_by_budget = budgets is not None
+    if budgets is not None and compression_ratios is not None:
+        raise ValueError("give compression_ratios or budgets, not both (a budget B is the CR 1 - B / context_len)")
+    if budgets is not None:
+        for b in budgets:
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b < context_len:
+                raise ValueError(f"budgets must be ints in [1, context_len {context_len}) (memory per KV head), "
+                                 f"got {b!r}")
+        compression_ratios = [1.0 - int(b) / context_len for b in budgets]
+    elif compression_ratios is None:
+        compression_ratios = (0.75, 0.88)
     crs = list(dict.fromkeys(float(cr) for cr in compression_ratios))
     if not crs and any(m != "dense" for m in methods):
         raise ValueError("no compression ratios given")
@@ -252,6 +269,7 @@ def run_accuracy(
             raise ValueError(f"compression ratios {by_budget[budget]:g} and {cr:g} both give B {budget} at context_len "
                              f"{context_len}: give each budget once")
         by_budget[budget] = cr
+    checkpoints = _budget_keys(checkpoints, by_budget, keyed_by_budget=keyed_by_budget)
     settings = [(m, None) if m == "dense" else (m, cr) for m in methods for cr in ([None] if m == "dense" else crs)]
     configs: dict[str, Any] = {}
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
@@ -267,6 +285,9 @@ def run_accuracy(
         except ValueError as e:
             at = "" if cr is None else f" at CR {cr:g} (B {budgets[cr]} of context_len {context_len})"
             raise ValueError(f"method {method!r}{at} with checkpoint {path!r}: {e}") from None
+    retargeted = _retargeted(settings, checkpoints, configs, budgets)
+    for line in retargeted:
+        print(f"note: {line}", file=sys.stderr)
     sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     benchmarks: dict[str, list[dict]] = {}
     named: dict[str, str] = {}
@@ -422,6 +443,7 @@ def run_accuracy(
                    f"{checker}; sampling {dataclasses.asdict(sampling)}; max_new_tokens {max_new_tokens}; "
                    f"seed {seed}; sinks {sinks}; baselines {prompt_mode}.\n\n"
                    f"Checkpoints: {', '.join(f'{m}{_cr_label(cr)} {p}' for m, cr, p in used)}.\n\n"
+                   + "".join(f"Note: {line}.\n\n" for line in retargeted)
                    + table)
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
                                                               n_rollouts=n_rollouts, checker=checker,
@@ -430,6 +452,67 @@ def run_accuracy(
                                                               settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows
+
+
+def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float], *, keyed_by_budget: bool):
+    """`checkpoints` with each {B: dir} map (NAME@B=DIR, under `budgets`) keyed by the CR that B is run at;
+    {CR: dir} maps stay. A key that is neither one of the run's CRs nor, under `budgets`, one of its Bs is named."""
+    out = dict(checkpoints)
+    for name, paths in checkpoints.items():
+        if not isinstance(paths, Mapping):
+            continue
+        keyed = {}
+        for key, path in paths.items():
+            if keyed_by_budget and float(key) >= 1:
+                if float(key) != int(key) or int(key) not in by_budget:
+                    raise ValueError(f"checkpoint {name}@{key:g}: no budget {key:g} in this run (budgets "
+                                     f"{', '.join(map(str, by_budget))})")
+                key = by_budget[int(key)]
+            elif float(key) >= 1:
+                raise ValueError(f"checkpoint {name}@{key:g}: a checkpoint per budget (NAME@B=DIR) needs --budgets; "
+                                 f"with compression ratios give NAME@CR=DIR (CR in [0, 1))")
+            keyed[key] = path
+        out[name] = keyed
+    return out
+
+
+def _trained_memory(config) -> tuple[int, str] | None:
+    """(memory per KV head, its parts) a KVpop or DMS checkpoint was trained at; None for a dense one."""
+    if config.dms is not None:
+        return config.dms.budget, "a DMS pool"
+    if config.kvpop is None:
+        return None
+    kv = config.kvpop
+    memory = kv.memory(config.head_dim)
+    state = f" + {memory - kv.budget} of scorer state" if memory != kv.budget else ""
+    return memory, f"{kv.sinks} + {kv.window} + {kv.topk} slots{state}"
+
+
+def _retargeted(settings, checkpoints, configs, budgets) -> list[str]:
+    """One line per KVpop or DMS checkpoint run at a memory B other than the one it was trained at (the demo
+    trains once at CR 88% and runs at 75% too; the Qwen3 recipes' memory is not round((1 - CR) * 16384))."""
+    lines = []
+    for method in dict.fromkeys(m for m, cr in settings if cr is not None and m not in BASELINES):
+        by_path: dict[str, list[float]] = {}
+        for m, cr in settings:
+            if m == method:
+                by_path.setdefault(_checkpoint_for(checkpoints, m, cr), []).append(cr)
+        for path, crs in by_path.items():
+            config = configs[path]
+            trained = _trained_memory(config)
+            other = [cr for cr in crs if trained is not None and budgets[cr] != trained[0]]
+            if not other:
+                continue
+            runs = []
+            for cr in other:
+                run, _ = method_config(method, config, budgets[cr], sinks=0)
+                knob = (f"pool {run.dms.budget}" if config.dms is not None else
+                        f"k {config.kvpop.topk} -> {run.kvpop.topk}" if config.kvpop.topk else
+                        f"window {config.kvpop.window} -> {run.kvpop.window}")
+                runs.append(f"B {budgets[cr]} at CR {cr_percent(cr)} ({knob})")
+            lines.append(f"{method} ({path}) was trained at memory B {trained[0]} per KV head ({trained[1]}) and runs "
+                         f"at {', '.join(runs)}; --budgets {trained[0]} runs it as trained")
+    return lines
 
 
 def _cr_label(cr) -> str:

@@ -125,6 +125,13 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 0.75,0.88)") from None
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints (e.g. 2309,4325)") from None
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """--help with each option's default where it has one (not None, not a switch's, not a required option's)."""
 
@@ -152,7 +159,14 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
                              "tokens)")
     parser.add_argument("--n_rollouts", type=int, default=16, help="sampled completions per problem (the paper's "
                         "pass@1 over 16; 1 with --temperature 0: greedy)")
-    parser.add_argument("--compression_ratios", type=_floats, default="0.75,0.88", help="comma-separated CRs")
+    parser.add_argument("--compression_ratios", type=_floats, default=None,
+                        help="comma-separated CRs, each run at memory B = round((1 - CR) * context_len) per KV head "
+                             "(default 0.75,0.88)")
+    parser.add_argument("--budgets", type=_ints, default=None,
+                        help="comma-separated memories B per KV head instead of CRs, each run at CR 1 - B / "
+                             "context_len: e.g. an export's trained memory (2309 and 4325 for the Qwen3 CR 88%% and "
+                             "75%% recipes, whose B is not round((1 - CR) * 16384)); NAME@B=DIR gives a checkpoint "
+                             "per budget")
     parser.add_argument("--context_len", type=int, default=16384,
                         help="CR = 1 - B / context_len (the paper's 16384; the prompt length for demo problems)")
     parser.add_argument("--max_new_tokens", type=int, default=4096, help="tokens per completion at most")
@@ -178,7 +192,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     args = parser.parse_args(argv)
     run_accuracy(
         _items(args.methods), parse_checkpoints(args.checkpoints), _items(args.benchmark), n_rollouts=args.n_rollouts,
-        compression_ratios=args.compression_ratios, context_len=args.context_len,
+        compression_ratios=args.compression_ratios, context_len=args.context_len, budgets=args.budgets,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,
         sinks=args.sinks, limit=args.limit, split=args.split, chat_template=args.chat_template, seed=args.seed,

@@ -526,6 +526,15 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
               "--out_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: checkpoint of 'dense' '{tmp_path / 'nope'}': no such directory"
+    for argv, message in ((["--budgets", "2309,x"], "argument --budgets: '2309,x' is not a comma-separated list of "
+                                                    "ints (e.g. 2309,4325)"),
+                          (["--budgets", "8", "--compression_ratios", "0.5"], "error: give compression_ratios or "
+                                                                             "budgets, not both")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["accuracy", "--checkpoints", f"dense={tmp_path / 'dense'}", "--benchmark", str(tmp_path / "b.jsonl"),
+                  "--out_dir", str(tmp_path / "out"), *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
@@ -880,3 +889,66 @@ def test_accuracy_help_shows_the_paper_defaults(capsys):
     for shown in ("(default: 16)", "(default: 0.6)", "(default: 16384)", "(default: 4096)", "(default: 0.95)"):
         assert shown in out, shown
     assert "default: None" not in out and "default: False" not in out
+
+
+def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is_named(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """`budgets` runs each memory B itself (CR 1 - B / context_len); a {B: dir} map is keyed by budget. The Qwen3
+    recipes train at memory 2309 / 4325 (Table 3's k plus the mLSTM state), which no CR gives at 16384 (CR 0.88: B
+    1966), so their exports ran at 17% fewer long-range slots than trained without a word: such a run is named."""
+    import eval.accuracy as accuracy
+    from demo.tokenizer import save_tokenizer
+
+    dense, base = _dense_checkpoint(tmp_path / "dense")
+    kv_config = dataclasses.replace(base, kvpop=KVpopConfig(sinks=2, window=4, topk=4))  # memory 10 (MLP: no state)
+    save_pretrained(kv_config, retrofit_params(kv_config, load_pretrained(dense)[1], jax.random.key(1)),
+                    tmp_path / "kvpop")
+    save_tokenizer(tmp_path / "kvpop")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")
+    decoded = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, cache, **kwargs):  # what runs, not its tokens
+        kv = model.config.kvpop
+        decoded.append(("kvpop", kv.sinks + kv.window + kv.topk) if kv is not None else (cache.method, cache.budget))
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], max_new_tokens)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    kw = dict(n_rollouts=1, context_len=20, max_new_tokens=3, sampling=SamplingConfig.greedy(), progress=False,
+              compile_ahead=False)
+    checkpoints = {"dense": dense, "kvpop-mlp": str(tmp_path / "kvpop")}
+    rows = run_accuracy(["tova", "kvpop-mlp"], checkpoints, str(bench), out_dir=str(tmp_path / "b"), budgets=(10, 12),
+                        **kw)
+    assert [(r["method"], r["budget"]) for r in rows] == [("tova", 10), ("tova", 12), ("kvpop-mlp", 10),
+                                                          ("kvpop-mlp", 12)]
+    assert [r["cr"] for r in rows] == [0.5, 1 - 12 / 20] * 2
+    assert decoded == [("tova", 10), ("tova", 12), ("kvpop", 10), ("kvpop", 12)]
+    note = (f"kvpop-mlp ({tmp_path / 'kvpop'}) was trained at memory B 10 per KV head (2 + 4 + 4 slots) and runs "
+            "at B 12 at CR 40% (k 4 -> 6); --budgets 10 runs it as trained")
+    err = capsys.readouterr().err
+    assert f"note: {note}" in err and "B 10 at CR" not in err  # at its own memory: nothing to say
+    assert f"Note: {note}." in (tmp_path / "b" / "accuracy.md").read_text()
+    # the same settings by CR: the same budgets
+    decoded.clear()
+    by_cr = run_accuracy(["tova", "kvpop-mlp"], checkpoints, str(bench), out_dir=str(tmp_path / "c"),
+                         compression_ratios=(0.5, 0.4), **kw)
+    assert [r["budget"] for r in by_cr] == [r["budget"] for r in rows] and decoded[2:] == [("kvpop", 10), ("kvpop", 12)]
+    # a checkpoint per budget: NAME@B=DIR
+    decoded.clear()
+    export = tmp_path / "kvpop"
+    per_b = {"dense": dense, **parse_checkpoints(f"kvpop-mlp@10={export},kvpop-mlp@12={export}")}
+    run_accuracy(["kvpop-mlp"], per_b, str(bench), out_dir=str(tmp_path / "d"), budgets=(12, 10), **kw)
+    assert decoded == [("kvpop", 12), ("kvpop", 10)]
+    for kwargs, message in ((dict(budgets=(10,), compression_ratios=(0.5,)), "give compression_ratios or budgets, "
+                                                                             "not both"),
+                            (dict(budgets=(20,)), r"budgets must be ints in \[1, context_len 20\) .*got 20"),
+                            (dict(budgets=(True,)), "budgets must be ints .*got True"),
+                            (dict(budgets=(10.5,)), "budgets must be ints .*got 10.5")):
+        with pytest.raises(ValueError, match=message):
+            run_accuracy(["kvpop-mlp"], checkpoints, str(bench), out_dir=str(tmp_path / "e"), **kwargs, **kw)
+    with pytest.raises(ValueError, match=r"checkpoint kvpop-mlp@12: no budget 12 in this run \(budgets 10\)"):
+        run_accuracy(["kvpop-mlp"], per_b, str(bench), out_dir=str(tmp_path / "e"), budgets=(10,), **kw)
+    with pytest.raises(ValueError, match=r"checkpoint kvpop-mlp@10: a checkpoint per budget \(NAME@B=DIR\) needs "
+                                         "--budgets"):
+        run_accuracy(["kvpop-mlp"], per_b, str(bench), out_dir=str(tmp_path / "e"), compression_ratios=(0.5,), **kw)
+    assert not (tmp_path / "e").exists() or not (tmp_path / "e" / "accuracy.md").exists()
