@@ -304,7 +304,9 @@ SCORER_POSITIONS = ("none", "log")
 class KVpopConfig:
     """The KVpop retrofit: budget B = sinks + window + topk and the training knobs.
 
-    Defaults follow the paper (Table 3 and Appendix B). Knobs the paper leaves unset
+    Defaults follow the paper (Table 3 and Appendix B), but for the scorer: `scorer` defaults to the
+    stateless "mlp" (KVpop-MLP, at Table 3's k, so not memory-matched: `memory_matched` gives its k); the
+    paper's KVpop, and `train.main`'s `--scorer` default, is "mlstm". Knobs the paper leaves unset
     (ε, ω_min, τ_ω, c_min, c_max, sampler sizes) get the values documented inline.
 
     The mLSTM scorer defaults are the paper's main configuration (Sec. 3.3 Eq. 10-11, App. A,
@@ -489,7 +491,8 @@ class KVpopConfig:
 
     @staticmethod
     def budget_at(compression_ratio: float, context_len: int) -> int:
-        """B = round((1 - CR) * context_len) (paper: 16k context, B 4096 / 2048 = CR 75% / 88%)."""
+        """B = round((1 - CR) * context_len). The paper's B 4096 / 2048 of 16384 are CR 75% / 87.5% (§4.1 rounds
+        it to 88%; CR 0.88 gives B 1966)."""
         if not 0.0 <= compression_ratio < 1.0:
             raise ValueError(f"compression ratio must be in [0, 1), got {compression_ratio}")
         if isinstance(context_len, bool) or not isinstance(context_len, (int, np.integer)) or context_len < 1:
