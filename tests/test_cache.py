@@ -1,6 +1,7 @@
 """The key invariant: teacher-forced bounded-cache decoding == the masked parallel forward."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -406,3 +407,40 @@ def test_every_cache_keeps_the_dtype_it_was_made_with(rng):
             runs[dt] = np.asarray(jnp.concatenate(logits, axis=1))
         assert np.all(np.isfinite(runs[jnp.bfloat16])), name
         np.testing.assert_allclose(runs[jnp.bfloat16], runs[jnp.float32], atol=0.05, err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_admission_keeps_the_top_k_by_priority_then_earlier_position_under_ties(seed):
+    """Tokens leaving the window one by one through `admit_to_long_range`, with integer priorities that tie often:
+    the long-range slots hold exactly the policy's top k (higher priority first, a tie to the earlier token), and
+    each call says what it replaced. Scores from a trained scorer never tie, so a `>=` for `>` in the admission,
+    or the earliest rather than the latest of the tied worst slots replaced, passed every other test here."""
+    from kvpop_jax.cache import KVpopLayerCache, admit_to_long_range
+
+    rng = np.random.default_rng(seed)
+    kv = KVpopConfig(sinks=1, window=2, topk=5)
+    b, h, d, n_tokens = 2, 3, 4, 40
+    n = kv.sinks + kv.window + kv.topk
+    cache = KVpopLayerCache(k=jnp.zeros((b, h, n, d)), v=jnp.zeros((b, h, n, d)),
+                            pos=jnp.full((b, h, n), -1, jnp.int32), priority=jnp.full((b, h, n), -jnp.inf))
+    prio = rng.integers(0, 4, size=(b, h, n_tokens)).astype(np.float32)  # four levels: ties everywhere
+    keys = rng.normal(size=(b, h, n_tokens, d)).astype(np.float32)
+    admit = jax.jit(functools.partial(admit_to_long_range, kv=kv))
+    for u in range(n_tokens):
+        before = np.asarray(cache.pos[..., n - kv.topk:])
+        cache, admitted, replaced = admit(cache, jnp.asarray(keys[:, :, u]), jnp.asarray(keys[:, :, u]),
+                                          jnp.full((b, h), u, jnp.int32), jnp.asarray(prio[:, :, u]),
+                                          jnp.ones((b, h), bool))
+        lr_pos = np.asarray(cache.pos[..., n - kv.topk:])
+        for i in range(b):
+            for j in range(h):
+                want = sorted(range(u + 1), key=lambda t: (-prio[i, j, t], t))[:kv.topk]
+                assert sorted(lr_pos[i, j][lr_pos[i, j] >= 0]) == sorted(want), (seed, u, i, j)
+                assert bool(admitted[i, j]) == (u in want)
+                if admitted[i, j]:  # the token it displaced, or -1 for an empty slot
+                    gone = set(before[i, j][before[i, j] >= 0]) - set(lr_pos[i, j])
+                    assert int(replaced[i, j]) == (gone.pop() if gone else -1)
+    # the keys moved with their tokens
+    got = np.asarray(cache.k[..., n - kv.topk:, :])
+    pos = np.asarray(cache.pos[..., n - kv.topk:])
+    np.testing.assert_array_equal(got, np.take_along_axis(keys, pos[..., None], axis=2))
