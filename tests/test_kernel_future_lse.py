@@ -48,6 +48,7 @@ CASES = [
     (50, 4, 2, 16, jnp.float32, 49, "random", dict(block_k=16, block_q=16)),  # only t = 0 has a future
     (70, 4, 2, 32, jnp.bfloat16, 6, "dense", dict(block_k=16, block_q=16)),
     (24, 4, 1, 64, jnp.bfloat16, 3, "random", {}),
+    (75, 2, 1, 16, jnp.float32, 15, "dense", dict(block_k=16, block_q=16)),  # w = bq - 1: the first query, last in
 ]
 
 
