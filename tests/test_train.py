@@ -926,3 +926,49 @@ def test_dry_run_and_recipe_print_the_slots_and_memory_b(tmp_path, arch):
         plus = f" + {state} of scorer state" if state else ""
         assert _retrofit(cfg) == f"s=4, w=16, k=16: 36 slots{plus} = memory B {36 + state} per KV head, scorer {scorer}"
         assert describe(cfg) == f"s 4, w 16, k 16: 36 slots{plus} = memory B {36 + state} per KV head"
+
+
+def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp_path, arch):
+    """A step over A micro-batches == one optimizer update with the mean of their gradients (each micro-batch's
+    loss with its own query samples, fold_in(step rng, i)), and its metrics are their means. Adam barely notices a
+    gradient A times too large, so a sum in place of the mean trained on (mutation audit); grad_norm and the clip
+    would not. The loss weighs the retention term by --retention_loss_weight (never tested off 1 before)."""
+    from kvpop_jax import modeling
+    from kvpop_jax import sharding as shd
+    from train import setup
+
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch, global_batch=4, micro_batch=2, scorer="mlstm",
+                           retention_loss_weight=0.5))
+    model_config = load_model_config(cfg)
+    sc = setup.step_config(cfg, model_config)
+    assert sc.grad_accum == 2
+    tx = optim.make_optimizer(cfg.optim)
+    rng = np.random.default_rng(0)
+    a, b, s = sc.grad_accum, sc.micro_batch, sc.seq_len
+    base = modeling.init_params(model_config, jax.random.key(0))
+    params = modeling.retrofit_params(sc.model, base, jax.random.key(1))
+    batch = {"input_ids": rng.integers(3, 128, (a, b, s)).astype(np.int32),
+             "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (a, b, s)).copy(),
+             "loss_mask": (rng.random((a, b, s)) > 0.1).astype(np.float32),
+             "segment_ids": (np.arange(s) < s - rng.integers(0, s // 4, (a, b, 1))).astype(np.int32)}
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = st.init_state(jax.tree.map(jnp.copy, params), tx, cfg.seed)  # donated by the step: its own buffers
+    fn, *_ = st.jit_train_step(sc, tx, mesh, jax.eval_shape(lambda: state), jax.eval_shape(lambda: base), batch)
+    step_rng = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.jit(jax.value_and_grad(st.make_loss_fn(sc), has_aux=True))
+    grads, metrics = [], []
+    for i in range(a):
+        mb = {k: jnp.asarray(v[i]) for k, v in batch.items()}
+        (_, m), g = grad_fn(params, base, mb, jax.random.fold_in(step_rng, i), state.step)
+        grads.append(g)
+        metrics.append(m)
+    mean = jax.tree.map(lambda *g: sum(g) / a, *grads)
+    updates, _ = tx.update(mean, state.opt_state, params)
+    want = optax.apply_updates(params, updates)
+    new_state, got = fn(state, base, batch)
+    assert float(got["grad_norm"]) == pytest.approx(float(optax.global_norm(mean)), rel=1e-5)
+    for key in ("loss", "kl", "retention_loss", "boundary_auc"):
+        assert float(got[key]) == pytest.approx(float(sum(m[key] for m in metrics)) / a, rel=1e-5), key
+    assert float(got["loss"]) == pytest.approx(float(got["kl"]) + 0.5 * float(got["retention_loss"]), rel=1e-5)
+    for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
