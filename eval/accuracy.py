@@ -479,7 +479,7 @@ def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float],
 def _trained_memory(config) -> tuple[int, str] | None:
     """(memory per KV head, its parts) a KVpop or DMS checkpoint was trained at; None for a dense one."""
     if config.dms is not None:
-        return config.dms.budget, "a DMS pool"
+        return config.dms.budget, f"a pool of {config.dms.budget} entries, window {config.dms.window}"
     if config.kvpop is None:
         return None
     kv = config.kvpop
@@ -506,7 +506,7 @@ def _retargeted(settings, checkpoints, configs, budgets) -> list[str]:
             runs = []
             for cr in other:
                 run, _ = method_config(method, config, budgets[cr], sinks=0)
-                knob = (f"pool {run.dms.budget}" if config.dms is not None else
+                knob = (f"pool {config.dms.budget} -> {run.dms.budget}" if config.dms is not None else
                         f"k {config.kvpop.topk} -> {run.kvpop.topk}" if config.kvpop.topk else
                         f"window {config.kvpop.window} -> {run.kvpop.window}")
                 runs.append(f"B {budgets[cr]} at CR {cr_percent(cr)} ({knob})")

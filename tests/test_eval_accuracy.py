@@ -223,6 +223,9 @@ def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
                         sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"), progress=False)
     assert [(r["method"], r["cr"], r["budget"]) for r in rows] == [("dense", None, None), ("dms", 0.5, 8)]
     assert "| 50% | 8 | dms |" in (tmp_path / "out" / "accuracy.md").read_text()
+    assert (f"Note: dms ({tmp_path / 'dms'}) was trained at memory B 24 per KV head (a pool of 24 entries, window 4) "
+            "and runs at B 8 at CR 50% (pool 24 -> 8); --budgets 24 runs it as trained.") in \
+        (tmp_path / "out" / "accuracy.md").read_text()
 
 
 def _dense_checkpoint(path, **overrides):
