@@ -332,10 +332,12 @@ def test_topk_kl_gradient(rng):
 def test_boundary_auc_matches_pairwise_count(rng):
     """AUC per (batch, head) row of the student margin against the teacher's keep/drop labels."""
     margin = rng.normal(size=(2, 3, 12)).astype(np.float32)
-    margin[0, 0, :4] = 0.25  # ties count one half
+    margin[0, 0, :4] = 0.25  # ties count one half: two kept and two dropped among them, all valid
     y = np.where(rng.random((2, 3, 12)) < 0.4, 1.0, -1.0).astype(np.float32)
+    y[0, 0, :4] = (1.0, 1.0, -1.0, -1.0)
     valid = rng.random((2, 3, 12)) < 0.8
-    wins = pairs = 0.0
+    valid[0, 0, :4] = True
+    wins = pairs = ties = 0.0
     for b in range(2):
         for h in range(3):
             for i in range(12):
@@ -343,6 +345,8 @@ def test_boundary_auc_matches_pairwise_count(rng):
                     if valid[b, h, i] and valid[b, h, j] and y[b, h, i] > 0 and y[b, h, j] < 0:
                         pairs += 1
                         wins += 1.0 if margin[b, h, i] > margin[b, h, j] else 0.5 if margin[b, h, i] == margin[b, h, j] else 0.0
+                        ties += margin[b, h, i] == margin[b, h, j]
+    assert ties >= 4  # the tie branch runs (this seed's labels once made it vacuous: mutation audit)
     got = float(losses.boundary_auc(jnp.asarray(margin), jnp.asarray(y), jnp.asarray(valid)))
     np.testing.assert_allclose(got, wins / pairs, rtol=1e-6)
     assert float(losses.boundary_auc(jnp.asarray(margin), jnp.asarray(y), jnp.zeros_like(jnp.asarray(valid)))) == 0.5
