@@ -376,3 +376,30 @@ def test_export_round_trip_and_generate(tmp_path, rng):
     assert tokens.shape == (2, 5)
     with pytest.raises(ValueError, match="both kvpop and dms"):
         dataclasses.replace(config, kvpop=KVpopConfig(sinks=1, window=2, topk=2))
+
+
+@pytest.mark.parametrize("capacity", [40, 9])
+def test_prefill_pool_equals_the_visible_set_by_brute_force(rng, capacity):
+    """`build_from_prefill`'s pool against a plain count of what query P - 1 sees (`P - 1 - t < w` or `a_t <= 0`);
+    with a pool too small: the window first, then older tokens by increasing a_t (ties: the newer), the rest counted
+    as overflow. Only the decode after a prefill was tested, which drops a token that has left the window before
+    it attends, so a pool that kept token P - 1 - w (evicted) right after the prefill passed (mutation audit)."""
+    b, p, hkv, d, w = 2, 13, 2, 4, 3
+    k, v = (rng.normal(size=(b, p, hkv, d)).astype(np.float32) for _ in range(2))
+    a = rng.choice([-2.0, -1.0, 1.0, 2.0], size=(b, hkv, p)).astype(np.float32)  # ties among the logits
+    a[..., -1] = dms_cache.NO_DECISION
+    lc = dms_cache.build_from_prefill(jnp.asarray(k), jnp.asarray(v), jnp.asarray(a), window=w, capacity=capacity)
+    for i in range(b):
+        visible = [(h, t) for h in range(hkv) for t in range(p) if p - 1 - t < w or a[i, h, t] <= 0]
+        window = [(h, t) for h, t in visible if p - 1 - t < w]
+        older = sorted((x for x in visible if x not in window), key=lambda x: (a[i, x[0], x[1]], -x[1]))
+        want = (window + older)[:capacity]
+        pos, head = np.asarray(lc.pos[i]), np.asarray(lc.head[i])
+        got = [(int(h), int(t)) for h, t in zip(head, pos) if t >= 0]
+        assert sorted(got) == sorted(want), (capacity, i)
+        assert int(lc.overflow[i]) == max(0, len(visible) - capacity)
+        for slot, (h, t) in enumerate(zip(head, pos)):
+            if t >= 0:
+                np.testing.assert_array_equal(np.asarray(lc.k[i, slot]), k[i, t, h])
+                np.testing.assert_array_equal(np.asarray(lc.v[i, slot]), v[i, t, h])
+                assert bool(lc.evict[i, slot]) == (a[i, h, t] > 0)
