@@ -928,14 +928,19 @@ def test_dry_run_and_recipe_print_the_slots_and_memory_b(tmp_path, arch):
         assert describe(cfg) == f"s 4, w 16, k 16: 36 slots{plus} = memory B {36 + state} per KV head"
 
 
-def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp_path, arch):
+def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp_path, arch, monkeypatch):
     """A step over A micro-batches == one optimizer update with the mean of their gradients (each micro-batch's
     loss with its own query samples, fold_in(step rng, i)), and its metrics are their means. Adam barely notices a
     gradient A times too large, so a sum in place of the mean trained on (mutation audit); grad_norm and the clip
-    would not. The loss weighs the retention term by --retention_loss_weight (never tested off 1 before)."""
-    from kvpop_jax import modeling
+    would not. The loss weighs the retention term by --retention_loss_weight (never tested off 1 before), and samples
+    its queries where the budget is full (q >= s + w + k)."""
+    from kvpop_jax import losses, modeling
     from kvpop_jax import sharding as shd
     from train import setup
+
+    sampled = []
+    sampler = losses.sample_query_positions
+    monkeypatch.setattr(losses, "sample_query_positions", lambda *args, **kw: sampled.append(kw) or sampler(*args, **kw))
 
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, global_batch=4, micro_batch=2, scorer="mlstm",
                            retention_loss_weight=0.5))
@@ -970,5 +975,6 @@ def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp
     for key in ("loss", "kl", "retention_loss", "boundary_auc"):
         assert float(got[key]) == pytest.approx(float(sum(m[key] for m in metrics)) / a, rel=1e-5), key
     assert float(got["loss"]) == pytest.approx(float(got["kl"]) + 0.5 * float(got["retention_loss"]), rel=1e-5)
+    assert sampled and all(kw["min_q"] == sc.model.kvpop.budget == 36 for kw in sampled)
     for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
