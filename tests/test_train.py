@@ -940,7 +940,8 @@ def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp
 
     sampled = []
     sampler = losses.sample_query_positions
-    monkeypatch.setattr(losses, "sample_query_positions", lambda *args, **kw: sampled.append(kw) or sampler(*args, **kw))
+    monkeypatch.setattr(losses, "sample_query_positions",
+                        lambda *args, **kw: sampled.append(kw) or sampler(*args, **kw))
 
     cfg = parse(tiny_flags(str(tmp_path / "run"), arch, global_batch=4, micro_batch=2, scorer="mlstm",
                            retention_loss_weight=0.5))
