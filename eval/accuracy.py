@@ -204,6 +204,7 @@ def run_accuracy(
     problem_batch: int = 1,
     stream_prompt: bool = False,
     compile_ahead: bool = True,
+    notes: bool = True,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -233,6 +234,8 @@ def run_accuracy(
     compile_ahead: while one method × CR decodes, a background thread compiles the next one's first
     decode program (`generate.compile_generate`); the same programs run
     either way, so the results are identical, and XLA's single-core compiles overlap the decodes.
+    notes: print on stderr each export run at a memory other than its trained one (`accuracy.md` names them
+    either way; the demo recipe, which trains once and runs at two budgets, says it once itself).
     """
     sampling = sampling or SamplingConfig()
     dtype = dtype or jnp.float32
@@ -286,7 +289,7 @@ def run_accuracy(
             at = "" if cr is None else f" at CR {cr:g} (B {budgets[cr]} of context_len {context_len})"
             raise ValueError(f"method {method!r}{at} with checkpoint {path!r}: {e}") from None
     retargeted = _retargeted(settings, checkpoints, configs, budgets)
-    for line in retargeted:
+    for line in retargeted if notes else ():
         print(f"note: {line}", file=sys.stderr)
     sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     benchmarks: dict[str, list[dict]] = {}

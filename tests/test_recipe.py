@@ -273,11 +273,12 @@ def test_dms_variant_end_to_end(tmp_path, arch):
     assert patterns["max_occupancy"] >= patterns["mean_occupancy"] >= 16
 
 
-def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch, monkeypatch):
+def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch, monkeypatch, capsys):
     """A rerun with fewer --eval_tasks (or no long pass, other variants) left the earlier run's report folders
     beside the new summary.md, as if they were its own. They now move to eval/earlier/STAMP/, and the summary
     says so; files the recipe does not write stay where they are."""
-    def fake_accuracy(methods, checkpoints, spec, *, compression_ratios, out_dir, **_):
+    def fake_accuracy(methods, checkpoints, spec, *, compression_ratios, out_dir, **kw):
+        assert kw["notes"] is False  # the recipe says once what each call would say per export
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
             json.dump({"spec": spec}, f)
@@ -293,6 +294,7 @@ def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch,
                  eval_prompt_len=1024, eval_recall_sequences=0)
     full = parse(tiny_flags(run, arch, eval_tasks="reuse,read_once", eval_long_len=2048, **flags))
     recipe.evaluate(full, "init", "tok", {})
+    assert "the retrofits were trained" not in capsys.readouterr().err  # no retrofit evaluated: nothing to say
     assert {"reuse", "read_once", "long", "summary.md"} <= set(os.listdir(out))
     os.makedirs(os.path.join(out, "recall_kvpop-mlp_B40"))  # an earlier run's recall, with a variant now dropped
     with open(os.path.join(out, "notes.txt"), "w") as f:  # the user's own file
@@ -311,3 +313,10 @@ def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch,
     assert os.listdir(os.path.join(out, "earlier")) == [stamp]
     with open(os.path.join(out, "summary.md")) as f:
         assert "earlier" not in f.read()
+    # a retrofit trained at 4 + 16 + 16 and run at B 256: said once, not per export and task (the job printed 12
+    # such notes)
+    with_retrofit = parse(tiny_flags(run, arch, **{**flags, "eval_methods": "dense,kvpop-mlp"}))
+    capsys.readouterr()
+    recipe.evaluate(with_retrofit, "init", "tok", {"kvpop-mlp": "export"})
+    assert capsys.readouterr().err.count("the retrofits were trained at memory B 36 per KV head; at CR 75% (B 256) "
+                                         "each runs with the slots that memory leaves") == 1
