@@ -466,14 +466,14 @@ def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float],
             continue
         keyed = {}
         for key, path in paths.items():
-            if keyed_by_budget and float(key) >= 1:
+            if float(key) >= 1:  # a budget B, not a CR
+                if not keyed_by_budget:
+                    raise ValueError(f"checkpoint {name}@{key:g}: a checkpoint per budget (NAME@B=DIR) needs "
+                                     "--budgets; with compression ratios give NAME@CR=DIR (CR in [0, 1))")
                 if float(key) != int(key) or int(key) not in by_budget:
                     raise ValueError(f"checkpoint {name}@{key:g}: no budget {key:g} in this run (budgets "
                                      f"{', '.join(map(str, by_budget))})")
                 key = by_budget[int(key)]
-            elif float(key) >= 1:
-                raise ValueError(f"checkpoint {name}@{key:g}: a checkpoint per budget (NAME@B=DIR) needs --budgets; "
-                                 f"with compression ratios give NAME@CR=DIR (CR in [0, 1))")
             keyed[key] = path
         out[name] = keyed
     return out

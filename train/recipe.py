@@ -240,10 +240,10 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
                             problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress,
                             stream_prompt=ev.stream_prompt, notes=False)
 
-    trained = {cr: b for cr, b in budgets.items() if b == cfg.kvpop.memory(cfg.head_dim)}
-    others = [f"CR {cr:.0%} (B {b})" for cr, b in budgets.items() if cr not in trained]
+    memory = cfg.kvpop.memory(cfg.head_dim)
+    others = [f"CR {cr:.0%} (B {b})" for cr, b in budgets.items() if b != memory]
     if others and any(m not in TRAINING_FREE and m != "dense" for m in ev.methods):
-        info(f"the retrofits were trained at memory B {cfg.kvpop.memory(cfg.head_dim)} per KV head; at "
+        info(f"the retrofits were trained at memory B {memory} per KV head; at "
              f"{', '.join(others)} each runs with the slots that memory leaves (KVpopConfig.retarget; accuracy.md "
              "names them)")
     results = {}
