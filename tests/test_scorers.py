@@ -290,6 +290,28 @@ def test_identity_style_init_reads_the_key_and_value_pathways(rng):
     assert np.all(w[:, D:] == 0) and np.abs(w[:, :D]).min() > 0  # random, on the key half only
 
 
+def test_gates_start_small_with_the_paper_biases(rng):
+    """E.5: gate biases set the start (input 0, forget linspace(3, 6) over heads: long memory), the
+    gate weights are small, so at init every token's gates are about the biases whatever its k, v;
+    the score projection starts at zero (a neutral ranking)."""
+    h, d = 4, 64
+    module = MLSTMScorer(num_kv_heads=h, head_dim=d, config=_config(mlstm_dim=None))
+    k, v = _kv(rng, 16, h=h, d=d)
+    params = module.init(jax.random.key(1), k, v)["params"]
+    w = np.asarray(params["w_gates"])
+    assert w.shape == (h, 2 * d, 2)
+    expected_std = np.sqrt(0.01 / (2 * d))  # LeCun-normal at scale 0.01, fan_in 2d
+    assert 0.8 * expected_std < w.std() < 1.25 * expected_std, w.std()
+    np.testing.assert_array_equal(params["b_igate"], 0.0)
+    np.testing.assert_allclose(params["b_fgate"], np.linspace(3.0, 6.0, h), rtol=1e-6)
+    np.testing.assert_array_equal(params["a"], 0.0)
+    np.testing.assert_array_equal(params["b"], 0.0)
+    *_, i, log_f = module.apply({"params": params}, k, v, method=MLSTMScorer.features)
+    assert float(jnp.abs(i).max()) < 0.5
+    bias_log_f = -np.logaddexp(0.0, -np.asarray(params["b_fgate"]))  # log i, log f [B, S, Hkv]
+    np.testing.assert_allclose(log_f, np.broadcast_to(bias_log_f, log_f.shape), atol=0.03)
+
+
 def test_state_slots_and_memory_matched_topk():
     kv = KVpopConfig(scorer="mlstm", sinks=4, window=256, topk=2016)
     # Qwen3: d = 128 features, dv = 64: C + n + m = 8321 numbers = 32.5 entries of 2 x 128.
