@@ -16,8 +16,8 @@ are replicated.
 Pallas kernels are not auto-partitioned: `shard_kernel` wraps a kernel in `shard_map`
 over batch and heads (its arrays described by layouts such as "BSHD", "BHS"), using the
 mesh activated by `activate(mesh)` (a no-op without one). The kernel dispatchers
-(`attention.kvpop_attention`, `future_attention_log_mass_auto`,
-`running_topk_cutoff_auto`) apply it to their Pallas paths.
+(`attention.kvpop_attention`, `targets.future_attention_log_mass`,
+`policy.running_topk_cutoff`) apply it to their Pallas paths.
 """
 
 from __future__ import annotations
@@ -183,16 +183,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | Non
 
 @contextlib.contextmanager
 def activate(mesh: Mesh | None):
-    """Makes `mesh` the one `constrain` and `shard_over_batch_heads` use (while tracing)."""
+    """Makes `mesh` the one `constrain`, `shard_kernel` and `shard_over_batch` use (while tracing)."""
     token = _ACTIVE_MESH.set(mesh)
     try:
         yield mesh
     finally:
         _ACTIVE_MESH.reset(token)
-
-
-def active_mesh() -> Mesh | None:
-    return _ACTIVE_MESH.get()
 
 
 def shard_kernel(
@@ -230,24 +226,6 @@ def shard_kernel(
         fn = jax.shard_map(kernel, mesh=mesh, in_specs=tuple(spec(l) for l in in_layouts), out_specs=out_specs,
                            check_vma=False)
         return fn(*arrays)
-
-    return wrapped
-
-
-def shard_over_batch_heads(kernel: Callable, mesh: Mesh | None = None) -> Callable:
-    """Wraps `kernel(q, k, v, ranks, cutoffs, **kw) -> (out, lse)` in shard_map over batch and heads.
-
-    Shapes: q [B, S, Hq, D], k, v [B, S, Hkv, D], ranks, cutoffs [B, Hkv, S] -> out
-    [B, S, Hq, D], lse [B, Hq, S]; partitioned as `shard_kernel` says. Without an active
-    multi-device mesh, returns `kernel`.
-    """
-    mesh = mesh or _ACTIVE_MESH.get()
-    if mesh is None or mesh.size == 1:
-        return kernel
-
-    def wrapped(q, k, v, ranks, cutoffs, **kw):
-        fn = shard_kernel(lambda *a: kernel(*a, **kw), ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS"), mesh)
-        return fn(q, k, v, ranks, cutoffs)
 
     return wrapped
 
@@ -316,7 +294,6 @@ __all__ = [
     "MESH_AXES",
     "PARAM_LOGICAL_AXES",
     "activate",
-    "active_mesh",
     "batch_sharding",
     "constrain",
     "logical_to_spec",
@@ -328,6 +305,5 @@ __all__ = [
     "per_device_bytes",
     "shard_over_batch",
     "shard_kernel",
-    "shard_over_batch_heads",
     "state_shardings_like",
 ]

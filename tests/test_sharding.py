@@ -96,7 +96,7 @@ def test_multi_host_detection(monkeypatch):
 
 
 SHARDED_SCRIPT = textwrap.dedent(r"""
-    import json, sys
+    import functools, json, sys
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from absl import flags
@@ -157,8 +157,9 @@ SHARDED_SCRIPT = textwrap.dedent(r"""
     ranks = jnp.asarray(np.stack([rng.permutation(32) for _ in range(8)]).reshape(4, 2, 32), jnp.int32)
     cutoffs = jnp.full((4, 2, 32), 5, jnp.int32)
     ref = attention.kvpop_attention_reference(q, k, v, ranks, cutoffs, sinks=2, window=4)
-    wrapped = jax.jit(shd.shard_over_batch_heads(attention.kvpop_attention_reference, mesh),
-                      static_argnames=("sinks", "window"))(q, k, v, ranks, cutoffs, sinks=2, window=4)
+    kernel = functools.partial(attention.kvpop_attention_reference, sinks=2, window=4)
+    layouts = ("BSHD", "BSHD", "BSHD", "BHS", "BHS"), ("BSHD", "BHS")  # as attention._pallas wraps its kernels
+    wrapped = jax.jit(shd.shard_kernel(kernel, *layouts, mesh))(q, k, v, ranks, cutoffs)
     kernel_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(ref, wrapped))
 
     # --dry_run on the same flags: compiles the same sharded step on abstract arrays

@@ -191,11 +191,6 @@ class TrainConfig:
             return None
         return resolve_model_config(src.removeprefix("random:"))
 
-    @property
-    def retrofit_config(self) -> KVpopConfig | DMSConfig:
-        """The settings of what this run trains (`kvpop` or `dms`)."""
-        return self.dms if self.retrofit == "dms" else self.kvpop
-
     def model_retrofit(self, model_config: Qwen3Config) -> Qwen3Config:
         """The dense architecture with this run's retrofit set."""
         if self.retrofit == "dms":
