@@ -49,6 +49,48 @@ def test_a_cpu_dry_run_says_its_bytes_are_for_this_machines_mesh_not_a_gpu_nodes
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in proc.stdout
 
 
+def test_a_dry_run_names_an_init_checkpoint_the_training_would_stop_on(tmp_path, monkeypatch, capsys):
+    """The dry run compiles from the architecture alone, so a missing, truncated or partial --init_checkpoint
+    went unmentioned until the training, after its data was prepared (a note, not an error: --model_config
+    is all a dry run needs)."""
+    import jax
+
+    from kvpop_jax import modeling, save_pretrained
+    from kvpop_jax.config import Qwen3Config
+    from train import dry_run as dry
+
+    class Compiling(Exception):
+        pass
+
+    def compiling(*args, **kw):
+        raise Compiling
+
+    def dry_run_notes(argv) -> str:
+        cfg = _config(argv)
+        capsys.readouterr()  # the flags' own notes
+        with pytest.raises(Compiling):
+            dry.dry_run(cfg)
+        return capsys.readouterr().err
+
+    monkeypatch.setattr(dry, "jitted_step", compiling)
+    init = str(tmp_path / "init")
+    config = Qwen3Config.from_hf(os.path.join(REPO, "configs", "models", "tiny.json"))
+    save_pretrained(config, modeling.init_params(config, jax.random.PRNGKey(0)), init)
+    flags = [a for a in TINY_DRY if not a.startswith("--init_checkpoint")]
+    flags += ["--model_config=tiny", "--num_query_samples=64"]
+    argv = [*flags, f"--run_dir={tmp_path / 'run'}", f"--init_checkpoint={init}"]
+    assert dry_run_notes(argv) == ""  # whole: nothing to say
+    weights = os.path.join(init, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    for where in (init, str(tmp_path / "not_downloaded")):
+        argv[-1] = f"--init_checkpoint={where}"
+        err = dry_run_notes(argv)
+        assert err.startswith(f"note: --init_checkpoint={where}: ") and err.endswith(
+            "This dry run needs only the architecture; the training would stop here\n"), err
+        assert ("model.safetensors" if where == init else "does not exist") in err
+
+
 def _config(argv):
     from absl import flags
 

@@ -141,6 +141,28 @@ def test_overwrite_deletes_nothing_before_every_flag_and_input_is_checked(tmp_pa
     assert os.path.isdir(os.path.join(run, "checkpoints", "2"))
 
 
+def test_a_truncated_init_checkpoint_is_named_before_overwrite_deletes_or_a_resume_compares(tmp_path, arch):
+    """A partial download as --init_checkpoint: --overwrite deleted the old run, then load_pretrained named the
+    file; without it, the resume's fingerprint check called it "other weights" and advised --overwrite."""
+    import jax
+
+    from kvpop_jax import modeling, save_pretrained
+    init = str(tmp_path / "init")
+    config = Qwen3Config.from_hf(arch)
+    save_pretrained(config, modeling.init_params(config, jax.random.PRNGKey(0)), init)
+    weights = os.path.join(init, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    run = str(tmp_path / "run")
+    files = _fake_run(run)
+    for overwrite in (True, False):
+        with pytest.raises(FlagError, match=rf"--init_checkpoint={init}: .*model.safetensors"):
+            train(parse(tiny_flags(run, arch, init_checkpoint=init, overwrite=overwrite)))
+        for name, text in files.items():  # nothing touched
+            assert open(os.path.join(run, name)).read() == text
+        assert os.path.isdir(os.path.join(run, "checkpoints", "2"))
+
+
 def test_a_teacher_logits_dir_of_another_teacher_or_missing_steps_is_refused_before_training(tmp_path, arch, capsys):
     from train.teacher_cache import TEACHER_META, check_teacher_dir, claim_teacher_dir, teacher_file
 

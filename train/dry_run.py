@@ -9,6 +9,7 @@ import time
 import jax
 
 from kvpop_jax import sharding as shd
+from kvpop_jax.checkpoint import check_checkpoint
 from kvpop_jax.config import memory_words
 from train import optim
 from train.config import TrainConfig, load_model_config
@@ -33,6 +34,12 @@ def dry_run(cfg: TrainConfig) -> dict[str, int]:
     """Lowers + compiles the step for the real shapes on abstract arrays; prints per-device bytes."""
     mesh = build_mesh(cfg)
     model_config = load_model_config(cfg)
+    if cfg.init_checkpoint and not cfg.random_init:  # not needed here; a training would stop on it
+        try:
+            check_checkpoint(cfg.init_checkpoint)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"note: --init_checkpoint={cfg.init_checkpoint}: {e}. This dry run needs only the architecture; "
+                  "the training would stop here", file=sys.stderr)
     sc = step_config(cfg, model_config)
     tx = optim.make_optimizer(cfg.optim)
     step_fn, (state_sh, teacher_sh, batch_sh), args = jitted_step(cfg, mesh, model_config, sc, tx)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
-from kvpop_jax.checkpoint import checkpoint_fingerprint
+from kvpop_jax.checkpoint import check_checkpoint, checkpoint_fingerprint
 from kvpop_jax.fileio import atomic_write_bytes
 from train import optim
 from train import step as st
@@ -198,6 +198,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if jax.process_count() > 1:  # process 0 builds RUN_DIR/init for random: models; the others read it
         multihost_utils.sync_global_devices("init checkpoint ready")
     model_config = load_model_config(dataclasses.replace(cfg, init_checkpoint=init_dir))
+    try:  # the weights' headers (cheap at any size): a partial download is named here, not after the old run's
+        check_checkpoint(init_dir)  # deletion, nor as a resume's "other weights"
+    except (ValueError, FileNotFoundError) as e:
+        raise FlagError(f"--init_checkpoint={cfg.init_checkpoint}: {e}") from e
     sc = step_config(cfg, model_config)
     kv_config = sc.model
     tokenizer, tokenizer_dir = run_tokenizer(cfg, init_dir)
