@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 from typing import Any, Mapping, Sequence
@@ -264,7 +265,7 @@ def run_accuracy(
         compression_ratios = (0.75, 0.88)
     crs = list(dict.fromkeys(float(cr) for cr in compression_ratios))
     if not crs and any(m != "dense" for m in methods):
-        raise ValueError("no compression ratios given")
+        raise ValueError(f"no {'budgets' if keyed_by_budget else 'compression ratios'} given")
     budgets = {cr: KVpopConfig.budget_at(cr, context_len) for cr in crs}  # CR in [0, 1): checked here
     by_budget: dict[int, float] = {}
     for cr, budget in budgets.items():  # two CRs at one B would decode the same setting twice, in rows labelled alike
@@ -276,6 +277,11 @@ def run_accuracy(
     settings = [(m, None) if m == "dense" else (m, cr) for m in methods for cr in ([None] if m == "dense" else crs)]
     configs: dict[str, Any] = {}
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
+        paths = checkpoints.get(method)
+        if isinstance(paths, Mapping) and cr not in paths:
+            at = (lambda c: f"{budgets[c]}") if keyed_by_budget else (lambda c: f"{c:g}")
+            raise ValueError(f"no checkpoint for {method!r} at {'B' if keyed_by_budget else 'CR'} {at(cr)}: "
+                             f"given {', '.join(f'{method}@{at(c)}' for c in paths)}")
         path = _checkpoint_for(checkpoints, method, cr)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: "
@@ -319,6 +325,9 @@ def run_accuracy(
     longest = max(len(ids) for enc in encoded.values() for ids in enc) + max_new_tokens
     for cr, budget in budgets.items():
         if budget >= longest and any(m != "dense" for m in methods):
+            if keyed_by_budget:
+                raise ValueError(f"budget {budget} is not below the longest prompt plus max_new_tokens ({longest} "
+                                 f"tokens): nothing would be evicted; give budgets below {longest}")
             raise ValueError(f"CR {cr:g} of context_len {context_len} is a budget of {budget} KV entries, more than "
                              f"the longest prompt plus max_new_tokens ({longest} tokens): nothing would be evicted. "
                              "Set context_len to the length the CR should be taken of (e.g. the prompt length)")
@@ -408,9 +417,11 @@ def run_accuracy(
 
         # The up-front check bounds completions by max_new_tokens; answers usually end far sooner.
         # A CR whose budget held every decoded sequence whole evicted nothing: it decoded as dense.
+        fix = ("give budgets below it" if keyed_by_budget else
+               "set context_len to the length the CR should be taken of (e.g. the prompt length)")
         unevicted = [f"CR {cr:g} (B {budgets[cr]}): the longest prompt + completion was {n} tokens, so nothing "
-                     "was evicted and its rows equal dense; set context_len to the length the CR should be "
-                     "taken of (e.g. the prompt length)" for cr, n in reached.items() if 0 < n <= budgets[cr]]
+                     f"was evicted and its rows equal dense; {fix}"
+                     for cr, n in reached.items() if 0 < n <= budgets[cr]]
         # Completions cut off before any answer score 0 whatever the method: say so, not just report 0.
         truncated = [f"{m}{'' if cr is None else f' at CR {cr:g}'}: {n} of {seen} completions reached "
                      f"max_new_tokens {max_new_tokens} with no answer extracted: too few new tokens for the "
@@ -461,20 +472,27 @@ def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float],
     """`checkpoints` with each {B: dir} map (NAME@B=DIR, under `budgets`) keyed by the CR that B is run at;
     {CR: dir} maps stay. A key that is neither one of the run's CRs nor, under `budgets`, one of its Bs is named."""
     out = dict(checkpoints)
+    run = (f"budgets {', '.join(map(str, by_budget))}" if keyed_by_budget else
+           f"compression ratios {', '.join(f'{cr:g}' for cr in by_budget.values())}")
     for name, paths in checkpoints.items():
         if not isinstance(paths, Mapping):
             continue
-        keyed = {}
+        keyed, given = {}, {}
         for key, path in paths.items():
+            label = f"{name}@{key:g}"
             if float(key) >= 1:  # a budget B, not a CR
                 if not keyed_by_budget:
-                    raise ValueError(f"checkpoint {name}@{key:g}: a checkpoint per budget (NAME@B=DIR) needs "
+                    raise ValueError(f"checkpoint {label}: a checkpoint per budget (NAME@B=DIR) needs "
                                      "--budgets; with compression ratios give NAME@CR=DIR (CR in [0, 1))")
                 if float(key) != int(key) or int(key) not in by_budget:
-                    raise ValueError(f"checkpoint {name}@{key:g}: no budget {key:g} in this run (budgets "
-                                     f"{', '.join(map(str, by_budget))})")
+                    raise ValueError(f"checkpoint {label}: no budget {key:g} in this run ({run})")
                 key = by_budget[int(key)]
-            keyed[key] = path
+            elif float(key) not in by_budget.values():
+                raise ValueError(f"checkpoint {label}: no CR {key:g} in this run ({run})")
+            if key in keyed:
+                raise ValueError(f"checkpoints {given[key]} and {label} are both for one setting of this run ({run}): "
+                                 "give one")
+            keyed[key], given[key] = path, label
         out[name] = keyed
     return out
 
@@ -513,8 +531,11 @@ def _retargeted(settings, checkpoints, configs, budgets) -> list[str]:
                         f"k {config.kvpop.topk} -> {run.kvpop.topk}" if config.kvpop.topk else
                         f"window {config.kvpop.window} -> {run.kvpop.window}")
                 runs.append(f"B {budgets[cr]} at CR {cr_percent(cr)} ({knob})")
+            per_setting = isinstance(checkpoints[method], Mapping)
+            fix = f"{method}@{trained[0]}={path} under --budgets with {trained[0]}" if per_setting else \
+                f"--budgets {trained[0]}"
             lines.append(f"{method} ({path}) was trained at memory B {trained[0]} per KV head ({trained[1]}) and runs "
-                         f"at {', '.join(runs)}; --budgets {trained[0]} runs it as trained")
+                         f"at {', '.join(runs)}; {fix} runs it as trained")
     return lines
 
 
@@ -525,23 +546,31 @@ def _cr_label(cr) -> str:
 def parse_checkpoints(spec: str) -> dict[str, Any]:
     """'dense=/a,kvpop-mlp=/b,kvpop-mlp@0.88=/c' -> {'dense': '/a', 'kvpop-mlp': ...}.
 
-    `name@CR=path` gives a per-CR checkpoint ({cr: path}); plain `name=path` serves every CR.
+    `name@CR=path` gives a per-CR checkpoint ({cr: path}, CR in [0, 1)) and `name@B=path` a per-budget one
+    ({B: path}, an int B >= 1, under `budgets`); plain `name=path` serves every CR.
     """
     out: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if "=" not in item:
-            raise ValueError(f"checkpoint spec {item!r} is not NAME=PATH or NAME@CR=PATH")
+            raise ValueError(f"checkpoint spec {item!r} is not NAME=PATH, NAME@CR=PATH or NAME@B=PATH")
         name, path = item.split("=", 1)
+        if not name.split("@", 1)[0]:
+            raise ValueError(f"checkpoint spec {item!r} names no method (NAME=PATH)")
         if "@" in name:
-            name, cr = name.split("@", 1)
+            name, raw = name.split("@", 1)
             if name == "dense":
                 raise ValueError(f"checkpoint spec {item!r}: dense runs once, without a CR; give it as dense=PATH")
             try:
-                cr = float(cr)
+                cr = float(raw)
             except ValueError:
-                raise ValueError(f"checkpoint spec {item!r}: {cr!r} is not a compression ratio (NAME@0.88=PATH)") from None
+                cr = math.nan
+            if not (0 <= cr < 1 or (1 <= cr < math.inf and cr == int(cr))):
+                raise ValueError(f"checkpoint spec {item!r}: {raw!r} is neither a compression ratio in [0, 1) "
+                                 "(NAME@0.88=PATH) nor a budget, an int B >= 1 (NAME@256=PATH, with --budgets)")
             if isinstance(out.get(name), str):
                 raise ValueError(f"{name!r} has both a plain and a per-CR checkpoint")
+            if cr in out.get(name, {}):
+                raise ValueError(f"{name}@{cr:g} is given twice")
             out.setdefault(name, {})[cr] = path
         else:
             if name in out:

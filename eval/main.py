@@ -147,8 +147,9 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.main accuracy", description=cmd_accuracy.__doc__,
                                      formatter_class=DefaultsHelpFormatter)  # the paper's settings, shown
     parser.add_argument("--checkpoints", required=True,
-                        help="NAME=DIR[,NAME@CR=DIR...]; 'dense' serves dense/streaming/tova/h2o, other names are "
-                             "KVpop exports (e.g. kvpop-mlp=runs/x/export)")
+                        help="NAME=DIR[,NAME@CR=DIR | NAME@B=DIR (with --budgets)...]; 'dense' serves "
+                             "dense/streaming/tova/h2o, other names are KVpop or DMS exports (e.g. "
+                             "kvpop-mlp=runs/x/export)")
     parser.add_argument("--methods", default="dense,streaming,tova,h2o",
                         help="comma-separated; KVpop methods are the names given in --checkpoints")
     parser.add_argument("--benchmark", required=True,

@@ -656,8 +656,18 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         SamplingConfig(temperature=float("nan"))
     with pytest.raises(ValueError, match=r"'dense@0.75=/a': dense runs once"):
         parse_checkpoints("dense@0.75=/a")
-    with pytest.raises(ValueError, match=r"'abc' is not a compression ratio"):
-        parse_checkpoints("kv@abc=/a")
+    # NAME@inf was an OverflowError traceback; @nan, @-5 failed later as "no entry for CR ...: [nan]"
+    for key in ("abc", "inf", "1e400", "nan", "-inf", "-5", "1.5", ""):
+        with pytest.raises(ValueError, match=rf"'kv@{key}=/a': '{key}' is neither a compression ratio in \[0, 1\) "
+                                             r"\(NAME@0.88=PATH\) nor a budget, an int B >= 1"):
+            parse_checkpoints(f"kv@{key}=/a")
+    assert parse_checkpoints("kv@0.75=/a,kv@256=/b") == {"kv": {0.75: "/a", 256.0: "/b"}}
+    for spec in ("kv@123=/a,kv@123=/b", "kv@123=/a,kv@123.0=/b", "kv@0.75=/a,kv@.75=/b"):  # the last one won
+        with pytest.raises(ValueError, match=r"^kv@(123|0.75) is given twice$"):
+            parse_checkpoints(spec)
+    for spec in ("@123=/a", "=/a"):  # accepted, then "have , dense"
+        with pytest.raises(ValueError, match="names no method"):
+            parse_checkpoints(spec)
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'some_org/bench' on the Hub (LocalEntryNotFoundError)")
@@ -954,4 +964,23 @@ def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is
     with pytest.raises(ValueError, match=r"checkpoint kvpop-mlp@10: a checkpoint per budget \(NAME@B=DIR\) needs "
                                          "--budgets"):
         run_accuracy(["kvpop-mlp"], per_b, str(bench), out_dir=str(tmp_path / "e"), compression_ratios=(0.5,), **kw)
+    # a key for no setting of the run, two keys for one, a setting without a key: each named (the first two were
+    # dropped silently, the last named "CR 0.4: [0.5]"), and advice in the run's own terms
+    per_cr = {"dense": dense, "kvpop-mlp": {0.5: str(export), 0.25: str(export)}}
+    for checkpoints_, kwargs, message in (
+            (per_cr, dict(compression_ratios=(0.5,)), r"checkpoint kvpop-mlp@0.25: no CR 0.25 in this run "
+                                                      r"\(compression ratios 0.5\)"),
+            ({"dense": dense, **parse_checkpoints(f"kvpop-mlp@0.5={export},kvpop-mlp@10={export}")},
+             dict(budgets=(10,)), r"checkpoints kvpop-mlp@0.5 and kvpop-mlp@10 are both for one setting of this run "
+                                  r"\(budgets 10\): give one"),
+            ({"dense": dense, **parse_checkpoints(f"kvpop-mlp@10={export}")}, dict(budgets=(10, 12)),
+             r"no checkpoint for 'kvpop-mlp' at B 12: given kvpop-mlp@10$"),
+            (checkpoints, dict(budgets=(19,)), r"^budget 19 is not below the longest prompt plus max_new_tokens "
+                                               r"\(\d+ tokens\): nothing would be evicted; give budgets below \d+$")):
+        with pytest.raises(ValueError, match=message):
+            run_accuracy(["kvpop-mlp"], checkpoints_, str(bench), out_dir=str(tmp_path / "e"), **kwargs, **kw)
+    capsys.readouterr()
+    swapped = {"dense": dense, **parse_checkpoints(f"kvpop-mlp@12={export}")}
+    run_accuracy(["kvpop-mlp"], swapped, str(bench), out_dir=str(tmp_path / "f"), budgets=(12,), **kw)
+    assert f"; kvpop-mlp@10={export} under --budgets with 10 runs it as trained" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() or not (tmp_path / "e" / "accuracy.md").exists()
