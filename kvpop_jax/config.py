@@ -21,6 +21,7 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 DEFAULT_HF_ROPE_THETA = 10_000.0  # transformers' RoPE base when config.json names none
+DEFAULT_HF_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json names none
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -241,7 +242,14 @@ class Qwen3Config:
                 raise ValueError(f"{where}: {block!r} is empty; a {block} export carries its settings there "
                                  f"(remove the key for a dense model)")
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        head_dim = hf.get("head_dim")
+        if head_dim is None:  # transformers' Qwen3Config default (4.x and 5.x), not hidden_size // heads
+            implied = hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
+            if implied != DEFAULT_HF_HEAD_DIM:
+                raise ValueError(f"{where}: no head_dim; transformers reads a Qwen3 config without one as head_dim "
+                                 f"{DEFAULT_HF_HEAD_DIM}, not hidden_size // num_attention_heads = {implied}: give "
+                                 "head_dim explicitly")
+            head_dim = DEFAULT_HF_HEAD_DIM
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],

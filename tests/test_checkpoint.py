@@ -482,6 +482,20 @@ def test_a_null_num_key_value_heads_means_one_per_head_as_in_transformers():
     assert Qwen3Config.from_hf(base).num_key_value_heads == transformers.Qwen3Config(**base).num_key_value_heads == 2
 
 
+def test_a_missing_head_dim_is_read_as_transformers_reads_it_or_refused():
+    """transformers' Qwen3Config defaults head_dim to 128; it was read as hidden_size // num_attention_heads, so a
+    hand-written config without it was another model here (16 against 128; Qwen3-4B's shape: 80 against 128)."""
+    base = dict(vocab_size=10, intermediate_size=8, num_hidden_layers=1, num_key_value_heads=2)
+    for hidden, heads in ((64, 4), (2560, 32)):
+        for missing in ({}, {"head_dim": None}):
+            with pytest.raises(ValueError, match=rf"no head_dim; transformers reads a Qwen3 config without one as "
+                                                 rf"head_dim 128, not hidden_size // num_attention_heads = "
+                                                 rf"{hidden // heads}: give head_dim explicitly"):
+                Qwen3Config.from_hf({**base, "hidden_size": hidden, "num_attention_heads": heads, **missing})
+    same = {**base, "hidden_size": 512, "num_attention_heads": 4}  # both readings agree
+    assert Qwen3Config.from_hf(same).head_dim == transformers.Qwen3Config(**same).head_dim == 128
+
+
 def test_a_tied_checkpoint_storing_a_different_lm_head_is_refused(hf_checkpoint, tmp_path, rng, monkeypatch):
     """transformers unties such a checkpoint and its logits use the stored head; the tied params would use
     the embedding, silently. A stored head equal to the embedding loads as before."""
