@@ -286,6 +286,18 @@ def test_paper_recipes_parse(tmp_path, monkeypatch):
         model = "Qwen3-8B" if "8b" in name else "Qwen3-4B-Instruct-2507"
         assert cfg.init_checkpoint == f"checkpoints/{model}", name
         assert load_model_config(cfg).rope_theta == (1e6 if "8b" in name else 5e6), name
+    # the original Qwen3-4B's checkpoint under a 4B recipe: which fields differ, and the flag that fits it
+    original = tmp_path / "Qwen3-4B"
+    original.mkdir()
+    (original / "config.json").write_text(open(f"{REPO}/configs/models/qwen3_4b.json").read())
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["train", f"--flagfile={REPO}/configs/qwen3_4b_cr88.flags", f"--run_dir={tmp_path}/run", "--dry_run",
+        f"--init_checkpoint={original}"])
+    with pytest.raises(FlagError, match=r"qwen3_4b_instruct_2507.json and .*/Qwen3-4B/config.json describe different "
+                                        r"architectures \(rope_theta: 5000000.0 and 1000000.0\): give the "
+                                        r"--model_config of that checkpoint \(shipped: \[.*'qwen3_4b',"):
+        load_model_config(config_from_flags(fv, on_accelerator=True))
 
 
 def test_paper_recipes_follow_app_a_and_mlp_recipes_are_memory_matched(tmp_path, monkeypatch):

@@ -209,10 +209,16 @@ def resolve_model_config(name_or_path: str) -> str:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
-        known = sorted(f[:-5] for f in os.listdir(MODEL_CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(
-            MODEL_CONFIG_DIR) else []
-        raise FlagError(f"model config {name_or_path!r} not found (looked at {path}); known names: {known}")
+        raise FlagError(f"model config {name_or_path!r} not found (looked at {path}); known names: "
+                        f"{shipped_model_configs()}")
     return path
+
+
+def shipped_model_configs() -> list[str]:
+    """The --model_config names configs/models/ holds."""
+    if not os.path.isdir(MODEL_CONFIG_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(MODEL_CONFIG_DIR) if f.endswith(".json"))
 
 
 def load_model_config(cfg: TrainConfig) -> Qwen3Config:
@@ -236,7 +242,12 @@ def load_model_config(cfg: TrainConfig) -> Qwen3Config:
         arch = lambda x: dataclasses.replace(x, bos_token_id=None, eos_token_id=None,  # noqa: E731
                                              max_position_embeddings=1)
         if arch(c) != arch(base[0]):
-            raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures")
+            ours, theirs = arch(base[0]), arch(c)
+            diffs = "; ".join(f"{f.name}: {getattr(ours, f.name)!r} and {getattr(theirs, f.name)!r}"
+                              for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name))
+            raise FlagError(f"--model_config {sources[0]} and {src} describe different architectures ({diffs}): "
+                            f"give the --model_config of that checkpoint (shipped: {shipped_model_configs()}) "
+                            "or the checkpoint this one describes")
     return base[-1]
 
 
