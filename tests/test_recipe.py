@@ -36,12 +36,25 @@ def test_variant_flags(tmp_path, arch):
                                      eval_crs="0.9"), "does not fit kvpop-mlp"),
                                (dict(variants="streamingllm+", eval_methods="streamingllm+", eval_prompt_len=160,
                                      eval_crs="0.99"), "does not fit streamingllm\\+"),
+                               # dropped without a word: no rows at --eval_long_len
+                               (dict(variants="kvpop-mlp", eval_methods="dense,tova,kvpop-mlp", eval_long_len=2048,
+                                     eval_long_methods="kvpop-mpl"), r"--eval_long_methods: \['kvpop-mpl'\] are not "
+                                                                     r"trained here \(kvpop-mlp\)"),
+                               (dict(variants="kvpop-mlp", eval_methods="dense,tova,kvpop-mlp", eval_long_len=2048,
+                                     eval_long_methods="tova"), r"\['tova'\] are not trained here"),
+                               (dict(variants="kvpop-mlp,kvpop-mlstm", eval_methods="dense,kvpop-mlp",
+                                     eval_long_len=2048, eval_long_methods="kvpop-mlstm"),
+                                r"--eval_long_methods: \['kvpop-mlstm'\] are not in --eval_methods "
+                                r"\(dense, kvpop-mlp\)"),
                                # the generator refused it after every variant had trained
                                (dict(eval_methods="dense", seed=2**32), "--eval_methods: the held-out demo problems "
                                                                         "are drawn with --seed")):
         with pytest.raises(FlagError, match=message):
             parse(tiny_flags(str(tmp_path), arch, **overrides))
     assert parse(tiny_flags(str(tmp_path), arch, eval_methods="dense,kvpop")).evaluation.methods == ("dense", "kvpop")
+    default = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlp", eval_methods="dense,kvpop-mlp",
+                               eval_long_len=2048))  # the default names both KVpop variants: those run here
+    assert default.evaluation.long_methods == ("kvpop-mlp",)
 
 
 def test_a_finished_variant_trained_with_other_flags_is_not_reused(tmp_path, arch):

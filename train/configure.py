@@ -311,6 +311,15 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
     if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
         raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
-    long_methods = tuple(m for m in (x.strip() for x in f.eval_long_methods) if m in methods and m in trained)
+    asked = tuple(dict.fromkeys(m for m in (x.strip() for x in f.eval_long_methods) if m))
+    if f.eval_long_len and f["eval_long_methods"].present:  # the default: those of both KVpop variants run here
+        untrained = [m for m in asked if m not in trained]  # a typo or a baseline gave no rows, without a word
+        if untrained:
+            raise FlagError(f"--eval_long_methods: {untrained} are not trained here ({', '.join(trained)}): the "
+                            "length check is of the trained variants")
+        skipped = [m for m in asked if m not in methods]
+        if skipped:
+            raise FlagError(f"--eval_long_methods: {skipped} are not in --eval_methods ({', '.join(methods)})")
+    long_methods = tuple(m for m in asked if m in methods and m in trained)
     return EvalConfig(methods, problems, crs, f.eval_prompt_len, min(f.eval_batch, problems), f.eval_recall_sequences,
                       tasks, f.eval_long_len, long_methods, f.eval_stream_prompt)

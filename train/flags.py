@@ -209,7 +209,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       "construction). --noeval_stream_prompt: one-shot compression after a dense prefill, "
                       "which lets them see every read in the prompt before deciding.", **d)
     flags.DEFINE_list("eval_long_methods", ["kvpop-mlstm", "kvpop-mlp"],
-                      "The trained variants evaluated at --eval_long_len (those of --eval_methods).", **d)
+                      "The trained variants evaluated at --eval_long_len (each in --eval_methods; the default: "
+                      "those of the two that run).", **d)
     flags.DEFINE_bool("quick", False,
                       "A faster, rougher run into RUN_DIR-quick: a quarter of --steps (and of --warmup_steps, "
                       "--checkpoint_every and --eval_problems), exported into RUN_DIR-quick/export (an "
