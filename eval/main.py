@@ -242,17 +242,26 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     src.add_argument("--text_file", help="file holding the text")
     src.add_argument("--ids", help="comma-separated token ids")
     src.add_argument("--data", help="DMS only: rows of a dataset (JSONL of ids or text), the median over rows")
-    parser.add_argument("--num_sequences", type=int, default=100, help="--data: rows")
-    parser.add_argument("--seq_len", type=int, default=None, help="--data: tokens per row")
-    parser.add_argument("--rows", default="stream", choices=ROWS,
-                        help="--data: stream (documents concatenated and cut into rows) or documents (one row per "
-                             "document of >= seq_len tokens, its first seq_len: problems as they are run)")
-    parser.add_argument("--text_field", default="auto", help="--data: " + TEXT_FIELD_HELP)
+    parser.add_argument("--num_sequences", type=int, default=None, help="--data: rows (default 100)")
+    parser.add_argument("--seq_len", type=int, default=None, help="DMS only: tokens per row")
+    parser.add_argument("--rows", default=None, choices=ROWS,
+                        help="--data: stream (documents concatenated and cut into rows; the default) or documents "
+                             "(one row per document of >= seq_len tokens, its first seq_len: problems as they are "
+                             "run)")
+    parser.add_argument("--text_field", default=None, help="--data: " + TEXT_FIELD_HELP + " (default auto)")
     parser.add_argument("--last_n", type=int, default=None, help="KVpop only: evictable tokens in the heat map "
                         "(default 112)")
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     config = Qwen3Config.from_hf(args.checkpoint)
+    # options another kind of export or input would ignore, named (they were dropped without a word)
+    unused = ["num_sequences", "seq_len", "rows", "text_field"] if config.dms is None else \
+        [] if args.data else ["rows", "text_field"]
+    given = [f"--{name}" for name in unused if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                     + ("--data (rows of a dataset)" if config.dms is not None else
+                        "DMS exports; a KVpop export reports the one sequence of --text, --text_file or --ids"))
     if config.dms is not None:
         if args.last_n is not None:  # the DMS report has no heat map over the last tokens: it was ignored
             parser.error(f"--last_n={args.last_n} is for KVpop exports (the heat map of the last tokens); a DMS "
@@ -268,8 +277,9 @@ def cmd_patterns(argv: Sequence[str]) -> None:
                 parser.error(f"no tokenizer in {args.checkpoint!r}; pass --ids or --data")
             text = _read_text(args.text_file) if args.text_file else _utf8_arg(args.text, "--text")
             data = np.asarray([tokenizer(text)["input_ids"]])
-        run_dms_patterns(args.checkpoint, data, num_sequences=args.num_sequences, seq_len=args.seq_len,
-                         out_dir=args.out_dir, rows=args.rows, text_field=args.text_field)
+        run_dms_patterns(args.checkpoint, data, num_sequences=100 if args.num_sequences is None else args.num_sequences,
+                         seq_len=args.seq_len, out_dir=args.out_dir, rows=args.rows or "stream",
+                         text_field=args.text_field or "auto")
         print(open(f"{args.out_dir}/dms_patterns.md").read())
         return
     if args.data:

@@ -373,6 +373,16 @@ def test_patterns_command_on_a_dms_export(dms_checkpoint, tmp_path, capsys):
             cmd_patterns(["--checkpoint", dms_checkpoint, "--ids", ids, "--last_n", last_n, "--out_dir",
                           str(tmp_path / "last_n")])
         assert f"--last_n={last_n} is for KVpop exports" in capsys.readouterr().err
+    # a dataset's options with one --ids sequence, and --data's options for a KVpop export: ignored before
+    for checkpoint, extra, message in (
+            (dms_checkpoint, ["--rows", "documents", "--text_field", "text"], "--rows, --text_field are for --data"),
+            ("checkpoints/demo-kvpop-mlstm", ["--num_sequences", "4"], "--num_sequences is for DMS exports; a KVpop "
+                                                                       "export reports the one sequence of --text"),
+            ("checkpoints/demo-kvpop-mlstm", ["--seq_len", "64"], "--seq_len is for DMS exports")):
+        with pytest.raises(SystemExit):
+            cmd_patterns(["--checkpoint", checkpoint, "--ids", ids, *extra, "--out_dir", str(tmp_path / "unused")])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "unused").exists()
 
 
 def test_bench_decode_dms_rows_have_a_fixed_pool(tmp_path):
