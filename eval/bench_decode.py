@@ -438,6 +438,10 @@ def _budget_line(b: dict | None, dms: dict | None) -> str:
     return line
 
 
+SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+BUDGET_FLAGS = ("sinks", "window", "topk")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m eval.bench_decode [flags]` (also reachable as `python -m eval.main bench decode`)."""
     d = dict(inspect.signature(tiny_config).parameters)
@@ -453,17 +457,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "sinks", "window",
-                 "topk"):
-        ap.add_argument(f"--{name}", type=int, default=d[name].default,
-                        help="random model size / budget (budget also used with a dense --checkpoint)")
-    ap.add_argument("--scorer", default=d["scorer"].default)
+    for name in SIZE_FLAGS + BUDGET_FLAGS:
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help=f"random model size / budget (budget also used with a dense --checkpoint; default "
+                             f"{d[name].default})")
+    ap.add_argument("--scorer", default=None, help=f"with --sinks etc. (default {d['scorer'].default})")
     args = ap.parse_args(argv)
-    sizes = {k: getattr(args, k) for k in d}
-    model_config = tiny_config(**sizes)
-    # The budget flags retrofit a dense checkpoint; a KVpop or DMS export brings its own.
+    # The size flags build the random model; a checkpoint has its own. The budget flags retrofit a dense
+    # checkpoint; a KVpop or DMS export brings its own. Either, given, was ignored without a word.
     retrofitted = args.checkpoint is not None and (lambda c: c.kvpop or c.dms)(Qwen3Config.from_hf(args.checkpoint))
     dense_checkpoint = args.checkpoint is not None and not retrofitted
+    ignored = (SIZE_FLAGS if args.checkpoint is not None else ()) + (BUDGET_FLAGS + ("scorer",) if retrofitted else ())
+    given = [f"--{name}" for name in ignored if getattr(args, name) is not None]
+    if given:
+        ap.error(f"{', '.join(given)}: {args.checkpoint} brings its own "
+                 + ("size and budget (a KVpop or DMS export)" if retrofitted else "size"))
+    sizes = {k: d[k].default if getattr(args, k) is None else getattr(args, k) for k in d}
+    model_config = tiny_config(**sizes)
     rows = run_bench_decode(
         args.checkpoint, lengths=parse_lengths(args.lengths), methods=tuple(args.methods.split(",")),
         out_dir=args.out_dir, benchmarks_md=args.benchmarks_md or None, model_config=model_config,

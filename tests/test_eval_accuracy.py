@@ -511,7 +511,13 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
         assert message in capsys.readouterr().err
     for argv, message in ((["--dtype", "float33"], "argument --dtype: invalid choice: 'float33'"),
                           (["--lengths", "abc"], "error: --lengths must be positive ints like '1k,2k,4096', "
-                                                 "got 'abc'")):
+                                                 "got 'abc'"),
+                          # ignored without a word: the random model's size with a checkpoint, the budget with an
+                          # export (it brings its own)
+                          (["--checkpoint", dense, "--layers", "2", "--vocab", "64"],
+                           f"error: --layers, --vocab: {dense} brings its own size\n"),
+                          (["--checkpoint", "checkpoints/demo-kvpop-mlstm", "--topk", "8", "--scorer", "mlp"],
+                           "error: --topk, --scorer: checkpoints/demo-kvpop-mlstm brings its own size and budget")):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", "decode", *argv, "--out_dir", str(tmp_path / "bd")])
         assert exit_info.value.code == 2
