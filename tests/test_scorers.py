@@ -4,6 +4,7 @@ causal, inputs are detached, zero-init is neutral, weights are headwise."""
 import dataclasses
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -444,8 +445,15 @@ def test_stabilized_normalize_is_the_plain_readout_bit_for_bit_in_the_normal_ran
     loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))  # noqa: E731
     (want, want_grads), (got, got_grads) = loss(plain)(num, den, m), loss(stabilized_normalize)(num, den, m)
     assert np.array_equal(got, want)
+    # At XLA's defaults (KVPOP_TEST_XLA_FLAGS=0) -O3 contracts multiply-adds into FMAs, differently in the two
+    # programs: the gradients then differ by an ulp (Python 3.12, jax 0.12.1). The suite's -O0 keeps them equal.
+    exact = "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
     for a, b in zip(got_grads, want_grads):
-        assert np.array_equal(a, b) and np.any(a != 0)
+        assert np.any(a != 0)
+        if exact:
+            assert np.array_equal(a, b)
+        else:
+            np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
 
 
 @pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunkwise"])
