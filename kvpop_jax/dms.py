@@ -283,7 +283,8 @@ def kvpop_head_param_count(kvpop: KVpopConfig, head_dim: int) -> int:
 def matched_gate_hidden(kvpop: KVpopConfig, head_dim: int) -> int:
     """The gate width whose per-head parameter count is nearest the KVpop head's (>= 1)."""
     target = kvpop_head_param_count(kvpop, head_dim)
-    return max(1, round((target - 1) / (2 * head_dim + 2)))
+    per_unit = gate_param_count(1, head_dim) - 1  # each hidden unit's weights; the 1 is the output bias
+    return max(1, round((target - 1) / per_unit))
 
 
 def eviction_stats(evict, window: int) -> dict[str, jax.Array]:

@@ -1,7 +1,9 @@
 """Every flag of `python -m train.main`, declared in one place.
 
 `define_flags(flag_values)` declares them; `train/configure.py` maps the parsed values onto the
-run configuration (`train/config.py`) and validates them. Nothing else in `train/` reads flags.
+run configuration (`train/config.py`) and validates them. Besides, `train/main.py` reads --distributed
+(before any device is touched) and a few flags for its messages; `train/export.py` and
+`train/throughput.py` declare their own.
 
 Model sources (`--init_checkpoint`):
   - a HF Qwen3 directory (config.json + safetensors, plus its tokenizer);
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, SCORER_KEYS,
-                              SCORER_POSITIONS, SCORERS, TARGET_REDUCTIONS)
+from kvpop_jax.config import (AGGREGATIONS, FEATURE_MAPS, MLSTM_INITS, MLSTM_VALUES, NORMALIZERS, RANK_PARTNERS,
+                              RETENTION_LABELS, SCORER_KEYS, SCORER_POSITIONS, SCORERS, TARGET_REDUCTIONS)
 from kvpop_jax.modeling import REMAT_POLICIES
 from train.config import DTYPES, RETROFITS, VARIANTS
 
@@ -59,7 +61,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("gamma_min", 0.999, "Decay min.", **d)
     flags.DEFINE_float("gamma_max", 0.999999, "Decay max.", **d)
     flags.DEFINE_float("loss_temperature", 1.0, "Pairwise (retention) loss temperature τ.", **d)
-    flags.DEFINE_enum("retention_labels", "hard", ["hard", "soft"], "Retention loss labels: the teacher's "
+    flags.DEFINE_enum("retention_labels", "hard", RETENTION_LABELS, "Retention loss labels: the teacher's "
                       "keep/drop (Eq. 7) or the target's own preference sigma(margin / tau) (not in the paper).", **d)
     flags.DEFINE_bool("margin_weighting", True, "Margin weighting of the retention loss (Eq. 23).", **d)
     flags.DEFINE_bool("balance_weighting", True, "Keep/drop balance weighting (Eq. 24).", **d)
@@ -73,7 +75,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                          "default: unbounded).", **d)
     flags.DEFINE_integer("num_query_samples", 256, "Sampled boundary positions per sequence.", **d)
     flags.DEFINE_float("late_bias_fraction", 0.5, "Share of late-biased query samples.", **d)
-    flags.DEFINE_enum("rank_partners", "random", ["random", "similar"], "Rank-pair partners: random older "
+    flags.DEFINE_enum("rank_partners", "random", RANK_PARTNERS, "Rank-pair partners: random older "
                       "tokens, or the older tokens whose keys are closest to the new token's (experiment).", **d)
     flags.DEFINE_integer("keepset_queries", 0, "At this many of the sampled queries per row, a balanced keep/drop "
                          "loss over every eligible token against the teacher's keep set (not in the paper; 0 = off).", **d)
@@ -196,7 +198,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("eval_prompt_len", 1024, "Prompt length of the held-out demo problems (tokens).", **d)
     flags.DEFINE_integer("eval_batch", 50, "Problems decoded per batch (greedy, one rollout each).", **d)
     flags.DEFINE_integer("eval_recall_sequences", 8,
-                         "Held-out traces for the teacher-retention recall of each KVpop variant (0: skip).", **d)
+                         "Held-out traces for the teacher-retention recall of each KVpop variant and for DMS's "
+                         "eviction patterns (0: skip both).", **d)
     flags.DEFINE_list("eval_tasks", ["read_once"],
                       "Demo tasks to evaluate on, each with its own table; the first is the main task the "
                       "targets are checked on.", **d)
