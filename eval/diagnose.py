@@ -854,7 +854,7 @@ DIAGNOSTICS = {"keep": keep, "target": target, "read": read, "maxtgt": maxtgt, "
 TEACHER_DIAGNOSTICS = ("read", "maxtgt", "probe", "learn", "reads", "parks")  # the rest read --exports
 # The export diagnostics whose numbers are about the keep set at --budget (shift's ranks are not: it stays free)
 BUDGET_DIAGNOSTICS = ("keep", "target", "margin", "noise", "ceiling")
-OWN_POLICY_DIAGNOSTICS = ("maxtgt", "learn", "reads", "probe")  # the ones that read --sinks / --window
+OWN_POLICY_DIAGNOSTICS = ("maxtgt", "learn", "reads", "probe")  # eligible tokens s <= t <= last - w (parks: below)
 
 
 def check_args(args) -> None:

@@ -12,7 +12,8 @@ Commands (each prints its own `--help`):
   bench gpu       on a GPU node: kernel tests, kernels, decode, the 8B recipe's dry run, tokens/s and MFU
   diagnose        why a demo retrofit keeps (or loses) the facts it needs (eval/diagnose.py)
 
-Every command that produces results writes a markdown table and PNG plots to --out_dir.
+accuracy, recall, patterns and bench decode / train / gpu write a markdown table and PNG plots to
+--out_dir; bench kernels appends to --out_md, diagnose to --out, and generate prints.
 """
 
 from __future__ import annotations

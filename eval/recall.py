@@ -303,7 +303,7 @@ def run_recall(
       checkpoint: KVpop checkpoint directory (or a `(config, params)` pair).
       data: int array [N, S'], JSONL of token ids, or text data (see `load_rows`).
       num_sequences: rows evaluated (at most).
-      seq_len: tokens per row; default 2 * B for datasets (the row length for arrays).
+      seq_len: tokens per row; default 2 x (s + w + k) for datasets (the row length for arrays).
       num_queries: saturated query positions sampled per row (uniform, distinct).
       out_dir: where recall.md / recall.png / recall.json go.
       teacher: optional dense checkpoint directory (or pair) for argmax agreement.

@@ -10,7 +10,7 @@ Table-1-style comparison per task, the oracles, the recall, length generalizatio
 
     RUN_DIR/eval/TASK/accuracy.md|png|json, samples.jsonl   per task (`eval.accuracy`)
     RUN_DIR/eval/long/...                                  the main task at --eval_long_len
-    RUN_DIR/eval/recall_NAME/                              teacher-retention recall per KVpop variant
+    RUN_DIR/eval/recall_NAME_B{B}/                         teacher-retention recall per KVpop variant and budget
     RUN_DIR/eval/dms_patterns/                             DMS's eviction ratio per layer and head (Fig. 8)
     RUN_DIR/eval/training.png                              loss, boundary accuracy / AUC curves
     RUN_DIR/eval/summary.md                                everything printed (`train/recipe_report.py`)
