@@ -319,12 +319,16 @@ def run_recall(
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     config, params = load_model(checkpoint, require_kvpop=True, dtype=dtype)
+    trained = config.kvpop
     if budget is not None:
         config = dataclasses.replace(config, kvpop=config.kvpop.retarget(budget, config.head_dim))
     kv = config.kvpop
-    budget = kv.budget
     if kv.topk == 0:
-        raise ValueError("recall needs a long-range budget: this checkpoint has topk = 0")
+        raise ValueError("recall needs a long-range budget: " + (
+            "this checkpoint has topk = 0" if budget is None else
+            f"memory B {budget} per KV head leaves it k = 0 (s {kv.sinks} + w {kv.window}; trained at k "
+            f"{trained.topk}, memory {trained.memory(config.head_dim)})"))
+    budget = kv.budget
     tokenizer = checkpoint_tokenizer(checkpoint) if isinstance(data, (str, os.PathLike)) else None
     if seq_len is None and isinstance(data, (str, os.PathLike)):
         seq_len = 2 * budget

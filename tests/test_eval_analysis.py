@@ -134,6 +134,9 @@ def test_recall_at_another_budget_equals_brute_force(checkpoint, tmp_path):
     np.testing.assert_allclose(result.recall, hits / (2 * 6 * k), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="budget 5"):
         run_recall(checkpoint, ids, num_sequences=2, out_dir=tmp_path, budget=5, progress=False)
+    with pytest.raises(ValueError, match=r"memory B 6 per KV head leaves it k = 0 \(s 2 \+ w 4; trained at k 6, "
+                                         r"memory 12\)"):  # it said "this checkpoint has topk = 0"
+        run_recall(checkpoint, ids, num_sequences=2, out_dir=tmp_path, budget=6, progress=False)
     for name, value in (("num_queries", 0), ("num_sequences", 0), ("num_queries", -3), ("budget", 0),
                         ("seq_len", -1)):  # 0 queries wrote a recall of 0.000; the others raised from deep inside
         with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
