@@ -56,7 +56,7 @@ from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import check_seed, compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 from kvpop_jax.runtime import background_worker
-from kvpop_jax.sampling import SamplingConfig
+from kvpop_jax.sampling import FLOAT32_TINY, SamplingConfig
 
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -245,6 +245,9 @@ def run_accuracy(
     check_counts(problem_batch=problem_batch, n_rollouts=n_rollouts, context_len=context_len,
                  max_new_tokens=max_new_tokens, batch_size=1 if batch_size is None else batch_size)
     seed = check_seed(seed, "seed")  # jax.random.key would refuse it only at the first rollout
+    if n_rollouts > 1 and sampling.temperature < FLOAT32_TINY:  # n identical decodes, reported as a pass@1 over n
+        raise ValueError(f"temperature {sampling.temperature:g} is greedy decoding: the n_rollouts {n_rollouts} "
+                         "completions of a problem would be identical; pass n_rollouts 1")
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("no methods given")

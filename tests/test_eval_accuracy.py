@@ -648,6 +648,10 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     for name, value in (("n_rollouts", 0), ("context_len", -100), ("max_new_tokens", 0), ("problem_batch", 0)):
         with pytest.raises(ValueError, match=f"{name} must be an integer >= 1, got {value}"):
             run(["dense", "tova"], **{name: value})
+    for temperature in (0.0, 1e-40):  # 16 identical greedy decodes, reported as "pass@1 over 16 rollouts"
+        with pytest.raises(ValueError, match=rf"temperature {temperature:g} is greedy decoding: the n_rollouts 16 "
+                                             "completions of a problem would be identical; pass n_rollouts 1"):
+            run(["dense", "tova"], n_rollouts=16, sampling=SamplingConfig(temperature=temperature))
     with pytest.raises(ValueError, match=r"CR 0.5 of context_len 64 is a budget of 32 KV entries, more than the "
                                          r"longest prompt plus max_new_tokens \(14 tokens\): nothing would be evicted"):
         run(["dense", "tova"], context_len=64)
