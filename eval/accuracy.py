@@ -318,6 +318,10 @@ def run_accuracy(
     for line in not_held_out:
         print(f"warning: {line}", file=sys.stderr)
     tok = _shared_tokenizer(tokenizer, list(configs))
+    if chat_template and not getattr(tok, "chat_template", None):  # transformers' error was a paragraph
+        where = (f"in {os.fspath(tokenizer)}" if isinstance(tokenizer, (str, os.PathLike)) else
+                 "given" if tokenizer is not None else f"of {', '.join(configs)}")
+        raise ValueError(f"chat_template: the tokenizer {where} has no chat template")
     encoded = {b: [_encode(tok, p["prompt"], chat_template) for p in probs] for b, probs in benchmarks.items()}
     top = max(max(ids, default=0) for enc in encoded.values() for ids in enc)
     for path, config in configs.items():

@@ -856,13 +856,16 @@ def test_chat_template_prompts_are_token_ids(tmp_path, monkeypatch):
     from kvpop_jax.checkpoint import load_tokenizer
 
     dense, _ = _dense_checkpoint(tmp_path / "dense")
+    problem = "x3y5\nask x\n"
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem=problem, answer="3")) + "\n")
+    with pytest.raises(ValueError, match=f"^chat_template: the tokenizer of {dense} has no chat template$"):
+        run_accuracy(["dense"], {"dense": dense}, str(bench), out_dir=str(tmp_path / "none"), n_rollouts=1,
+                     sampling=SamplingConfig.greedy(), chat_template=True)  # transformers' error was a paragraph
     tok = load_tokenizer(dense)
     tok.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}" \
                         "{% if add_generation_prompt %}a:{% endif %}"
     tok.save_pretrained(dense)
-    problem = "x3y5\nask x\n"
-    bench = tmp_path / "bench.jsonl"
-    bench.write_text(json.dumps(dict(problem=problem, answer="3")) + "\n")
     seen = []
 
     def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
