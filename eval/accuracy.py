@@ -410,8 +410,8 @@ def run_accuracy(
                                 int(tokens[r, max_new_tokens - 1]) not in eos
                             counts[1] += 1
                             correct[i].append(ok)
-                            lines[i].append(json.dumps(dict(method=method, cr=cr, benchmark=bench, id=problem["id"],
-                                                            rollout=rollout, answer=problem["answer"],
+                            lines[i].append(json.dumps(dict(method=method, cr=cr, budget=budget, benchmark=bench,
+                                                            id=problem["id"], rollout=rollout, answer=problem["answer"],
                                                             extracted=pred, correct=ok, completion=text)) + "\n")
                     for i in group:
                         done[i] = (dict(method=method, cr=cr, budget=budget, benchmark=bench, id=problems[i]["id"],
@@ -469,7 +469,7 @@ def run_accuracy(
         write_text(out.path("accuracy.json"), json.dumps(dict(rows=rows, records=records, context_len=context_len,
                                                               n_rollouts=n_rollouts, checker=checker,
                                                               unevicted=unevicted, truncated=truncated,
-                                                              not_held_out=not_held_out,
+                                                              not_held_out=not_held_out, retargeted=retargeted,
                                                               settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
     return rows

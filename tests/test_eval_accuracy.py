@@ -93,6 +93,8 @@ def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     assert "| 50% | 8 | kvpop-mlp |" in (out / "accuracy.md").read_text()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 5 * 3 * 2
+    assert {(s["method"], s["cr"], s["budget"]) for s in samples} == {("dense", None, None)} | {
+        (m, 0.5, 8) for m in ("streaming", "tova", "h2o", "kvpop-mlp")}  # the budget a row ran at, as the records
 
     # one greedy rollout per problem: decoding equal-length problems together changes nothing
     greedy = dict(n_rollouts=1, compression_ratios=(0.5,), context_len=16, max_new_tokens=6,
@@ -954,6 +956,7 @@ def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is
     err = capsys.readouterr().err
     assert f"note: {note}" in err and "B 10 at CR" not in err  # at its own memory: nothing to say
     assert f"Note: {note}." in (tmp_path / "b" / "accuracy.md").read_text()
+    assert json.loads((tmp_path / "b" / "accuracy.json").read_text())["retargeted"] == [note]
     # the same settings by CR: the same budgets
     decoded.clear()
     by_cr = run_accuracy(["tova", "kvpop-mlp"], checkpoints, str(bench), out_dir=str(tmp_path / "c"),
