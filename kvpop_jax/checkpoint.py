@@ -437,6 +437,9 @@ def save_pretrained(
         shards[-1][hf_name] = tensor
         size += tensor.nbytes
         total += tensor.nbytes
+    if extra_files is not None and not isinstance(extra_files, Mapping):  # dict() of a list of paths: a riddle
+        raise TypeError(f"extra_files maps each file's name in the checkpoint to its source path, e.g. "
+                        f"{{'tokenizer.json': 'src/tokenizer.json'}}; got {type(extra_files).__name__}")
     extra_files = dict(extra_files or {})
     for name, src in extra_files.items():
         if os.path.basename(name) != name or not os.path.isfile(src):

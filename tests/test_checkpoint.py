@@ -447,6 +447,10 @@ def test_extra_files_cannot_take_the_exports_own_names(hf_checkpoint, tmp_path, 
     with pytest.raises(ValueError, match=f"extra file '{name}'.*writes that name itself"):
         save_pretrained(config, params, tmp_path / "export", extra_files={name: str(src)})
     assert not (tmp_path / "export").exists()
+    with pytest.raises(TypeError, match=r"extra_files maps each file's name in the checkpoint to its source path.*"
+                                        r"got list"):  # was "dictionary update sequence element #0 has length 39"
+        save_pretrained(config, params, tmp_path / "export", extra_files=[str(src)])
+    assert not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize("rope", [
