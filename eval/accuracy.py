@@ -298,8 +298,6 @@ def run_accuracy(
             at = "" if cr is None else f" at CR {cr:g} (B {budgets[cr]} of context_len {context_len})"
             raise ValueError(f"method {method!r}{at} with checkpoint {path!r}: {e}") from None
     retargeted = _retargeted(settings, checkpoints, configs, budgets)
-    for line in retargeted if notes else ():
-        print(f"note: {line}", file=sys.stderr)
     sources = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     benchmarks: dict[str, list[dict]] = {}
     named: dict[str, str] = {}
@@ -342,6 +340,8 @@ def run_accuracy(
         if longest > config.max_position_embeddings:
             print(f"warning: prompts plus max_new_tokens reach {longest} tokens, beyond the "
                   f"max_position_embeddings {config.max_position_embeddings} of {path!r}", file=sys.stderr)
+    for line in retargeted if notes else ():  # once every input is checked: a refused run has nothing to note
+        print(f"note: {line}", file=sys.stderr)
     batch = batch_size or n_rollouts
 
     # Every checkpoint's weights are read (and checked finite) now, not when its turn comes; the run

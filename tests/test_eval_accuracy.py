@@ -983,6 +983,7 @@ def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is
     # a key for no setting of the run, two keys for one, a setting without a key: each named (the first two were
     # dropped silently, the last named "CR 0.4: [0.5]"), and advice in the run's own terms
     per_cr = {"dense": dense, "kvpop-mlp": {0.5: str(export), 0.25: str(export)}}
+    capsys.readouterr()
     for checkpoints_, kwargs, message in (
             (per_cr, dict(compression_ratios=(0.5,)), r"checkpoint kvpop-mlp@0.25: no CR 0.25 in this run "
                                                       r"\(compression ratios 0.5\)"),
@@ -995,7 +996,7 @@ def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is
                                                r"\(\d+ tokens\): nothing would be evicted; give budgets below \d+$")):
         with pytest.raises(ValueError, match=message):
             run_accuracy(["kvpop-mlp"], checkpoints_, str(bench), out_dir=str(tmp_path / "e"), **kwargs, **kw)
-    capsys.readouterr()
+    assert "note:" not in capsys.readouterr().err  # B 19 was noted as a retarget, then refused
     swapped = {"dense": dense, **parse_checkpoints(f"kvpop-mlp@12={export}")}
     run_accuracy(["kvpop-mlp"], swapped, str(bench), out_dir=str(tmp_path / "f"), budgets=(12,), **kw)
     assert f"; kvpop-mlp@10={export} under --budgets with 10 runs it as trained" in capsys.readouterr().err
