@@ -516,9 +516,11 @@ def test_cli_token_ids_and_missing_checkpoints_are_one_line_errors(tmp_path, cap
                                                  "got 'abc'"),
                           # ignored without a word: the random model's size with a checkpoint, the budget with an
                           # export (it brings its own)
-                          (["--checkpoint", dense, "--layers", "2", "--vocab", "64"],
+                          (["--checkpoint", dense, "--layers", "2", "--vocab", "64", "--benchmarks_md", "",
+                            "--lengths", "64"],
                            f"error: --layers, --vocab: {dense} brings its own size\n"),
-                          (["--checkpoint", "checkpoints/demo-kvpop-mlstm", "--topk", "8", "--scorer", "mlp"],
+                          (["--checkpoint", "checkpoints/demo-kvpop-mlstm", "--topk", "8", "--scorer", "mlp",
+                            "--benchmarks_md", "", "--lengths", "64"],
                            "error: --topk, --scorer: checkpoints/demo-kvpop-mlstm brings its own size and budget")):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", "decode", *argv, "--out_dir", str(tmp_path / "bd")])
