@@ -52,9 +52,19 @@ def test_variant_flags(tmp_path, arch):
         with pytest.raises(FlagError, match=message):
             parse(tiny_flags(str(tmp_path), arch, **overrides))
     assert parse(tiny_flags(str(tmp_path), arch, eval_methods="dense,kvpop")).evaluation.methods == ("dense", "kvpop")
-    default = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlp", eval_methods="dense,kvpop-mlp",
-                               eval_long_len=2048))  # the default names both KVpop variants: those run here
-    assert default.evaluation.long_methods == ("kvpop-mlp",)
+    for given in (None, "kvpop-mlstm,kvpop-mlp"):  # the default names both KVpop variants: those run here
+        default = parse(tiny_flags(str(tmp_path), arch, variants="kvpop-mlp", eval_methods="dense,kvpop-mlp",
+                                   eval_long_len=2048, eval_long_methods=given))
+        assert default.evaluation.long_methods == ("kvpop-mlp",)
+
+
+def test_the_main_job_reruns_with_other_variants(tmp_path, monkeypatch):
+    """tiny_cpu.flags spells out --eval_long_methods' default; a rerun with one variant (README) was refused
+    as asking for an untrained kvpop-mlstm at --eval_long_len."""
+    monkeypatch.chdir(REPO)  # the flagfile's --init_checkpoint is relative to the repository
+    cfg = parse(["--flagfile=configs/tiny_cpu.flags", f"--run_dir={tmp_path / 'run'}", "--variants=kvpop-mlp",
+                 "--eval_methods=dense,streaming,kvpop-mlp"])
+    assert cfg.evaluation.long_methods == ("kvpop-mlp",) and cfg.evaluation.long_len == 2048
 
 
 def test_a_finished_variant_trained_with_other_flags_is_not_reused(tmp_path, arch):

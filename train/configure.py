@@ -312,7 +312,8 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
         raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
     asked = tuple(dict.fromkeys(m for m in (x.strip() for x in f.eval_long_methods) if m))
-    if f.eval_long_len and f["eval_long_methods"].present:  # the default: those of both KVpop variants run here
+    default = list(f["eval_long_methods"].default)  # both KVpop variants: those of them that run here
+    if f.eval_long_len and [m.strip() for m in f.eval_long_methods] != default:  # tiny_cpu.flags spells it out
         untrained = [m for m in asked if m not in trained]  # a typo or a baseline gave no rows, without a word
         if untrained:
             raise FlagError(f"--eval_long_methods: {untrained} are not trained here ({', '.join(trained)}): the "
