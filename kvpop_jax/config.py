@@ -242,14 +242,15 @@ class Qwen3Config:
                 raise ValueError(f"{where}: {block!r} is empty; a {block} export carries its settings there "
                                  f"(remove the key for a dense model)")
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim")
-        if head_dim is None:  # transformers' Qwen3Config default (4.x and 5.x), not hidden_size // heads
-            implied = hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
-            if implied != DEFAULT_HF_HEAD_DIM:
-                raise ValueError(f"{where}: no head_dim; transformers reads a Qwen3 config without one as head_dim "
-                                 f"{DEFAULT_HF_HEAD_DIM}, not hidden_size // num_attention_heads = {implied}: give "
-                                 "head_dim explicitly")
-            head_dim = DEFAULT_HF_HEAD_DIM
+        if "head_dim" in hf and hf["head_dim"] is None:  # transformers 5 refuses it; 4 read it as absent
+            raise ValueError(f"{where}: head_dim must be an int, got None")
+        head_dim = hf.get("head_dim", DEFAULT_HF_HEAD_DIM)  # transformers' Qwen3Config default (4.x and 5.x)
+        hidden = hf["hidden_size"]
+        if "head_dim" not in hf and all(isinstance(x, int) and x > 0 for x in (hidden, heads)) \
+                and hidden // heads != DEFAULT_HF_HEAD_DIM:  # (bad sizes: named by the dataclass below)
+            raise ValueError(f"{where}: no head_dim; transformers reads a Qwen3 config without one as head_dim "
+                             f"{DEFAULT_HF_HEAD_DIM}, not hidden_size // num_attention_heads = {hidden // heads}: "
+                             "give head_dim explicitly")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],

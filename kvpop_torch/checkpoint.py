@@ -14,7 +14,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from kvpop_torch.config import KVpopSettings, read_config
+from kvpop_torch.config import DEFAULT_HF_HEAD_DIM, KVpopSettings, read_config
 from kvpop_torch.scorers import KVpopHead
 
 SINGLE_FILE = "model.safetensors"
@@ -67,7 +67,7 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
                          "decode it with transformers' own cache")
     settings = KVpopSettings.from_dict(config["kvpop"])
     heads_kv = config.get("num_key_value_heads") or config["num_attention_heads"]  # null: one per head, as in HF
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or DEFAULT_HF_HEAD_DIM  # the attention's, as transformers builds it
     # as transformers reads it: a non-empty rope_scaling replaces rope_parameters, whose rope_theta comes first
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope_theta = rope.get("rope_theta") or config.get("rope_theta") or 10_000.0

@@ -23,6 +23,10 @@ SCORER_KEYS = ("rotated", "unrotated")
 SCORER_POSITIONS = ("none", "log")
 
 
+# transformers' Qwen3Config default, which the model transformers loads from a config.json without head_dim uses
+# (kvpop_jax.config.DEFAULT_HF_HEAD_DIM; not hidden_size // num_attention_heads).
+DEFAULT_HF_HEAD_DIM = 128
+
 # kvpop_jax's KVpopConfig.TRAINING_ONLY: knobs only training reads (copied, see the module docstring;
 # a test keeps the two lists equal).
 TRAINING_ONLY = ("mlstm_init", "loss_temperature", "retention_labels", "margin_weighting", "omega_min",

@@ -491,13 +491,17 @@ def test_a_missing_head_dim_is_read_as_transformers_reads_it_or_refused():
     hand-written config without it was another model here (16 against 128; Qwen3-4B's shape: 80 against 128)."""
     base = dict(vocab_size=10, intermediate_size=8, num_hidden_layers=1, num_key_value_heads=2)
     for hidden, heads in ((64, 4), (2560, 32)):
-        for missing in ({}, {"head_dim": None}):
-            with pytest.raises(ValueError, match=rf"no head_dim; transformers reads a Qwen3 config without one as "
-                                                 rf"head_dim 128, not hidden_size // num_attention_heads = "
-                                                 rf"{hidden // heads}: give head_dim explicitly"):
-                Qwen3Config.from_hf({**base, "hidden_size": hidden, "num_attention_heads": heads, **missing})
+        with pytest.raises(ValueError, match=rf"no head_dim; transformers reads a Qwen3 config without one as "
+                                             rf"head_dim 128, not hidden_size // num_attention_heads = "
+                                             rf"{hidden // heads}: give head_dim explicitly"):
+            Qwen3Config.from_hf({**base, "hidden_size": hidden, "num_attention_heads": heads})
     same = {**base, "hidden_size": 512, "num_attention_heads": 4}  # both readings agree
     assert Qwen3Config.from_hf(same).head_dim == transformers.Qwen3Config(**same).head_dim == 128
+    with pytest.raises(ValueError, match="head_dim must be an int, got None"):  # transformers 5 refuses it too
+        Qwen3Config.from_hf({**same, "head_dim": None})
+    for heads in (0, "4", 4.0):  # the bad field is named, not a head_dim "hidden_size // heads = None"
+        with pytest.raises(ValueError, match=f"num_attention_heads must be a positive int, got {heads!r}"):
+            Qwen3Config.from_hf({**same, "num_attention_heads": heads})
 
 
 def test_a_tied_checkpoint_storing_a_different_lm_head_is_refused(hf_checkpoint, tmp_path, rng, monkeypatch):

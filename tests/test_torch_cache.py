@@ -6,6 +6,7 @@ B; greedy `generate` on the shipped demo exports gives the tokens of `eval.main 
 """
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -463,6 +464,16 @@ def test_rope_is_read_as_transformers_reads_it_and_weights_come_from_one_place(t
     json.dump({**config, "num_key_value_heads": None}, open(path, "w"))
     with pytest.raises(ValueError, match="(?s)do not fit its config.json's kvpop settings.*torch.Size\\(\\[4\\]\\)"):
         load_heads(tmp_path)
+    # no head_dim: transformers builds the attention at its default, 128 (not hidden // heads, 8 here), and so do the
+    # heads now; an export made at 128 whose config.json lost it did not load (tensors for 128, heads for 8)
+    wide = tmp_path / "wide"
+    kvpop_export(wide, dataclasses.replace(BASE, head_dim=128), KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4),
+                 rng)
+    want = [h.state_dict() for h in load_heads(wide)[1]]
+    json.dump({k: v for k, v in json.load(open(wide / "config.json")).items() if k != "head_dim"},
+              open(wide / "config.json", "w"))
+    for a, b in zip(want, [h.state_dict() for h in load_heads(wide)[1]]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     json.dump(config, open(path, "w"))
     weights = os.path.join(tmp_path, "model.safetensors")
     shutil.copy(weights, os.path.join(tmp_path, "model-00001-of-00001.safetensors"))

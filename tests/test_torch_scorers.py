@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import traverse_util
 
 from kvpop_jax import KVpopConfig
+from kvpop_jax import config as jax_config
 from kvpop_jax.kvpop import KVpopHead as JaxHead
 from kvpop_jax import scorers as jax_scorers
 from kvpop_jax.scorers import mlstm_step
@@ -35,6 +37,8 @@ def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
     # What serving never reads is the config's own list; test_generate checks none of it changes a decode.
     assert set(jax_fields) == set(torch_fields) | set(KVpopConfig.TRAINING_ONLY)
     assert {n: jax_fields[n] for n in torch_fields} == torch_fields
+    # a config.json without head_dim: both read it as transformers builds the model (it was hidden // heads here)
+    assert torch_config.DEFAULT_HF_HEAD_DIM == jax_config.DEFAULT_HF_HEAD_DIM == transformers.Qwen3Config().head_dim
     kv = KVpopConfig(sinks=1, window=2, topk=3, scorer="mlstm", mlstm_dim=8, mlstm_skip=True, gamma_min=0.9)
     settings = KVpopSettings.from_dict(kv.to_dict())
     assert all(getattr(settings, n) == getattr(kv, n) for n in torch_fields)
