@@ -420,7 +420,22 @@ def save_pretrained(
     above it (the swap would replace the folder the process is in).
     """
     path = fileio.check_replaceable_dir(path, "the export path")
-    flat = check_params(config, params)
+    if extra_files is not None and not isinstance(extra_files, Mapping):  # dict() of a list of paths: a riddle
+        raise TypeError(f"extra_files maps each file's name in the checkpoint to its source path, e.g. "
+                        f"{{'tokenizer.json': 'src/tokenizer.json'}}; got {type(extra_files).__name__}")
+    extra_files = dict(extra_files or {})
+    for name, src in extra_files.items():
+        if os.path.basename(name) != name or not os.path.isfile(src):
+            raise ValueError(f"extra file {name!r}: need a plain file name and an existing source, got {src!r}")
+        if name in (MANIFEST_FILE, "config.json") or name.endswith(".safetensors") or name == INDEX_FILE:
+            raise ValueError(f"extra file {name!r}: the export writes that name itself (weights and config "
+                             "come from the params and the config)")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"cannot export to {path!r}: it exists and is not a directory")
+    parent = fileio.nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(parent):  # not os.makedirs' bare FileExistsError
+        raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
+    flat = check_params(config, params)  # the arguments first: then every tensor, copied to the host and checked
     names = name_map(config, flat)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -437,22 +452,6 @@ def save_pretrained(
         shards[-1][hf_name] = tensor
         size += tensor.nbytes
         total += tensor.nbytes
-    if extra_files is not None and not isinstance(extra_files, Mapping):  # dict() of a list of paths: a riddle
-        raise TypeError(f"extra_files maps each file's name in the checkpoint to its source path, e.g. "
-                        f"{{'tokenizer.json': 'src/tokenizer.json'}}; got {type(extra_files).__name__}")
-    extra_files = dict(extra_files or {})
-    for name, src in extra_files.items():
-        if os.path.basename(name) != name or not os.path.isfile(src):
-            raise ValueError(f"extra file {name!r}: need a plain file name and an existing source, got {src!r}")
-        if name in (MANIFEST_FILE, "config.json") or name.endswith(".safetensors") or name == INDEX_FILE:
-            raise ValueError(f"extra file {name!r}: the export writes that name itself (weights and config "
-                             "come from the params and the config)")
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"cannot export to {path!r}: it exists and is not a directory")
-    parent = fileio.nearest_existing(os.path.dirname(path))
-    if not os.path.isdir(parent):  # not os.makedirs' bare FileExistsError
-        raise NotADirectoryError(f"cannot export to {path!r}: {parent!r} on its way is a file, not a directory")
-
     previous = _library_files(path) if os.path.isdir(path) else set()
     if previous and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):  # a folder no export of ours wrote?
         replaced = sorted(f for f in previous if os.path.isfile(os.path.join(path, f)))
