@@ -475,6 +475,11 @@ def run_accuracy(
     return rows
 
 
+def _key_label(key: float) -> str:
+    """A NAME@KEY key as given: a CR (0.88) or a budget B (2309, not 2.309e+03)."""
+    return f"{int(key)}" if key >= 1 and key == int(key) else f"{key:g}"
+
+
 def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float], *, keyed_by_budget: bool):
     """`checkpoints` with each {B: dir} map (NAME@B=DIR, under `budgets`) keyed by the CR that B is run at;
     {CR: dir} maps stay. A key that is neither one of the run's CRs nor, under `budgets`, one of its Bs is named."""
@@ -486,13 +491,13 @@ def _budget_keys(checkpoints: Mapping[str, Any], by_budget: Mapping[int, float],
             continue
         keyed, given = {}, {}
         for key, path in paths.items():
-            label = f"{name}@{key:g}"
+            label = f"{name}@{_key_label(key)}"
             if float(key) >= 1:  # a budget B, not a CR
                 if not keyed_by_budget:
                     raise ValueError(f"checkpoint {label}: a checkpoint per budget (NAME@B=DIR) needs "
                                      "--budgets; with compression ratios give NAME@CR=DIR (CR in [0, 1))")
                 if float(key) != int(key) or int(key) not in by_budget:
-                    raise ValueError(f"checkpoint {label}: no budget {key:g} in this run ({run})")
+                    raise ValueError(f"checkpoint {label}: no budget {_key_label(key)} in this run ({run})")
                 key = by_budget[int(key)]
             elif float(key) not in by_budget.values():
                 raise ValueError(f"checkpoint {label}: no CR {key:g} in this run ({run})")
@@ -575,9 +580,9 @@ def parse_checkpoints(spec: str) -> dict[str, Any]:
                 raise ValueError(f"checkpoint spec {item!r}: {raw!r} is neither a compression ratio in [0, 1) "
                                  "(NAME@0.88=PATH) nor a budget, an int B >= 1 (NAME@256=PATH, with --budgets)")
             if isinstance(out.get(name), str):
-                raise ValueError(f"{name!r} has both a plain and a per-CR checkpoint")
+                raise ValueError(f"{name!r} has both a plain and a per-CR (or per-budget) checkpoint")
             if cr in out.get(name, {}):
-                raise ValueError(f"{name}@{cr:g} is given twice")
+                raise ValueError(f"{name}@{_key_label(cr)} is given twice")
             out.setdefault(name, {})[cr] = path
         else:
             if name in out:

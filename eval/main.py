@@ -257,7 +257,7 @@ def cmd_patterns(argv: Sequence[str]) -> None:
     config = Qwen3Config.from_hf(args.checkpoint)
     # options another kind of export or input would ignore, named (they were dropped without a word)
     unused = ["num_sequences", "seq_len", "rows", "text_field"] if config.dms is None else \
-        [] if args.data else ["rows", "text_field"]
+        [] if args.data else ["num_sequences", "rows", "text_field"]
     given = [f"--{name}" for name in unused if getattr(args, name) is not None]
     if given:
         parser.error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "

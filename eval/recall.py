@@ -326,8 +326,9 @@ def run_recall(
     if kv.topk == 0:
         raise ValueError("recall needs a long-range budget: " + (
             "this checkpoint has topk = 0" if budget is None else
-            f"memory B {budget} per KV head leaves it k = 0 (s {kv.sinks} + w {kv.window}; trained at k "
-            f"{trained.topk}, memory {trained.memory(config.head_dim)})"))
+            f"memory B {budget} per KV head leaves it k = 0 (s {kv.sinks} + w {kv.window}"
+            + (f" + {state} of scorer state" if (state := kv.memory(config.head_dim) - kv.budget) else "")
+            + f"; trained at k {trained.topk}, memory {trained.memory(config.head_dim)})"))
     budget = kv.budget
     tokenizer = checkpoint_tokenizer(checkpoint) if isinstance(data, (str, os.PathLike)) else None
     if seq_len is None and isinstance(data, (str, os.PathLike)):

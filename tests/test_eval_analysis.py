@@ -378,7 +378,8 @@ def test_patterns_command_on_a_dms_export(dms_checkpoint, tmp_path, capsys):
         assert f"--last_n={last_n} is for KVpop exports" in capsys.readouterr().err
     # a dataset's options with one --ids sequence, and --data's options for a KVpop export: ignored before
     for checkpoint, extra, message in (
-            (dms_checkpoint, ["--rows", "documents", "--text_field", "text"], "--rows, --text_field are for --data"),
+            (dms_checkpoint, ["--rows", "documents", "--text_field", "text", "--num_sequences", "4"],
+             "--num_sequences, --rows, --text_field are for --data"),
             ("checkpoints/demo-kvpop-mlstm", ["--num_sequences", "4"], "--num_sequences is for DMS exports; a KVpop "
                                                                        "export reports the one sequence of --text"),
             ("checkpoints/demo-kvpop-mlstm", ["--seq_len", "64"], "--seq_len is for DMS exports")):
