@@ -476,7 +476,7 @@ def run_accuracy(
 
 
 def _key_label(key: float) -> str:
-    """A NAME@KEY key as given: a CR (0.88) or a budget B (2309, not 2.309e+03)."""
+    """A NAME@KEY key as given: a CR (0.88) or a budget B (1234567, not 1.23457e+06)."""
     return f"{int(key)}" if key >= 1 and key == int(key) else f"{key:g}"
 
 
