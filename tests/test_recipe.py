@@ -46,6 +46,9 @@ def test_variant_flags(tmp_path, arch):
                                      eval_long_len=2048, eval_long_methods="kvpop-mlstm"),
                                 r"--eval_long_methods: \['kvpop-mlstm'\] are not in --eval_methods "
                                 r"\(dense, kvpop-mlp\)"),
+                               (dict(variants="kvpop-mlp", eval_methods="dense,kvpop-mlp",
+                                     eval_long_methods="kvpop-mlp"), r"--eval_long_methods=kvpop-mlp needs "
+                                                                     r"--eval_long_len"),
                                # the generator refused it after every variant had trained
                                (dict(eval_methods="dense", seed=2**32), "--eval_methods: the held-out demo problems "
                                                                         "are drawn with --seed")):

@@ -313,7 +313,11 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
     asked = tuple(dict.fromkeys(m for m in (x.strip() for x in f.eval_long_methods) if m))
     default = list(f["eval_long_methods"].default)  # both KVpop variants: those of them that run here
-    if f.eval_long_len and [m.strip() for m in f.eval_long_methods] != default:  # tiny_cpu.flags spells it out
+    explicit = [m.strip() for m in f.eval_long_methods] != default  # tiny_cpu.flags spells the default out
+    if explicit and asked and not f.eval_long_len:
+        raise FlagError(f"--eval_long_methods={','.join(asked)} needs --eval_long_len (the prompt length they are "
+                        "evaluated at; 0 skips that pass)")
+    if f.eval_long_len and explicit:
         untrained = [m for m in asked if m not in trained]  # a typo or a baseline gave no rows, without a word
         if untrained:
             raise FlagError(f"--eval_long_methods: {untrained} are not trained here ({', '.join(trained)}): the "
