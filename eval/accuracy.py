@@ -155,14 +155,17 @@ def _missing_checkpoint(checkpoints: Mapping[str, Any], method: str) -> str:
             f"training-free baselines are {', '.join(sorted(BASELINES))})")
 
 
-def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr) -> str:
+def _checkpoint_for(checkpoints: Mapping[str, Any], method: str, cr, budgets: Mapping[float, int] | None = None) -> str:
+    """The directory `method` runs from at `cr`; `budgets` (CR -> B): a run by budget, whose errors name Bs."""
     key = "dense" if method in BASELINES else method
     if key not in checkpoints:
         raise ValueError(_missing_checkpoint(checkpoints, method))
     path = checkpoints[key]
     if isinstance(path, Mapping):
         if cr not in path:
-            raise ValueError(f"checkpoint map of {method!r} has no entry for CR {cr}: {sorted(path)}")
+            unit, key_of = ("B", lambda c: str(budgets[c])) if budgets is not None else ("CR", lambda c: f"{c:g}")
+            raise ValueError(f"no checkpoint for {method!r} at {unit} {key_of(cr)}: given "
+                             f"{', '.join(f'{method}@{key_of(c)}' for c in path)}")
         path = path[cr]
     return os.fspath(path)
 
@@ -280,12 +283,7 @@ def run_accuracy(
     settings = [(m, None) if m == "dense" else (m, cr) for m in methods for cr in ([None] if m == "dense" else crs)]
     configs: dict[str, Any] = {}
     for method, cr in settings:  # every checkpoint is a local directory: checked now, never looked up on a hub
-        paths = checkpoints.get(method)
-        if isinstance(paths, Mapping) and cr not in paths:
-            at = (lambda c: f"{budgets[c]}") if keyed_by_budget else (lambda c: f"{c:g}")
-            raise ValueError(f"no checkpoint for {method!r} at {'B' if keyed_by_budget else 'CR'} {at(cr)}: "
-                             f"given {', '.join(f'{method}@{at(c)}' for c in paths)}")
-        path = _checkpoint_for(checkpoints, method, cr)
+        path = _checkpoint_for(checkpoints, method, cr, budgets if keyed_by_budget else None)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint of {method!r} {path!r}: "
                                     + ("a file; give the folder that holds it" if os.path.isfile(path) else
