@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,6 +25,13 @@ def default_command() -> str:
     if os.path.basename(head) == "eval" and name.endswith(".py"):
         return f"python -m eval.{name[:-3]} " + shlex.join(argv[1:])
     return "python " + shlex.join(argv)
+
+
+def cli_command(prog: str, argv: Sequence[str] | None) -> str:
+    """The command line a benchmark's `main(argv)` parsed: its parser's prog and the flags it was given. argv None
+    means argparse read `sys.argv[1:]`, so that is what is recorded; an in-process call's own list is recorded as
+    given (the host process's argv is pytest's or a notebook kernel's, not the benchmark's)."""
+    return prog + " " + shlex.join(sys.argv[1:] if argv is None else list(argv))
 
 
 def rss_bytes() -> int | None:

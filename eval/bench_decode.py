@@ -55,8 +55,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval import bench_torch
-from eval.bench_common import (MIB, append_benchmarks, check_markdown_out, default_command, device_description,
-                                rss_bytes)
+from eval.bench_common import (MIB, append_benchmarks, check_markdown_out, cli_command, default_command,
+                                device_description, rss_bytes)
 from eval.outputs import holds_out_dir, out_dir_arg, staged_outputs
 from eval.plots import load_model, markdown_table, plt, save_figure, timestamp, write_text
 from kvpop_jax import baselines, dms_cache
@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.checkpoint, lengths=parse_lengths(args.lengths), methods=tuple(args.methods.split(",")),
         out_dir=args.out_dir, benchmarks_md=args.benchmarks_md or None, model_config=model_config,
         kvpop=model_config.kvpop if dense_checkpoint else None, batch=args.batch, warmup=args.warmup,
-        steps=args.steps, dtype=jnp.dtype(args.dtype),
+        steps=args.steps, dtype=jnp.dtype(args.dtype), command=cli_command(ap.prog, argv),
     )
     for r in rows:
         print(f"{r.method:>9} L={r.length:>6}  {r.ms_median:8.3f} ms/token  cache {r.cache_bytes / MIB:9.2f} MiB")

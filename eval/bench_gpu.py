@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
+from eval.bench_common import append_benchmarks, check_markdown_out, cli_command, default_command, device_description
 from eval.bench_decode import bench_markdown, run_bench_decode, tiny_config
 from eval.bench_kernels import run_bench_kernels
 from eval.outputs import holds_out_dir, out_dir_arg
@@ -359,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     dry = jax.default_backend() == "cpu" if args.dry is None else args.dry
     benchmarks_md = args.benchmarks_md if args.benchmarks_md is not None else (None if dry else "BENCHMARKS.md")
     stages = run_bench_gpu(stages=[s for s in args.stages.split(",") if s], dry=dry, out_dir=args.out_dir,
-                           benchmarks_md=benchmarks_md or None, timeout_s=args.timeout_s)
+                           benchmarks_md=benchmarks_md or None, timeout_s=args.timeout_s,
+                           command=cli_command(ap.prog, argv))
     if any(s.status == "failed" for s in stages):
         raise SystemExit(1)
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from eval.bench_common import append_benchmarks, check_markdown_out, default_command
+from eval.bench_common import append_benchmarks, check_markdown_out, cli_command, default_command
 from eval.bench_decode import parse_lengths
 from kvpop_jax.attention import kvpop_attention
 from kvpop_jax.policy import ranks_from_priority, running_topk_cutoff, static_priority
@@ -268,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # "1k,2k" as bench decode / train read it (a bare int() parse refused it as "invalid _ints value")
     seq_lens = parse_lengths(args.seq_lens, "seq_lens") if args.seq_lens.strip() else None
     budgets = parse_lengths(args.budgets, "budgets") if args.budgets.strip() else None
-    run_bench_kernels(**{**vars(args), "seq_lens": seq_lens, "budgets": budgets, "out_md": args.out_md or None})
+    run_bench_kernels(**{**vars(args), "seq_lens": seq_lens, "budgets": budgets, "out_md": args.out_md or None},
+                      command=cli_command(parser.prog, argv))
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ import functools
 import inspect
 import json
 import os
-import shlex
 import statistics
-import sys
 import time
 from typing import Callable, Sequence
 
@@ -44,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from tqdm.auto import tqdm
 
-from eval.bench_common import append_benchmarks, check_markdown_out, default_command, device_description
+from eval.bench_common import append_benchmarks, check_markdown_out, cli_command, default_command, device_description
 from eval.bench_decode import parse_lengths, tiny_config
 from eval.outputs import holds_out_dir, out_dir_arg, staged_outputs
 from eval.plots import markdown_table, plt, save_figure, timestamp, write_text
@@ -409,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         warmup=warmup, kl_topk=kl_topk, num_query_samples=samples, out_dir=args.out_dir,
         benchmarks_md=benchmarks_target(args.benchmarks_md, args.dry),
         # The flags this function was given, not the host process's argv (pytest's, when called in-process).
-        command="python -m eval.main bench train " + shlex.join(sys.argv[1:] if argv is None else argv),
+        command=cli_command(ap.prog, argv),
     )
     for r in rows:
         print(f"{r.kind:>5} {r.name:>34} S={r.seq_len:>6} {r.ms:10.2f} ms  {r.ratio:6.2f}x dense")

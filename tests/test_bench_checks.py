@@ -2,6 +2,8 @@
 non-markdown results file), in a traceback (S <= 0) or in a table of error cells (--iters 0) is refused
 by name before any work, and a results file that is not markdown is left as it was."""
 
+import shlex
+
 import pytest
 
 from eval import bench_decode, bench_gpu, bench_kernels, bench_train
@@ -108,3 +110,19 @@ def test_help_and_errors_name_the_command_to_run(bench, capsys):
         eval_main(["bench", bench, "--help"])
     assert exit_info.value.code == 0
     assert f"usage: python -m eval.main bench {bench} [-h]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bench,runner,flags", [
+    ("kernels", (bench_kernels, "run_bench_kernels"), ["--seq_lens", "1k", "--out_md", ""]),
+    ("decode", (bench_decode, "run_bench_decode"), ["--lengths", "64,128", "--steps", "2", "--benchmarks_md", ""]),
+    ("train", (bench_train, "run_bench_train"), ["--dry", "--variants", "kvpop-mlp", "--benchmarks_md", ""]),
+    ("gpu", (bench_gpu, "run_bench_gpu"), ["--dry", "--stages", "kernels", "--benchmarks_md", "my notes.md"]),
+])
+def test_the_recorded_command_is_the_one_given(bench, runner, flags, monkeypatch):
+    """An in-process call (a notebook, pytest) recorded the host process's argv as the benchmark's command
+    (decode, kernels and gpu read sys.argv; train alone used the flags it was given)."""
+    got = {}
+    monkeypatch.setattr(*runner, lambda *args, **kw: got.update(kw) or [])
+    monkeypatch.setattr("sys.argv", ["/usr/bin/pytest", "-k", "something else"])
+    eval_main(["bench", bench, *flags])
+    assert got["command"] == f"python -m eval.main bench {bench} " + shlex.join(flags)
