@@ -33,6 +33,7 @@ from eval.outputs import out_dir_arg
 from eval.patterns import run_patterns
 from eval.recall import ROWS, run_recall
 from kvpop_jax import load_pretrained
+from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.checkpoint import chat_prompt_ids, checkpoint_tokenizer, load_tokenizer, stop_token_ids
 from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
@@ -151,8 +152,10 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
                         help="NAME=DIR[,NAME@CR=DIR | NAME@B=DIR (with --budgets)...]; 'dense' serves "
                              "dense/streaming/tova/h2o, other names are KVpop or DMS exports (e.g. "
                              "kvpop-mlp=runs/x/export)")
-    parser.add_argument("--methods", default="dense,streaming,tova,h2o",
-                        help="comma-separated; KVpop methods are the names given in --checkpoints")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated: dense, streaming, tova, h2o (on the dense checkpoint) and the KVpop or "
+                             "DMS exports by their names in --checkpoints (default: every export given, after dense "
+                             "and the three baselines when dense is given)")
     parser.add_argument("--benchmark", required=True,
                         help="comma-separated: JSONL/JSON/parquet/csv files, hub dataset names, or generated demo "
                              "problems demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D], e.g. "
@@ -192,8 +195,18 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
                              "before decodes (the same completions either way)")
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
+    checkpoints = parse_checkpoints(args.checkpoints)
+    exports = [name for name in checkpoints if name != "dense"]
+    if args.methods is None:  # the default once left out every export given, and ran the baselines alone
+        methods = (["dense", *BASELINES] if "dense" in checkpoints else []) + exports
+    else:
+        methods = _items(args.methods)
+        left_out = [name for name in exports if name not in methods]
+        if left_out:
+            print(f"note: --checkpoints gives {', '.join(left_out)}, which --methods {args.methods!r} leaves out: "
+                  "not run", file=sys.stderr)
     run_accuracy(
-        _items(args.methods), parse_checkpoints(args.checkpoints), _items(args.benchmark), n_rollouts=args.n_rollouts,
+        methods, checkpoints, _items(args.benchmark), n_rollouts=args.n_rollouts,
         compression_ratios=args.compression_ratios, context_len=args.context_len, budgets=args.budgets,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,

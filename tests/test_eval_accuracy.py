@@ -718,6 +718,31 @@ def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
     assert lists == [(["dense", "tova"], ["demo:reuse:n=1", "b.jsonl"])]
 
 
+def test_cli_default_methods_run_the_exports_given(tmp_path, monkeypatch, capsys):
+    """`--checkpoints dense=D,kvpop-mlstm=E` without --methods ran dense and the three baselines and left the export
+    out without a word; an explicit --methods that leaves out an export given is noted."""
+    import eval.main as cli
+
+    ran = []
+
+    def fake_run_accuracy(methods, checkpoints, benchmarks, *, out_dir, **kwargs):
+        ran.append(methods)
+        os.makedirs(out_dir, exist_ok=True)
+        open(os.path.join(out_dir, "accuracy.md"), "w").close()
+
+    monkeypatch.setattr(cli, "run_accuracy", fake_run_accuracy)
+    base = ["accuracy", "--benchmark", "b.jsonl", "--out_dir", str(tmp_path / "out")]
+    for checkpoints, methods in (("dense=x,kvpop-mlstm=y,dms@0.75=z", ["dense", "streaming", "tova", "h2o",
+                                                                        "kvpop-mlstm", "dms"]),
+                                 ("kvpop-mlp=y", ["kvpop-mlp"]), ("dense=x", ["dense", "streaming", "tova", "h2o"])):
+        cli.main(base + ["--checkpoints", checkpoints])
+        assert ran[-1] == methods and "note:" not in capsys.readouterr().err
+    cli.main(base + ["--checkpoints", "dense=x,kvpop-mlstm=y,dms=z", "--methods", "dense,dms"])
+    assert ran[-1] == ["dense", "dms"]
+    assert capsys.readouterr().err.strip().endswith(
+        "note: --checkpoints gives kvpop-mlstm, which --methods 'dense,dms' leaves out: not run")
+
+
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     """Ctrl-C in any eval.main command: one line, exit 130 (it printed a KeyboardInterrupt traceback)."""
     import eval.main as eval_main
