@@ -227,7 +227,7 @@ def run_accuracy(
     chat_template: wrap prompts in the tokenizer's chat template with the \\boxed{}
     instruction. sampling: a SamplingConfig (default: the paper's 0.6 / 0.95 / 20 / 0).
     problem_batch: with n_rollouts = 1, decode up to this many problems of equal prompt length as one
-    batch, consecutive or not (`_problem_groups`; ignored with more rollouts: those batch one problem's
+    batch, consecutive or not (`_problem_groups`; refused above 1 with more rollouts: those batch one problem's
     rollouts); the batch whose first problem is i uses the key of problem i. Records and samples keep the
     benchmark's order.
     stream_prompt: the training-free baselines (streaming, tova, h2o) read the prompt token by token
@@ -248,6 +248,9 @@ def run_accuracy(
     check_counts(problem_batch=problem_batch, n_rollouts=n_rollouts, context_len=context_len,
                  max_new_tokens=max_new_tokens, batch_size=1 if batch_size is None else batch_size)
     seed = check_seed(seed, "seed")  # jax.random.key would refuse it only at the first rollout
+    if n_rollouts > 1 and problem_batch > 1:  # it was ignored without a word
+        raise ValueError(f"problem_batch {problem_batch} batches problems of one rollout each; with n_rollouts "
+                         f"{n_rollouts} a batch holds one problem's rollouts (batch_size): pass problem_batch 1")
     if n_rollouts > 1 and sampling.temperature < FLOAT32_TINY:  # n identical decodes, reported as a pass@1 over n
         raise ValueError(f"temperature {sampling.temperature:g} is greedy decoding: the n_rollouts {n_rollouts} "
                          "completions of a problem would be identical; pass n_rollouts 1")

@@ -656,6 +656,9 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=rf"temperature {temperature:g} is greedy decoding: the n_rollouts 16 "
                                              "completions of a problem would be identical; pass n_rollouts 1"):
             run(["dense", "tova"], n_rollouts=16, sampling=SamplingConfig(temperature=temperature))
+    with pytest.raises(ValueError, match=r"problem_batch 8 batches problems of one rollout each; with n_rollouts 4 a "
+                                         r"batch holds one problem's rollouts \(batch_size\): pass problem_batch 1"):
+        run(["dense", "tova"], n_rollouts=4, problem_batch=8)  # was ignored without a word
     with pytest.raises(ValueError, match=r"CR 0.5 of context_len 64 is a budget of 32 KV entries, more than the "
                                          r"longest prompt plus max_new_tokens \(14 tokens\): nothing would be evicted"):
         run(["dense", "tova"], context_len=64)
