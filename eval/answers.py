@@ -6,6 +6,7 @@ string compare (`normalize_answer`): whitespace, `$`, `\\left`/`\\right`,
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -24,11 +25,11 @@ def normalize_answer(answer: str) -> str:
     a = a.rstrip(".")
     if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?", a):  # thousands separators
         a = a.replace(",", "")
-    if re.fullmatch(r"[+-]?\d+", a):
-        return str(int(a))
-    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)", a):
-        x = float(a)
-        return str(int(x)) if x == int(x) else repr(x)
+    if re.fullmatch(r"[+-]?\d+", a):  # not int(a): a degenerate completion can box more than 4300 digits
+        digits = a.lstrip("+-").lstrip("0") or "0"
+        return ("-" if a[0] == "-" and digits != "0" else "") + digits
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)", a) and math.isfinite(x := float(a)):  # beyond float: as written
+        return str(int(x)) if x.is_integer() else repr(x)
     return a
 
 

@@ -37,6 +37,16 @@ def test_extraction_and_checking():
     assert normalize_answer("2.50") == "2.5" and normalize_answer("1,2") == "1,2"
 
 
+def test_checking_survives_degenerate_numbers():
+    # a collapsed method can box thousands of digits: int() refused them (4300) and float() overflowed,
+    # ending the run after every decode
+    many = "1" * 5000
+    assert is_correct(f"\\boxed{{{many}}}", "7") == (False, many)
+    assert is_correct(f"#### 00{many}", many)[0] and not is_correct(f"\\boxed{{{many}2}}", many)[0]
+    assert not is_correct("\\boxed{" + "9" * 400 + ".5}", "7")[0]
+    assert [normalize_answer(a) for a in ("-007", "-0", "+3", "2.50")] == ["-7", "0", "3", "2.5"]
+
+
 def test_budget_table_and_specs():
     assert KVpopConfig.budget_at(0.75, 16384) == 4096 and KVpopConfig.budget_at(0.88, 16384) == 1966
     kv = KVpopConfig(sinks=4, window=8, topk=20)
