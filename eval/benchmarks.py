@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, generate_dataset, make_config
@@ -161,9 +162,10 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
         if row["answer"] is None or not str(row["answer"]).strip():  # str(None) would score a boxed "None" right
             raise ValueError(f"{source!r} row {i} has no answer ({row['answer']!r})")
-        if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
-            # a list or dict would be scored as its string, "['7']", which no completion boxes
-            raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a number, got "
+        if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)) or (
+                isinstance(row["answer"], float) and not math.isfinite(row["answer"])):
+            # a list or dict would be scored as its string, "['7']", which no completion boxes; JSON's NaN as "nan"
+            raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a finite number, got "
                              f"{type(row['answer']).__name__} {str(row['answer'])[:80]!r}")
         if not isinstance(row[field], str) or not row[field].strip():  # whitespace alone asks nothing
             raise ValueError(f"{source!r} row {i}: {field!r} must be a string with text in it (not empty or blank), "

@@ -440,6 +440,7 @@ def test_local_paths_are_checked_and_never_looked_up_on_the_hub(tmp_path, monkey
 
 BLANK_PROBLEM = r"row 0: 'problem' must be a string with text in it \(not empty or blank\)"
 BLANK_ID = r"row 0: 'id' must be a number or a string with text in it"
+NOT_AN_ANSWER = r"row 0: 'answer' must be a string or a finite number, got "
 
 def test_benchmark_file_errors_name_file_and_line(tmp_path):
     bench = tmp_path / "bench.jsonl"
@@ -450,9 +451,11 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
             ("[1, 2]\n", r"row 0 is not a JSON object", {}),
             # str(None) would score a boxed "None" as right
             ('{"problem": "a", "answer": null}\n', r"row 0 has no answer \(None\)", {}),
-            ('{"problem": "a", "answer": ["7"]}\n', r"row 0: 'answer' must be a string or a number, got list", {}),
-            ('{"problem": "a", "answer": {"v": 7}}\n', r"row 0: 'answer' must be a string or a number, got dict", {}),
-            ('{"problem": "a", "answer": true}\n', r"row 0: 'answer' must be a string or a number, got bool", {}),
+            ('{"problem": "a", "answer": ["7"]}\n', NOT_AN_ANSWER + "list", {}),
+            ('{"problem": "a", "answer": {"v": 7}}\n', NOT_AN_ANSWER + "dict", {}),
+            ('{"problem": "a", "answer": true}\n', NOT_AN_ANSWER + "bool", {}),
+            # json reads NaN and Infinity: they were graded as the strings "nan" and "inf"
+            ('{"problem": "a", "answer": NaN}\n', NOT_AN_ANSWER + "float 'nan'", {}),
             ('{"problem": "", "answer": "1"}\n', BLANK_PROBLEM, {}),
             ('{"problem": " \\n\\t", "answer": "1"}\n', BLANK_PROBLEM, {}),
             ('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "a", "problem": "y", "answer": "2"}\n',
