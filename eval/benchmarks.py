@@ -19,7 +19,7 @@ import json
 import math
 import os
 
-from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, generate_dataset, make_config
+from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, extract_answer, generate_dataset, make_config
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
@@ -181,7 +181,12 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
                              "samples are keyed by it, so give each problem its own (a row without 'id' takes its "
                              "row number)")
         seen[problem_id] = i
-        problems.append(dict(id=problem_id, prompt=row[field], answer=str(row["answer"])))
+        # a worked solution as the reference (GSM8K's "... #### 72", a boxed one) is graded by its answer, as a
+        # completion is: the whole text matched no completion under the string compare
+        answer = str(row["answer"])
+        if (final := extract_answer(answer)) is not None and not final:
+            raise ValueError(f"{source!r} row {i}: 'answer' {answer[-80:]!r} ends in an empty answer")
+        problems.append(dict(id=problem_id, prompt=row[field], answer=final or answer))
     if not problems:
         raise ValueError(f"benchmark {source!r} has no problems")
     return problems

@@ -456,6 +456,7 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
             ('{"problem": "a", "answer": true}\n', NOT_AN_ANSWER + "bool", {}),
             # json reads NaN and Infinity: they were graded as the strings "nan" and "inf"
             ('{"problem": "a", "answer": NaN}\n', NOT_AN_ANSWER + "float 'nan'", {}),
+            ('{"problem": "a", "answer": "#### "}\n', r"row 0: 'answer' '#### ' ends in an empty answer", {}),
             ('{"problem": "", "answer": "1"}\n', BLANK_PROBLEM, {}),
             ('{"problem": " \\n\\t", "answer": "1"}\n', BLANK_PROBLEM, {}),
             ('{"id": "a", "problem": "x", "answer": "1"}\n{"id": "a", "problem": "y", "answer": "2"}\n',
@@ -469,6 +470,10 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
         bench.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_benchmark(str(bench), **kw)
+    # a worked solution as the reference is graded by its answer (GSM8K's rationale; the string compare failed it)
+    bench.write_text(json.dumps(dict(question="q", answer="48/2 = <<48/2=24>>24 in May.\n#### 72")) + "\n"
+                     + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
+    assert [p["answer"] for p in load_benchmark(str(bench))] == ["72", "\\frac{1}{2}"]
     folder = tmp_path / "splits"  # a folder of split files takes a split
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')
