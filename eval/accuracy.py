@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval.answers import is_correct, math_verify_available
+from eval.answers import check_grading_thread, is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, held_out_note, load_benchmark
 from eval.outputs import holds_out_dir, staged_outputs
 from eval.plots import check_counts, write_text
@@ -251,6 +251,7 @@ def run_accuracy(
     if n_rollouts > 1 and problem_batch > 1:  # it was ignored without a word
         raise ValueError(f"problem_batch {problem_batch} batches problems of one rollout each; with n_rollouts "
                          f"{n_rollouts} a batch holds one problem's rollouts (batch_size): pass problem_batch 1")
+    check_grading_thread()  # is_correct would refuse it only after the first problem's decode
     if n_rollouts > 1 and sampling.temperature < FLOAT32_TINY:  # n identical decodes, reported as a pass@1 over n
         raise ValueError(f"temperature {sampling.temperature:g} is greedy decoding: the n_rollouts {n_rollouts} "
                          "completions of a problem would be identical; pass n_rollouts 1")

@@ -1,18 +1,21 @@
 """Answers: the last `\\boxed{...}` (nested braces) or `#### ...` in a completion, checked
-against the reference with HF's Math-Verify when installed (as the paper), else by normalized
-string compare (`normalize_answer`): whitespace, `$`, `\\left`/`\\right`,
-`\\dfrac`/`\\tfrac`, `\\text{}` and a trailing period are dropped, and numbers compare by value.
+against the reference with HF's Math-Verify when installed (as the paper; main thread only), and
+where it says no, or without it, by normalized string compare (`normalize_answer`): whitespace, `$`,
+`\\left`/`\\right`, `\\dfrac`/`\\tfrac`, `\\text{}` and a trailing period are dropped, and numbers
+compare by value. Only Math-Verify equates forms (`\\frac12` and 0.5, `50\\%` and 50, `x=5` and 5,
+sets in any order).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any
 
 from demo.task import extract_answer
 
-__all__ = ["extract_answer", "is_correct", "math_verify_available", "normalize_answer"]
+__all__ = ["check_grading_thread", "extract_answer", "is_correct", "math_verify_available", "normalize_answer"]
 
 
 def normalize_answer(answer: str) -> str:
@@ -42,14 +45,25 @@ def _math_verify():  # optional: `pip install math-verify`
         return None
 
 
+def check_grading_thread() -> None:
+    """Math-Verify bounds each check with a SIGALRM alarm, which Python allows only in the main thread: off it,
+    every check raised inside Math-Verify and silently fell back to the string compare (reported as
+    math_verify), and without the alarm a completion such as `\\boxed{2^{2^{2^{2^{2^5}}}}}` never returns."""
+    if _math_verify() is not None and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("answers are checked by Math-Verify, whose timeouts work only in the main thread, not "
+                           f"in thread {threading.current_thread().name!r}: grade on the main thread")
+
+
 def is_correct(completion: str, gold: Any) -> tuple[bool, str | None]:
-    """(correct, extracted answer) for one completion against the reference answer."""
+    """(correct, extracted answer) for one completion against the reference answer; with Math-Verify
+    installed, on the main thread only (`check_grading_thread`)."""
     pred = extract_answer(completion)
     if pred is None:
         return False, None
     gold = str(gold)
     mv = _math_verify()
     if mv is not None:
+        check_grading_thread()
         parse, verify = mv
         try:
             if verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")):

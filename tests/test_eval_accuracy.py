@@ -1,5 +1,6 @@
 """eval/accuracy.py: answer extraction and checking, the table math, and a run on a tiny checkpoint."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -45,6 +46,20 @@ def test_checking_survives_degenerate_numbers():
     assert is_correct(f"#### 00{many}", many)[0] and not is_correct(f"\\boxed{{{many}2}}", many)[0]
     assert not is_correct("\\boxed{" + "9" * 400 + ".5}", "7")[0]
     assert [normalize_answer(a) for a in ("-007", "-0", "+3", "2.50")] == ["-7", "0", "3", "2.5"]
+
+
+def test_math_verify_checks_run_on_the_main_thread_only(monkeypatch, tmp_path):
+    # its timeouts are SIGALRM alarms: off the main thread every check raised inside it and fell back, silently,
+    # to the string compare while the report said math_verify
+    import eval.answers as answers
+
+    monkeypatch.setattr(answers, "_math_verify", lambda: (str, lambda gold, pred: True))  # installed, says yes
+    assert answers.is_correct("\\boxed{1}", "2") == (True, "1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="Math-Verify, whose timeouts work only in the main thread"):
+            pool.submit(answers.is_correct, "\\boxed{1}", "2").result()
+        with pytest.raises(RuntimeError, match="only in the main thread"):  # before any checkpoint loads
+            pool.submit(run_accuracy, ["dense"], {"dense": str(tmp_path)}, "b.jsonl", out_dir=str(tmp_path)).result()
 
 
 def test_budget_table_and_specs():
