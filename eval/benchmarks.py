@@ -130,8 +130,11 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
                          "datasets (drop --split, or give the split's own file)")
     elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
-        with open(source) as f:
-            text = f.read()
+        try:
+            with open(source, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors) is no record
+                text = f.read()
+        except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
+            raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not text.strip():
             raise ValueError(f"benchmark {source!r} is empty (no JSON records)")
         rows = _json_rows(source, text)

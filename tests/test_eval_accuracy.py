@@ -485,6 +485,11 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
         bench.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_benchmark(str(bench), **kw)
+    bench.write_bytes(b'{"problem": "caf\xe9", "answer": "1"}\n')  # Latin-1
+    with pytest.raises(ValueError, match=r"bench.jsonl' is not UTF-8 text \(invalid continuation byte at byte 16\)"):
+        load_benchmark(str(bench))
+    bench.write_bytes(b'\xef\xbb\xbf{"problem": "a", "answer": "1"}\n')  # UTF-8 with a byte-order mark
+    assert load_benchmark(str(bench)) == [dict(id="0", prompt="a", answer="1")]
     # a worked solution as the reference is graded by its answer (GSM8K's rationale; the string compare failed it)
     bench.write_text(json.dumps(dict(question="q", answer="48/2 = <<48/2=24>>24 in May.\n#### 72")) + "\n"
                      + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
