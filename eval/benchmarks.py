@@ -1,6 +1,6 @@
 """Benchmarks: problems (id, prompt, answer) from local files, the HF hub, or generated demo tasks.
 
-A source is a JSONL/JSON file, a local file `datasets` reads (parquet, csv), a hub dataset name,
+A source is a JSONL/JSON or CSV file (each cell as written), a local parquet file, a hub dataset name,
 or a demo-task spec that generates fresh problems nobody has seen:
 
     demo:TASK[:SPLIT][:seed=S][:n=N][:len=L][:difficulty=D]
@@ -14,7 +14,9 @@ says so, and the accuracy report carries it.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -113,8 +115,8 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 
 
 def load_benchmark(source: str, *, split: str | None = None, limit: int | None = None) -> list[dict]:
-    """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON file, a local data
-    file `datasets` reads (parquet, csv), or a HF hub dataset name (`split`, default "test"; a
+    """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON or CSV file, a local
+    parquet file (`datasets` reads it), or a HF hub dataset name (`split`, default "test"; a
     demo spec names its own split). limit: the first `limit` problems (>= 1; None: all)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every problem), got {limit}")
@@ -129,15 +131,15 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
     elif split is not None and os.path.isfile(source):  # a folder of split files may be given a split
         raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
                          "datasets (drop --split, or give the split's own file)")
-    elif source.endswith((".jsonl", ".json")) and os.path.isfile(source):
+    elif source.endswith((".jsonl", ".json", ".csv")) and os.path.isfile(source):
         try:
-            with open(source, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors) is no record
+            with open(source, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is no record
                 text = f.read()
         except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
             raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not text.strip():
-            raise ValueError(f"benchmark {source!r} is empty (no JSON records)")
-        rows = _json_rows(source, text)
+            raise ValueError(f"benchmark {source!r} is empty (no records)")
+        rows = _csv_rows(source, text) if source.endswith(".csv") else _json_rows(source, text)
     elif not os.path.exists(source) and (os.path.splitext(source)[1] in LOCAL_SUFFIXES
                                          or source.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"benchmark {source!r}: no such file (a local path is never looked up on the hub)")
@@ -145,7 +147,7 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         import datasets  # heavy: only for non-JSONL sources
 
         ext = os.path.splitext(source)[1].lstrip(".")
-        if os.path.exists(source) and ext in ("parquet", "csv"):
+        if os.path.exists(source) and ext == "parquet":
             rows = datasets.load_dataset(ext, data_files=source, split="train")
         else:
             try:
@@ -211,6 +213,20 @@ def _json_rows(source: str, text: str) -> list:
         except json.JSONDecodeError as e:
             raise ValueError(f"benchmark {source!r} line {number} is not valid JSON ({e.msg}): "
                              f"{line.strip()[:80]!r}") from None
+    return rows
+
+
+def _csv_rows(source: str, text: str) -> list[dict]:
+    """A CSV file's rows as written, every cell text: `datasets` typed the columns, so an answer beyond
+    int64 became a float ("1.2345678901234567e+19") or a traceback."""
+    try:
+        rows = list(csv.DictReader(io.StringIO(text)))
+    except csv.Error as e:
+        raise ValueError(f"benchmark {source!r} is not valid CSV ({e})") from None
+    for i, row in enumerate(rows):
+        if None in row:
+            raise ValueError(f"benchmark {source!r} row {i} has more cells than the header names ({row[None]!r} "
+                             "beyond it): quote a cell with a comma in it")
     return rows
 
 

@@ -494,6 +494,15 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     bench.write_text(json.dumps(dict(question="q", answer="48/2 = <<48/2=24>>24 in May.\n#### 72")) + "\n"
                      + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
     assert [p["answer"] for p in load_benchmark(str(bench))] == ["72", "\\frac{1}{2}"]
+    # CSV cells are read as written: `datasets` typed an answer beyond int64 as a float, or failed with a traceback
+    table = tmp_path / "bench.csv"
+    table.write_text('problem,answer,id\n"a, b",12345678901234567890,1\nc,007,x\nd,98765432109876543210987,2\n')
+    assert load_benchmark(str(table)) == [dict(id="1", prompt="a, b", answer="12345678901234567890"),
+                                          dict(id="x", prompt="c", answer="007"),
+                                          dict(id="2", prompt="d", answer="98765432109876543210987")]
+    table.write_text("problem,answer\nwhat is 999+1,1,000\n")  # an unquoted comma: the answer was "1"
+    with pytest.raises(ValueError, match=r"bench.csv' row 0 has more cells than the header names \(\['000'\]"):
+        load_benchmark(str(table))
     folder = tmp_path / "splits"  # a folder of split files takes a split
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')
