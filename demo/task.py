@@ -555,9 +555,16 @@ def extract_answer(text: str) -> str | None:
     return answer.strip()
 
 
+def canonical_int(text: str) -> str:
+    """An integer's text as str(int(text)) gives it ('+007' -> '7', '-0' -> '0'), without int(): a degenerate
+    completion can box more than the 4300 digits int() converts."""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return ("-" if text[0] == "-" and digits != "0" else "") + digits
+
+
 def _normalize(answer: str) -> str:
     answer = answer.strip().strip("$").replace(" ", "")
-    return str(int(answer)) if re.fullmatch(r"[+-]?\d+", answer) else answer
+    return canonical_int(answer) if re.fullmatch(r"[+-]?\d+", answer) else answer
 
 
 def score(pred_text: str, answer) -> float:

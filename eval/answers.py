@@ -13,7 +13,7 @@ import re
 import threading
 from typing import Any
 
-from demo.task import extract_answer
+from demo.task import canonical_int, extract_answer
 
 __all__ = ["check_grading_thread", "extract_answer", "is_correct", "math_verify_available", "normalize_answer"]
 
@@ -29,8 +29,7 @@ def normalize_answer(answer: str) -> str:
     if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?", a):  # thousands separators
         a = a.replace(",", "")
     if re.fullmatch(r"[+-]?\d+", a):  # not int(a): a degenerate completion can box more than 4300 digits
-        digits = a.lstrip("+-").lstrip("0") or "0"
-        return ("-" if a[0] == "-" and digits != "0" else "") + digits
+        return canonical_int(a)
     if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)", a) and math.isfinite(x := float(a)):  # beyond float: as written
         return str(int(x)) if x.is_integer() else repr(x)
     return a

@@ -189,6 +189,17 @@ def test_extract_answer_and_score():
     assert ex["text"] == ex["prompt"] + "\\boxed{" + ex["answer"] + "}"
 
 
+def test_integers_compare_by_value_at_any_length():
+    """`score` read integers with int(), which refuses more than 4300 digits: a completion that boxes a long run
+    of digits raised instead of scoring 0."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        text = rng.choice(["", "+", "-"]) + "0" * int(rng.integers(0, 3)) + str(int(rng.integers(0, 10**12)))
+        assert dt.canonical_int(text) == str(int(text)), text
+    assert dt.score("\\boxed{" + "1" * 5000 + "}", "7") == 0.0
+    assert dt.score("\\boxed{00" + "9" * 5000 + "}", "9" * 5000) == 1.0
+
+
 def test_jsonl_round_trip(tmp_path, test_set, monkeypatch):
     path = tmp_path / "demo.jsonl"
     synced, fsync = [], os.fsync
