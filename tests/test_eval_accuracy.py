@@ -87,6 +87,34 @@ def test_budget_table_and_specs():
     assert "| 50% | 8 | tova | 0.25 | 0.25 | 0.33 |" in table and "dense (teacher)" in table
 
 
+def test_summarize_and_format_table_equal_a_numpy_reduction_over_benchmarks_of_unequal_sizes(rng):
+    """pass@1 per benchmark is the mean over its problems of the share of correct rollouts; Abs. is the mean over
+    benchmarks (each weighs the same, whatever its problem count); Rel. is Abs. over dense's; the table lists
+    dense first, then the CRs in increasing order. The old test had one benchmark and one CR: pooling every
+    problem of every benchmark, or listing the CRs backwards, went unseen."""
+    n_rollouts = int(rng.integers(2, 6))
+    sizes = {"a": int(rng.integers(2, 5)), "b": int(rng.integers(7, 12)), "c": int(rng.integers(3, 9))}
+    settings = [("dense", None, None)] + [(m, cr, round((1 - cr) * 64)) for cr in rng.permutation([0.5, 0.75, 0.875])
+                                         for m in ("tova", "kvpop-mlp")]
+    correct = {(m, cr, b): rng.random((n, n_rollouts)) < rng.uniform(0.2, 0.9)
+               for m, cr, _ in settings for b, n in sizes.items()}
+    records = [dict(method=m, cr=cr, budget=budget, benchmark=b, id=str(i),
+                    correct=[bool(x) for x in correct[m, cr, b][i]])
+               for m, cr, budget in settings for b, n in sizes.items() for i in range(n)]
+    rows = summarize(records, list(sizes))
+    assert [(r["method"], r["cr"], r["budget"]) for r in rows] == settings
+    dense_abs = np.mean([correct["dense", None, b].mean() for b in sizes])
+    for r, (m, cr, _) in zip(rows, settings):
+        per = {b: correct[m, cr, b].mean(axis=1).mean() for b in sizes}
+        assert r["scores"] == pytest.approx(per)
+        assert r["abs"] == pytest.approx(np.mean(list(per.values())))
+        assert r["rel"] == pytest.approx(r["abs"] / dense_abs)
+    lines = format_table(rows, list(sizes)).splitlines()[2:]
+    assert "dense (teacher)" in lines[0]
+    listed = [float(line.split("|")[1].strip().rstrip("%")) for line in lines[1:]]
+    assert listed == sorted(listed) and len(set(listed)) == 3
+
+
 @pytest.mark.long
 def test_run_accuracy_on_tiny_checkpoints(tmp_path):
     from demo.atoms import VOCAB
