@@ -398,6 +398,32 @@ def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeyp
     assert settings["checkpoints"] == [dict(method="dense", cr=None, path=dense), dict(method="tova", cr=None, path=dense)]
 
 
+def test_each_batch_of_a_problems_rollouts_draws_its_own_key_the_same_for_every_method(tmp_path, monkeypatch):
+    """n_rollouts in batches of batch_size: each batch of one problem's rollouts must draw other noise (a key
+    that did not fold in the batch's first rollout repeated batch 0's completions in every later batch, a
+    pass@1 over copies), and rollout r of problem i draws the same noise whatever the method."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    problems = ("x3y5\nask x\n", "p7q1\nask q\n")
+    bench.write_text("".join(json.dumps(dict(problem=p, answer="3")) + "\n" for p in problems))
+    keys = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, rng, cache, **kwargs):
+        keys.append((cache if isinstance(cache, str) else cache.method, prompt_ids.shape[0],
+                     tuple(np.asarray(jax.random.key_data(rng)).tolist())))
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.ones(prompt_ids.shape[0], np.int32)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), out_dir=str(tmp_path / "out"), n_rollouts=6,
+                 batch_size=2, compression_ratios=(0.5,), context_len=24, max_new_tokens=4,
+                 sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0), progress=False)
+    by_method = {m: [k for name, rows, k in keys if name == m] for m in ("dense", "tova")}
+    assert all(rows == 2 for _, rows, _ in keys) and [len(v) for v in by_method.values()] == [6, 6]  # 2 x 3 batches
+    assert len(set(by_method["dense"])) == 6 and by_method["dense"] == by_method["tova"]
+
+
 def test_completions_cut_off_before_any_answer_are_reported(tmp_path, monkeypatch, capsys):
     """A max_new_tokens too small for the answers scores every method 0: the report says why."""
     import eval.accuracy as accuracy
