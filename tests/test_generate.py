@@ -33,6 +33,19 @@ def test_filters_match_numpy(rng):
         assert set(np.flatnonzero(keep)) == set(np.flatnonzero(probs >= 0.1 * probs.max() * (1 - 1e-6)))
 
 
+def test_top_p_keeps_the_smallest_set_that_reaches_p_at_an_exact_boundary(rng):
+    """Rows of 2^j equal logits give exact probabilities 2^-j, so the mass of the first m sorted tokens is exactly
+    m 2^-j: with p = m 2^-j, m tokens reach p and the (m+1)-th is not needed. Random logits never land on the
+    boundary, where `mass_before <= p` kept one token more."""
+    for _ in range(20):
+        j = int(rng.integers(1, 6))
+        width = 2 ** j
+        m = int(rng.integers(1, width))
+        logits = np.full((3, width), float(rng.normal()), np.float32)
+        kept = np.asarray(filter_top_p(jnp.asarray(logits), m / width)) > -1e29
+        np.testing.assert_array_equal(kept.sum(-1), m)
+
+
 def test_sample_respects_filters_and_greedy(rng):
     logits = jnp.asarray(rng.normal(size=(4, 30)).astype(np.float32))
     assert (sample(jax.random.key(0), logits, SamplingConfig.greedy()) == jnp.argmax(logits, -1)).all()
