@@ -116,6 +116,42 @@ def test_recall_equals_brute_force_top_k(checkpoint, recall_run):
     assert json.load(open(result.files["json"]))["global_mean"] == pytest.approx(result.global_mean)
 
 
+def test_token_accuracy_counts_the_next_token_over_all_and_saturated_positions(checkpoint, tmp_path, rng):
+    """Rows built so the KVpop model's argmax is right about half the time (each next token is, by a coin, its
+    own prediction or a random id): accuracy is the share of positions t < S - 1 whose argmax is ids[t + 1],
+    "saturated" that share over t >= B. On random rows the accuracy is 0 whatever is compared, so comparing
+    the argmax with ids[t] itself, or counting t = B - 1 as saturated, passed."""
+    config, params = load_pretrained(checkpoint)
+    forward = jax.jit(lambda x: Qwen3ForCausalLM(config).apply({"params": params}, x).logits.argmax(-1))
+    ids = rng.integers(0, BASE.vocab_size, size=(3, SEQ))
+    for t in range(SEQ - 1):  # the argmax at t reads ids[:t + 1] only (causal, and so is the KVpop mask)
+        pred = np.asarray(forward(jnp.asarray(ids)))
+        take = rng.random(3) < 0.5
+        ids[take, t + 1] = pred[take, t]
+    pred = np.asarray(forward(jnp.asarray(ids)))
+    right = pred[:, :-1] == ids[:, 1:]  # [N, S - 1]: position t predicts ids[t + 1]
+    result = run_recall(checkpoint, ids, num_sequences=3, num_queries=4, out_dir=tmp_path, progress=False)
+    assert 0.3 < right.mean() < 0.9
+    assert result.token_accuracy["all"] == pytest.approx(right.mean(), abs=1e-6)  # a float32 mask
+    assert result.token_accuracy["saturated"] == pytest.approx(right[:, KV.budget:].mean(), abs=1e-6)
+
+
+def test_saturated_queries_are_distinct_sorted_and_in_range(rng):
+    """Query positions: per row, min(num, S - B) distinct positions in [B, S), sorted; drawn with replacement,
+    a query counted twice in the recall, and no test looked."""
+    from eval.recall import sample_saturated_queries
+
+    for _ in range(100):
+        budget, span = int(rng.integers(1, 50)), int(rng.integers(1, 30))
+        n, num = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+        q = sample_saturated_queries(np.random.default_rng(int(rng.integers(1 << 30))), n, seq_len=budget + span,
+                                     budget=budget, num=num)
+        assert q.shape == (n, min(num, span)) and q.dtype == np.int32
+        for row in q:
+            assert len(set(row.tolist())) == len(row) and (np.diff(row) > 0).all()
+            assert row.min() >= budget and row.max() < budget + span
+
+
 def test_recall_at_another_budget_equals_brute_force(checkpoint, tmp_path):
     """`budget=` measures at another memory B (k = B - s - w, the paper's Fig. 7 is at CR 75%):
     the brute-force keep sets of the retargeted model, at queries saturated for that B."""
