@@ -232,6 +232,8 @@ def test_packing_invariants(tmp_path, rng, split_documents, reset_attention):
     got = take(batches, 30)  # > 2 epochs
 
     stream = []
+    # where documents end in the stream that runs on across epochs: a new segment starts there and only there
+    ends = set(np.cumsum([len(d) for d in kept] * (30 * B * S // sum(map(len, kept)) + 2)).tolist())
     for b in got:
         ids, seg, pos, mask, tgt = (b[k] for k in ("input_ids", "segment_ids", "positions", "loss_mask", "targets"))
         assert ids.shape == seg.shape == pos.shape == mask.shape == tgt.shape == (B, S)
@@ -250,6 +252,8 @@ def test_packing_invariants(tmp_path, rng, split_documents, reset_attention):
                 assert mask[r, t] == float(same_next)
                 start = t == 0 or seg[r, t] != seg[r, t - 1]
                 assert pos[r, t] == (t if not reset_attention else 0 if start else pos[r, t - 1] + 1)
+            for t in range(1, n_real):  # a piece is a whole document, or cut only by the row's ends
+                assert (seg[r, t] != seg[r, t - 1]) == (len(stream) + t in ends), (r, t)
             stream += ids[r, :n_real].tolist()
     flat = sum(kept, [])
     repeats = len(stream) // len(flat) + 1
