@@ -86,6 +86,28 @@ def test_greedy_generate_matches_full_forward(rng):
     assert int(lengths[0]) == 1
 
 
+def test_a_first_token_eos_stops_its_row_with_zeros_after_it(rng):
+    """An EOS drawn as the very first token ends its row there: zeros after it, length 1, and the other rows as
+    they decode without it (until they draw it). The old check read only the length, so a row that went on
+    sampling after a first-token EOS (tokens the caller keeps) passed."""
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(int(rng.integers(1 << 30))))
+    model = Qwen3ForCausalLM(config)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, size=(3, 5)))
+    free, _ = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy())
+    free = np.asarray(free)
+    eos = int(free[0, 0])
+    tokens, lengths = generate(model, params, prompt, max_new_tokens=6, sampling=SamplingConfig.greedy(), eos_ids=eos)
+    want, want_len = free.copy(), np.full(3, 6)
+    for row in range(3):  # the reference: the free run cut after each row's first EOS
+        stop = np.flatnonzero(free[row] == eos)
+        if stop.size:
+            want[row, stop[0] + 1:], want_len[row] = 0, stop[0] + 1
+    assert want_len[0] == 1 and free[0, 1:].any()  # the cut changes row 0: the comparison can fail
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+    np.testing.assert_array_equal(np.asarray(lengths), want_len)
+
+
 def _dms_model_with_random_gates(rng, budget):
     """A tiny DMS model (window 2, `budget` entries per KV head) whose random gates with offset 0 evict about
     half the tokens: (model, params, config)."""
