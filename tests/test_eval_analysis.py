@@ -268,6 +268,20 @@ def test_patterns_counts_heads_of_the_final_query_mask(checkpoint, tmp_path):
     assert "Most retained" in open(with_text.files["md"]).read()
 
 
+def test_patterns_old_share_is_the_share_of_kept_tokens_in_the_older_half(checkpoint, tmp_path, rng):
+    """head_usage's old share: of the long-range tokens a head keeps at the last query, the share in the older
+    half of the evictable range [s, q - w] (54 positions here: its first 27). Mean ages were checked, old shares
+    never, and moving the half's boundary by one position passed."""
+    q = SEQ + 19  # 60 tokens, as the test above: a compilation-cache hit
+    older = np.arange(KV.sinks, q - KV.window + 1)[: (q - KV.window + 1 - KV.sinks) // 2]
+    for i in range(4):
+        ids = rng.integers(0, BASE.vocab_size, size=q + 1)
+        result = run_patterns(checkpoint, ids, out_dir=tmp_path / str(i), last_n=30)
+        for layer, head in np.ndindex(*result.old_share.shape):
+            kept = np.nonzero(result.kept[layer, head])[0]
+            assert result.old_share[layer, head] == pytest.approx(np.isin(kept, older).mean()), (i, layer, head)
+
+
 @pytest.mark.long
 def test_bench_decode_kvpop_flat_dense_growing(tmp_path):
     bench_md = tmp_path / "BENCHMARKS.md"
