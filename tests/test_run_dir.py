@@ -467,6 +467,51 @@ def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_r
     check_out(str(tmp_path / "export"), str(ckpts))
 
 
+def test_export_of_a_run_dir_is_its_latest_step_as_saved_or_cast(tmp_path):
+    """train.export of a run folder: the latest step's parameters, as saved or cast by --dtype, against the step
+    folders' own arrays (an export of the earliest step, or one that dropped --dtype, passed every test)."""
+    import struct
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import traverse_util
+
+    from kvpop_jax import load_pretrained
+    from kvpop_jax.config import KVpopConfig
+    from kvpop_jax.modeling import init_params
+    from train.checkpointing import Checkpointer
+    from train.export import export_checkpoint
+    from train.step import TrainState
+
+    config = dataclasses.replace(Qwen3Config.from_hf(dict(TINY_ARCH)),
+                                 kvpop=KVpopConfig(sinks=2, window=8, topk=8, scorer="mlp"))
+    directory = str(tmp_path / "run" / "checkpoints")
+    ckpt = Checkpointer(directory, async_save=False)
+    saved = {}
+    for step in (2, 4, 6):  # fresh random weights at each step
+        saved[step] = init_params(config, jax.random.key(int(np.random.default_rng().integers(2**31))))
+        ckpt.save(TrainState(step=jnp.asarray(step, jnp.int32), params=saved[step], opt_state={"m": jnp.zeros(3)},
+                             rng=jnp.asarray([1, 2], jnp.uint32)), {"pos": step},
+                  {"model_config": config.to_hf(), "param_dtype": "float32"}, force=True)
+    ckpt.close()
+    want = traverse_util.flatten_dict(jax.device_get(saved[6]), sep="/")
+    with pytest.raises(ValueError, match="--dtype=float16: expected one of float32, bfloat16"):
+        export_checkpoint(str(tmp_path / "run"), str(tmp_path / "export"), dtype="float16")  # was a KeyError
+    for dtype, stored in ((None, "F32"), ("bfloat16", "BF16"), ("float32", "F32")):
+        out = tmp_path / f"export_{dtype}"
+        assert export_checkpoint(str(tmp_path / "run"), str(out), dtype=dtype)[1] == 6
+        with open(out / "model.safetensors", "rb") as f:  # the file's own header: every tensor in the cast dtype
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {stored}
+        _, params = load_pretrained(str(out), jnp.float32, config=config)
+        got = traverse_util.flatten_dict(jax.device_get(params), sep="/")
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            expected = np.asarray(jnp.asarray(value).astype(dtype or jnp.float32).astype(jnp.float32))
+            np.testing.assert_array_equal(got[name], expected, err_msg=name)
+
+
 def test_export_refuses_an_out_that_is_the_runs_init_checkpoint_or_holds_its_weights(tmp_path, hf_checkpoint):
     """train.export --out=<the run's --init_checkpoint> replaced the base model silently (and the run could not
     resume); train.main refuses the same --export_dir. A copy of those weights elsewhere is refused by fingerprint."""

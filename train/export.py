@@ -82,7 +82,10 @@ def check_not_init(out: str, meta: dict) -> None:
 
 
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) -> tuple[Qwen3Config, int]:
-    """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`."""
+    """Exports `checkpoint` (a step directory, a checkpoints dir or a run dir) to `out`; dtype: one of DTYPES'
+    names, or None to keep the trained dtype."""
+    if dtype is not None and dtype not in DTYPES:  # was a bare KeyError after the restore
+        raise ValueError(f"--dtype={dtype}: expected one of {', '.join(DTYPES)} (or none: as trained)")
     directory, step = checkpointing.split_step_dir(checkpoint)
     if not os.path.isdir(directory):
         what = ("a file; give the run folder (or its checkpoints/ or a step folder in it)" if os.path.isfile(checkpoint)
