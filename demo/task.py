@@ -78,6 +78,7 @@ import functools
 import json
 import os
 import re
+import unicodedata
 from collections import deque
 from typing import Iterable
 
@@ -556,9 +557,9 @@ def extract_answer(text: str) -> str | None:
 
 
 def canonical_int(text: str) -> str:
-    """An integer's text as str(int(text)) gives it ('+007' -> '7', '-0' -> '0'), without int(): a degenerate
-    completion can box more than the 4300 digits int() converts."""
-    digits = text.lstrip("+-").lstrip("0") or "0"
+    """An integer's text (`[+-]?\\d+`, any Unicode decimal digits: '７' is 7) as str(int(text)) gives it ('+007' ->
+    '7', '-0' -> '0'), without int(): a degenerate completion can box more than the 4300 digits int() converts."""
+    digits = "".join(str(unicodedata.decimal(c)) for c in text.lstrip("+-")).lstrip("0") or "0"
     return ("-" if text[0] == "-" and digits != "0" else "") + digits
 
 

@@ -8,7 +8,9 @@ sets in any order).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 import threading
 from typing import Any
@@ -35,6 +37,7 @@ def normalize_answer(answer: str) -> str:
     return a
 
 
+@functools.cache  # a missing package is looked for once, not at every completion
 def _math_verify():  # optional: `pip install math-verify`
     try:
         from math_verify import parse, verify
@@ -45,12 +48,15 @@ def _math_verify():  # optional: `pip install math-verify`
 
 
 def check_grading_thread() -> None:
-    """Math-Verify bounds each check with a SIGALRM alarm, which Python allows only in the main thread: off it,
-    every check raised inside Math-Verify and silently fell back to the string compare (reported as
-    math_verify), and without the alarm a completion such as `\\boxed{2^{2^{2^{2^{2^5}}}}}` never returns."""
-    if _math_verify() is not None and threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("answers are checked by Math-Verify, whose timeouts work only in the main thread, not "
-                           f"in thread {threading.current_thread().name!r}: grade on the main thread")
+    """On POSIX, Math-Verify bounds each check with a SIGALRM alarm, which Python allows only in the main thread:
+    off it, every check raised inside Math-Verify and silently fell back to the string compare (reported as
+    math_verify), and without the alarm a completion such as `\\boxed{2^{2^{2^{2^{2^5}}}}}` never returns.
+    (On Windows its timeouts run in a child process, from any thread.)"""
+    if os.name == "posix" and _math_verify() is not None and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("answers are checked by Math-Verify, whose timeouts (SIGALRM) work only in the main "
+                           f"thread, not in thread {threading.current_thread().name!r}: grade on the main thread (or "
+                           "call math_verify's parse and verify yourself with parsing_timeout=None and "
+                           "timeout_seconds=None, which have no time limit)")
 
 
 def is_correct(completion: str, gold: Any) -> tuple[bool, str | None]:
@@ -62,7 +68,7 @@ def is_correct(completion: str, gold: Any) -> tuple[bool, str | None]:
     gold = str(gold)
     mv = _math_verify()
     if mv is not None:
-        check_grading_thread()
+        check_grading_thread()  # _math_verify is cached: this is no second import
         parse, verify = mv
         try:
             if verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")):

@@ -14,12 +14,14 @@ says so, and the accuracy report carries it.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import io
 import json
 import math
 import os
+import re
 
 from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, extract_answer, generate_dataset, make_config
 
@@ -132,11 +134,15 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
                          "datasets (drop --split, or give the split's own file)")
     elif source.endswith((".jsonl", ".json", ".csv")) and os.path.isfile(source):
+        with open(source, "rb") as f:
+            data = f.read()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is no record
         try:
-            with open(source, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is no record
-                text = f.read()
+            text = data[bom:].decode("utf-8")
         except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
-            raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            at = bom + e.start
+            line = data.count(b"\n", 0, at) + 1
+            raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {at}, line {line})") from None
         if not text.strip():
             raise ValueError(f"benchmark {source!r} is empty (no records)")
         rows = _csv_rows(source, text) if source.endswith(".csv") else _json_rows(source, text)
@@ -186,10 +192,8 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
                              "samples are keyed by it, so give each problem its own (a row without 'id' takes its "
                              "row number)")
         seen[problem_id] = i
-        # a worked solution as the reference (GSM8K's "... #### 72", a boxed one) is graded by its answer, as a
-        # completion is: the whole text matched no completion under the string compare
         answer = str(row["answer"])
-        if (final := extract_answer(answer)) is not None and not final:
+        if (final := reference_answer(answer)) is not None and not final:
             raise ValueError(f"{source!r} row {i}: 'answer' {answer[-80:]!r} ends in an empty answer")
         problems.append(dict(id=problem_id, prompt=row[field], answer=final or answer))
     if not problems:
@@ -216,17 +220,38 @@ def _json_rows(source: str, text: str) -> list:
     return rows
 
 
+_FINAL_LINE_RE = re.compile(r"^####[ \t]*([^\n]*)", re.MULTILINE)
+
+
+def reference_answer(answer: str) -> str | None:
+    """The final answer of a worked solution given as the reference, else None (the answer is used as it is):
+    the last line that starts with `####` (GSM8K's "... #### 72"), or the one `\\boxed{...}` in it. The whole
+    text matched no completion under the string compare. A `####` inside a line, or several boxed answers (a
+    multi-part reference, which a completion's last box cannot match either), leave the answer as it is."""
+    finals = _FINAL_LINE_RE.findall(answer)
+    if finals:
+        return finals[-1].strip()
+    if answer.count("\\boxed{") == 1:
+        return extract_answer(answer)  # None when unclosed
+    return None
+
+
 def _csv_rows(source: str, text: str) -> list[dict]:
     """A CSV file's rows as written, every cell text: `datasets` typed the columns, so an answer beyond
     int64 became a float ("1.2345678901234567e+19") or a traceback."""
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))  # the default 131072 refused long prompts
     try:
-        rows = list(csv.DictReader(io.StringIO(text)))
+        reader = csv.DictReader(io.StringIO(text))
+        rows = list(reader)
     except csv.Error as e:
         raise ValueError(f"benchmark {source!r} is not valid CSV ({e})") from None
     for i, row in enumerate(rows):
         if None in row:
             raise ValueError(f"benchmark {source!r} row {i} has more cells than the header names ({row[None]!r} "
                              "beyond it): quote a cell with a comma in it")
+        if None in row.values():  # DictReader fills a short row with None: "has no answer (None)" misled
+            raise ValueError(f"benchmark {source!r} row {i} has fewer cells than the header names "
+                             f"({len([v for v in row.values() if v is not None])} of {len(reader.fieldnames)})")
     return rows
 
 

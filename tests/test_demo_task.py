@@ -189,13 +189,16 @@ def test_extract_answer_and_score():
     assert ex["text"] == ex["prompt"] + "\\boxed{" + ex["answer"] + "}"
 
 
-def test_integers_compare_by_value_at_any_length():
+def test_integers_compare_by_value_at_any_length(rng):
     """`score` read integers with int(), which refuses more than 4300 digits: a completion that boxes a long run
-    of digits raised instead of scoring 0."""
-    rng = np.random.default_rng()
+    of digits raised instead of scoring 0. Any Unicode decimal digits read as int() reads them."""
+    scripts = [0x30, 0xFF10, 0x660, 0x966]  # ASCII, full-width, Arabic-Indic, Devanagari zeros
     for _ in range(200):
-        text = rng.choice(["", "+", "-"]) + "0" * int(rng.integers(0, 3)) + str(int(rng.integers(0, 10**12)))
+        digits = "0" * int(rng.integers(0, 3)) + str(int(rng.integers(0, 10**12)))
+        zero = scripts[int(rng.integers(len(scripts)))]
+        text = rng.choice(["", "+", "-"]) + "".join(chr(zero + int(d)) for d in digits)
         assert dt.canonical_int(text) == str(int(text)), text
+    assert dt.score("\\boxed{\uff17}", 7) == 1.0  # a full-width 7
     assert dt.score("\\boxed{" + "1" * 5000 + "}", "7") == 0.0
     assert dt.score("\\boxed{00" + "9" * 5000 + "}", "9" * 5000) == 1.0
 

@@ -46,6 +46,7 @@ def test_checking_survives_degenerate_numbers():
     assert is_correct(f"#### 00{many}", many)[0] and not is_correct(f"\\boxed{{{many}2}}", many)[0]
     assert not is_correct("\\boxed{" + "9" * 400 + ".5}", "7")[0]
     assert [normalize_answer(a) for a in ("-007", "-0", "+3", "2.50")] == ["-7", "0", "3", "2.5"]
+    assert [normalize_answer(a) for a in ("\uff17", "-\u0660", "\u0967\u0968")] == ["7", "0", "12"]  # as int() reads
 
 
 def test_math_verify_checks_run_on_the_main_thread_only(monkeypatch, tmp_path):
@@ -56,10 +57,14 @@ def test_math_verify_checks_run_on_the_main_thread_only(monkeypatch, tmp_path):
     monkeypatch.setattr(answers, "_math_verify", lambda: (str, lambda gold, pred: True))  # installed, says yes
     assert answers.is_correct("\\boxed{1}", "2") == (True, "1")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        with pytest.raises(RuntimeError, match="Math-Verify, whose timeouts work only in the main thread"):
+        with pytest.raises(RuntimeError, match=r"Math-Verify, whose timeouts \(SIGALRM\) work only in the main "
+                                               r"thread, not in thread '.*': grade on the main thread \(or call "
+                                               r"math_verify's parse and verify yourself with parsing_timeout=None"):
             pool.submit(answers.is_correct, "\\boxed{1}", "2").result()
         with pytest.raises(RuntimeError, match="only in the main thread"):  # before any checkpoint loads
             pool.submit(run_accuracy, ["dense"], {"dense": str(tmp_path)}, "b.jsonl", out_dir=str(tmp_path)).result()
+        monkeypatch.setattr(answers.os, "name", "nt")  # Windows: Math-Verify times out in a child process instead
+        assert pool.submit(answers.is_correct, "\\boxed{1}", "2").result() == (True, "1")
 
 
 def test_budget_table_and_specs():
@@ -540,14 +545,22 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
         with pytest.raises(ValueError, match=message):
             load_benchmark(str(bench), **kw)
     bench.write_bytes(b'{"problem": "caf\xe9", "answer": "1"}\n')  # Latin-1
-    with pytest.raises(ValueError, match=r"bench.jsonl' is not UTF-8 text \(invalid continuation byte at byte 16\)"):
+    with pytest.raises(ValueError, match=r"bench.jsonl' is not UTF-8 text \(invalid continuation byte at byte 16, "
+                                         r"line 1\)"):
         load_benchmark(str(bench))
     bench.write_bytes(b'\xef\xbb\xbf{"problem": "a", "answer": "1"}\n')  # UTF-8 with a byte-order mark
     assert load_benchmark(str(bench)) == [dict(id="0", prompt="a", answer="1")]
+    bench.write_bytes(b'\xef\xbb\xbf{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"at byte 51, line 2\)"):  # the file's byte, not the text's after the mark
+        load_benchmark(str(bench))
     # a worked solution as the reference is graded by its answer (GSM8K's rationale; the string compare failed it)
     bench.write_text(json.dumps(dict(question="q", answer="48/2 = <<48/2=24>>24 in May.\n#### 72")) + "\n"
                      + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
     assert [p["answer"] for p in load_benchmark(str(bench))] == ["72", "\\frac{1}{2}"]
+    # only a line that starts with ####, or a single box, is a worked solution's answer; the rest stay as given
+    kept = ["C####", "a####b", "\\boxed{2} \\text{ and } \\boxed{3}", "\\boxed{7"]
+    bench.write_text("".join(json.dumps(dict(problem="p", answer=a)) + "\n" for a in kept))
+    assert [p["answer"] for p in load_benchmark(str(bench))] == kept
     # CSV cells are read as written: `datasets` typed an answer beyond int64 as a float, or failed with a traceback
     table = tmp_path / "bench.csv"
     table.write_text('problem,answer,id\n"a, b",12345678901234567890,1\nc,007,x\nd,98765432109876543210987,2\n')
@@ -557,6 +570,12 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     table.write_text("problem,answer\nwhat is 999+1,1,000\n")  # an unquoted comma: the answer was "1"
     with pytest.raises(ValueError, match=r"bench.csv' row 0 has more cells than the header names \(\['000'\]"):
         load_benchmark(str(table))
+    table.write_text("problem,answer,id\nwhat is 1+1,2\n")  # it read as "has no answer" or "id 'None'"
+    with pytest.raises(ValueError, match=r"bench.csv' row 0 has fewer cells than the header names \(2 of 3\)"):
+        load_benchmark(str(table))
+    long_prompt = "word " * 40000  # over csv's default field limit of 131072 characters: refused as "not valid CSV"
+    table.write_text(f'problem,answer\n"{long_prompt}",5\n')
+    assert load_benchmark(str(table)) == [dict(id="0", prompt=long_prompt, answer="5")]
     folder = tmp_path / "splits"  # a folder of split files takes a split
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')

@@ -467,7 +467,7 @@ def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_r
     check_out(str(tmp_path / "export"), str(ckpts))
 
 
-def test_export_of_a_run_dir_is_its_latest_step_as_saved_or_cast(tmp_path):
+def test_export_of_a_run_dir_is_its_latest_step_as_saved_or_cast(tmp_path, rng):
     """train.export of a run folder: the latest step's parameters, as saved or cast by --dtype, against the step
     folders' own arrays (an export of the earliest step, or one that dropped --dtype, passed every test)."""
     import struct
@@ -490,7 +490,7 @@ def test_export_of_a_run_dir_is_its_latest_step_as_saved_or_cast(tmp_path):
     ckpt = Checkpointer(directory, async_save=False)
     saved = {}
     for step in (2, 4, 6):  # fresh random weights at each step
-        saved[step] = init_params(config, jax.random.key(int(np.random.default_rng().integers(2**31))))
+        saved[step] = init_params(config, jax.random.key(int(rng.integers(2**31))))
         ckpt.save(TrainState(step=jnp.asarray(step, jnp.int32), params=saved[step], opt_state={"m": jnp.zeros(3)},
                              rng=jnp.asarray([1, 2], jnp.uint32)), {"pos": step},
                   {"model_config": config.to_hf(), "param_dtype": "float32"}, force=True)
