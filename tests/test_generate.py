@@ -186,6 +186,25 @@ def test_streaming_with_large_budget_equals_dense(rng):
         generate(model, params, prompt, max_new_tokens=2, cache="paged")
 
 
+def test_ragged_rows_come_back_in_the_callers_order_each_length_under_its_own_key(rng):
+    """The default suite's check of ragged rows (the full one is `long`): interleaved lengths, sampled, come back
+    in the caller's order, each length's batch under the key folded with its first row. Rows of lengths in order
+    of first appearance (the only ragged case outside `long`) let a missing reorder pass, and greedy rows a key
+    shared by every length."""
+    config = Qwen3Config(**TINY_HF_CONFIGS["g2_untied"])
+    params = init_params(config, jax.random.key(int(rng.integers(1 << 30))))
+    model = Qwen3ForCausalLM(config)
+    rows = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (6, 3, 6)]
+    sampling, key = SamplingConfig(temperature=1.0), jax.random.key(int(rng.integers(1 << 30)))
+    drawn, _ = generate(model, params, rows, max_new_tokens=8, sampling=sampling, rng=key, cache="dense")
+    for group in ([0, 2], [1]):
+        batch, _ = generate(model, params, [rows[i] for i in group], max_new_tokens=8, sampling=sampling,
+                            rng=jax.random.fold_in(key, group[0]), cache="dense")
+        np.testing.assert_array_equal(np.asarray(drawn[np.asarray(group)]), np.asarray(batch))
+    shared, _ = generate(model, params, [rows[1]], max_new_tokens=8, sampling=sampling, rng=key, cache="dense")
+    assert not np.array_equal(np.asarray(drawn[1]), np.asarray(shared[0]))  # the fold changes the draws
+
+
 @pytest.mark.long  # ~18 s; test_generate_compiles_once_per_power_of_two_of_the_prompt_length[kvpop] decodes ragged rows
 def test_ragged_prompts_decode_each_row_as_it_would_alone(rng):
     """A list of rows of unequal lengths (past the KVpop budget, and under it) runs one batch per length: each

@@ -311,6 +311,28 @@ def test_every_kvpop_flag_named_by_the_resume_check_exists():
     assert set(KVPOP_FLAGS) <= set(RESUME_KVPOP_FIELDS)
 
 
+def test_checkpoints_are_saved_at_the_multiples_of_save_every_and_when_forced(tmp_path, rng):
+    """`--checkpoint_every`'s cadence against its definition (no test saw a save one step off it: the runs that
+    check resume save at every step or at a step they force)."""
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.step import TrainState
+
+    every = int(rng.integers(2, 5))
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), save_every=every, keep=100, async_save=False)
+    forced = int(rng.integers(1, 12))
+    saved = []
+    for step in range(1, 13):
+        state = TrainState(step=jnp.asarray(step, jnp.int32), params={"w": jnp.asarray(rng.normal(size=3))},
+                           opt_state={"m": jnp.zeros(3)}, rng=jnp.asarray([1, 2], jnp.uint32))
+        if ckpt.save(state, {"pos": step}, {}, force=step == forced):
+            saved.append(step)
+    ckpt.close()
+    want = sorted({s for s in range(1, 13) if s % every == 0} | {forced})
+    assert saved == want and Checkpointer(str(tmp_path / "checkpoints"), read_only=True).all_steps() == want
+
+
 def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_to(tmp_path):
     """Disk trouble or a hand edit in a saved step: not orbax's wall of tracebacks, but which step,
     what failed, and how to resume from the one before it (train and train.export alike)."""
