@@ -231,7 +231,7 @@ def reference_answer(answer: str) -> str | None:
     finals = _FINAL_LINE_RE.findall(answer)
     if finals:
         return finals[-1].strip()
-    if answer.count("\\boxed{") == 1:
+    if answer.count("\\boxed{") == 1 and "####" not in answer:  # (a #### inside a line: as written)
         return extract_answer(answer)  # None when unclosed
     return None
 

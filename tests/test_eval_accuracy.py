@@ -558,7 +558,7 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
                      + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
     assert [p["answer"] for p in load_benchmark(str(bench))] == ["72", "\\frac{1}{2}"]
     # only a line that starts with ####, or a single box, is a worked solution's answer; the rest stay as given
-    kept = ["C####", "a####b", "\\boxed{2} \\text{ and } \\boxed{3}", "\\boxed{7"]
+    kept = ["C####", "a####b", "\\boxed{2} \\text{ and } \\boxed{3}", "\\boxed{7", "\\boxed{5} or x####y"]
     bench.write_text("".join(json.dumps(dict(problem="p", answer=a)) + "\n" for a in kept))
     assert [p["answer"] for p in load_benchmark(str(bench))] == kept
     # CSV cells are read as written: `datasets` typed an answer beyond int64 as a float, or failed with a traceback
