@@ -168,6 +168,7 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
     for i, row in enumerate(rows if limit is None else rows[:limit]):
         if not isinstance(row, dict):
             raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
+        row = _known_fields(source, i, row)
         field = next((f for f in PROMPT_FIELDS if f in row), None)
         if field is None or "answer" not in row:
             raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
@@ -218,6 +219,23 @@ def _json_rows(source: str, text: str) -> list:
             raise ValueError(f"benchmark {source!r} line {number} is not valid JSON ({e.msg}): "
                              f"{line.strip()[:80]!r}") from None
     return rows
+
+
+def _known_fields(source: str, i: int, row: dict) -> dict:
+    """The row with the fields it reads (prompt, problem, question, answer, id) found whatever their case, as
+    some benchmarks write them (AIME 2024's `Problem` and `Answer` were "needs one of ..."); a name written
+    exactly wins, and two other spellings of one name are refused."""
+    found = dict(row)
+    for name in (*PROMPT_FIELDS, "answer", "id"):
+        if name in row:
+            continue
+        spellings = [key for key in row if isinstance(key, str) and key.lower() == name]
+        if len(spellings) > 1:
+            raise ValueError(f"{source!r} row {i} spells the field {name!r} {len(spellings)} ways ({spellings}): "
+                             "keep one")
+        if spellings:
+            found[name] = row[spellings[0]]
+    return found
 
 
 _FINAL_LINE_RE = re.compile(r"^####[ \t]*([^\n]*)", re.MULTILINE)

@@ -558,6 +558,14 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
                      + json.dumps(dict(problem="p", answer="so $\\boxed{\\frac{1}{2}}$")) + "\n")
     assert [p["answer"] for p in load_benchmark(str(bench))] == ["72", "\\frac{1}{2}"]
     # only a line that starts with ####, or a single box, is a worked solution's answer; the rest stay as given
+    # field names in any case (AIME 2024 writes Problem / Answer / ID); two spellings of one name are refused
+    bench.write_text(json.dumps(dict(ID="aime-1", Problem="p", Answer=204, problem_type="x")) + "\n")
+    assert load_benchmark(str(bench)) == [dict(id="aime-1", prompt="p", answer="204")]
+    bench.write_text(json.dumps(dict(problem="p", Answer=1, ANSWER=2)) + "\n")
+    with pytest.raises(ValueError, match=r"row 0 spells the field 'answer' 2 ways \(\['Answer', 'ANSWER'\]\)"):
+        load_benchmark(str(bench))
+    bench.write_text(json.dumps(dict(problem="exact", Problem="other", answer=1)) + "\n")  # the exact name wins
+    assert load_benchmark(str(bench))[0]["prompt"] == "exact"
     kept = ["C####", "a####b", "\\boxed{2} \\text{ and } \\boxed{3}", "\\boxed{7", "\\boxed{5} or x####y"]
     bench.write_text("".join(json.dumps(dict(problem="p", answer=a)) + "\n" for a in kept))
     assert [p["answer"] for p in load_benchmark(str(bench))] == kept
