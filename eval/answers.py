@@ -1,5 +1,5 @@
 """Answers: the last `\\boxed{...}` (nested braces) or `#### ...` in a completion, checked
-against the reference with HF's Math-Verify when installed (as the paper; main thread only), and
+against the reference with HF's Math-Verify when installed (as the paper; on POSIX, main thread only), and
 where it says no, or without it, by normalized string compare (`normalize_answer`): whitespace, `$`,
 `\\left`/`\\right`, `\\dfrac`/`\\tfrac`, `\\text{}` and a trailing period are dropped, and numbers
 compare by value. Only Math-Verify equates forms (`\\frac12` and 0.5, `50\\%` and 50, `x=5` and 5,

@@ -269,7 +269,7 @@ def _csv_rows(source: str, text: str) -> list[dict]:
                              "beyond it): quote a cell with a comma in it")
         if None in row.values():  # DictReader fills a short row with None: "has no answer (None)" misled
             raise ValueError(f"benchmark {source!r} row {i} has fewer cells than the header names "
-                             f"({len([v for v in row.values() if v is not None])} of {len(reader.fieldnames)})")
+                             f"({sum(v is not None for v in row.values())} of {len(reader.fieldnames)})")
     return rows
 
 
