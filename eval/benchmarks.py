@@ -114,14 +114,17 @@ def parse_demo_spec(source: str) -> DemoSpec:
 
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv")  # read here, not by `datasets`
 
 
 def load_benchmark(source: str, *, split: str | None = None, limit: int | None = None) -> list[dict]:
     """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON or CSV file, a local
-    parquet file (`datasets` reads it), or a HF hub dataset name (`split`, default "test"; a
-    demo spec names its own split). limit: the first `limit` problems (>= 1; None: all)."""
+    parquet file (`datasets` reads it), a local folder of split files (`split`; see `_folder_rows`), or a
+    HF hub dataset name (`split`, default "test"; a demo spec names its own split). limit: the first
+    `limit` problems (>= 1; None: all)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every problem), got {limit}")
+    places = None
     if source.startswith(DEMO_PREFIX):
         if split is not None:
             raise ValueError(f"{source!r}: a demo spec names its own split (demo:TASK:SPLIT:...); "
@@ -131,21 +134,12 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         raise ValueError(f"benchmark {source!r}: a demo benchmark is a spec such as demo:reuse or "
                          "demo:reuse:test:seed=123:n=100:len=2048 (note the colon)")
     elif split is not None and os.path.isfile(source):  # a folder of split files may be given a split
-        raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for hub "
-                         "datasets (drop --split, or give the split's own file)")
-    elif source.endswith((".jsonl", ".json", ".csv")) and os.path.isfile(source):
-        with open(source, "rb") as f:
-            data = f.read()
-        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is no record
-        try:
-            text = data[bom:].decode("utf-8")
-        except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
-            at = bom + e.start
-            line = data.count(b"\n", 0, at) + 1
-            raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {at}, line {line})") from None
-        if not text.strip():
-            raise ValueError(f"benchmark {source!r} is empty (no records)")
-        rows = _csv_rows(source, text) if source.endswith(".csv") else _json_rows(source, text)
+        raise ValueError(f"benchmark {source!r} is a local file, which has no splits; split={split!r} is for "
+                         "folders and hub datasets (drop --split, or give the split's own file)")
+    elif source.endswith(TEXT_SUFFIXES) and os.path.isfile(source):
+        rows = _text_file_rows(source)
+    elif os.path.isdir(source):
+        rows, places = _folder_rows(source, split)
     elif not os.path.exists(source) and (os.path.splitext(source)[1] in LOCAL_SUFFIXES
                                          or source.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"benchmark {source!r}: no such file (a local path is never looked up on the hub)")
@@ -166,40 +160,88 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         rows = [dict(r) for r in rows]
     problems, seen = [], {}
     for i, row in enumerate(rows if limit is None else rows[:limit]):
+        at = f"{source!r} row {i}" if places is None else places[i]  # a folder's rows are named by file
         if not isinstance(row, dict):
-            raise ValueError(f"{source!r} row {i} is not a JSON object: {str(row)[:80]!r}")
-        row = _known_fields(source, i, row)
+            raise ValueError(f"{at} is not a JSON object: {str(row)[:80]!r}")
+        row = _known_fields(at, row)
         field = next((f for f in PROMPT_FIELDS if f in row), None)
         if field is None or "answer" not in row:
-            raise ValueError(f"{source!r} row {i} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
+            raise ValueError(f"{at} needs one of {PROMPT_FIELDS} and 'answer', has {sorted(row)}")
         if row["answer"] is None or not str(row["answer"]).strip():  # str(None) would score a boxed "None" right
-            raise ValueError(f"{source!r} row {i} has no answer ({row['answer']!r})")
+            raise ValueError(f"{at} has no answer ({row['answer']!r})")
         if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)) or (
                 isinstance(row["answer"], float) and not math.isfinite(row["answer"])):
             # a list or dict would be scored as its string, "['7']", which no completion boxes; JSON's NaN as "nan"
-            raise ValueError(f"{source!r} row {i}: 'answer' must be a string or a finite number, got "
+            raise ValueError(f"{at}: 'answer' must be a string or a finite number, got "
                              f"{type(row['answer']).__name__} {str(row['answer'])[:80]!r}")
         if not isinstance(row[field], str) or not row[field].strip():  # whitespace alone asks nothing
-            raise ValueError(f"{source!r} row {i}: {field!r} must be a string with text in it (not empty or blank), "
+            raise ValueError(f"{at}: {field!r} must be a string with text in it (not empty or blank), "
                              f"got {str(row[field])[:80]!r}")
         # ids key every record, sample and per-problem comparison: a missing one is its row number
         problem_id = row.get("id", i)
         if problem_id is None or isinstance(problem_id, (bool, dict, list)) or not str(problem_id).strip():
-            raise ValueError(f"{source!r} row {i}: 'id' must be a number or a string with text in it (or absent: "
+            raise ValueError(f"{at}: 'id' must be a number or a string with text in it (or absent: "
                              f"the row number), got {str(problem_id)[:80]!r}")
         problem_id = str(problem_id)
         if problem_id in seen:
-            raise ValueError(f"{source!r} rows {seen[problem_id]} and {i} share the id {problem_id!r}: records and "
+            first = seen[problem_id]
+            both = f"{source!r} rows {first} and {i}" if places is None else f"{places[first]} and {at}"
+            raise ValueError(f"{both} share the id {problem_id!r}: records and "
                              "samples are keyed by it, so give each problem its own (a row without 'id' takes its "
                              "row number)")
         seen[problem_id] = i
         answer = str(row["answer"])
         if (final := reference_answer(answer)) is not None and not final:
-            raise ValueError(f"{source!r} row {i}: 'answer' {answer[-80:]!r} ends in an empty answer")
+            raise ValueError(f"{at}: 'answer' {answer[-80:]!r} ends in an empty answer")
         problems.append(dict(id=problem_id, prompt=row[field], answer=final or answer))
     if not problems:
         raise ValueError(f"benchmark {source!r} has no problems")
     return problems
+
+
+def _text_file_rows(source: str) -> list:
+    """A JSONL/JSON or CSV file's records, read as text (UTF-8, a byte-order mark skipped)."""
+    with open(source, "rb") as f:
+        data = f.read()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is no record
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
+        at = bom + e.start
+        line = data.count(b"\n", 0, at) + 1
+        raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {at}, line {line})") from None
+    if not text.strip():
+        raise ValueError(f"benchmark {source!r} is empty (no records)")
+    return _csv_rows(source, text) if source.endswith(".csv") else _json_rows(source, text)
+
+
+def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None]:
+    """A local folder's records for one split, and where each row is (None: `datasets` read them). Its files are
+    split as `datasets` splits them (test.csv, data/test-00000-of-00002.jsonl, ...; files whose names carry no
+    split are its one split, "train", read when no split is given). JSONL/JSON and CSV files are read as a single
+    such file is, each cell as written: `datasets` typed a CSV column, and an answer beyond int64 ended the run."""
+    import datasets  # heavy: only for folders and non-text sources
+
+    try:
+        patterns = datasets.data_files.get_data_patterns(source)
+    except datasets.data_files.EmptyDatasetError:
+        raise ValueError(f"benchmark folder {source!r} holds no data files") from None
+    found = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=source)
+    files = {str(name): list(paths) for name, paths in found.items()}
+    unnamed = patterns == datasets.data_files.DEFAULT_PATTERNS_ALL  # no file names a split
+    name = split or ("train" if unnamed else "test")
+    if name not in files:
+        raise ValueError(f"benchmark folder {source!r} has no {name!r} split (its files make {sorted(files)}): "
+                         "name one with --split")
+    paths = files[name]
+    if not all(path.endswith(TEXT_SUFFIXES) for path in paths):  # parquet, arrow, ...
+        return list(datasets.load_dataset(source, split=name)), None
+    rows, places = [], []
+    for path in paths:
+        file_rows = _text_file_rows(path)
+        rows += file_rows
+        places += [f"{path!r} row {i}" for i in range(len(file_rows))]
+    return rows, places
 
 
 def _json_rows(source: str, text: str) -> list:
@@ -221,7 +263,7 @@ def _json_rows(source: str, text: str) -> list:
     return rows
 
 
-def _known_fields(source: str, i: int, row: dict) -> dict:
+def _known_fields(at: str, row: dict) -> dict:
     """The row with the fields it reads (prompt, problem, question, answer, id) found whatever their case, as
     some benchmarks write them (AIME 2024's `Problem` and `Answer` were "needs one of ..."); a name written
     exactly wins, and two other spellings of one name are refused."""
@@ -231,7 +273,7 @@ def _known_fields(source: str, i: int, row: dict) -> dict:
             continue
         spellings = [key for key in row if isinstance(key, str) and key.lower() == name]
         if len(spellings) > 1:
-            raise ValueError(f"{source!r} row {i} spells the field {name!r} {len(spellings)} ways ({spellings}): "
+            raise ValueError(f"{at} spells the field {name!r} {len(spellings)} ways ({spellings}): "
                              "keep one")
         if spellings:
             found[name] = row[spellings[0]]

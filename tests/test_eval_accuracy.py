@@ -540,7 +540,8 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
             ('{"id": null, "problem": "x", "answer": "1"}\n', BLANK_ID, {}),
             ('{"id": " ", "problem": "x", "answer": "1"}\n', BLANK_ID, {}),
             ('{"problem": "a", "answer": "1"}\n',  # the split was ignored
-             r"is a local file, which has no splits; split='train' is for hub datasets", dict(split="train"))):
+             r"is a local file, which has no splits; split='train' is for folders and hub datasets",
+             dict(split="train"))):
         bench.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_benchmark(str(bench), **kw)
@@ -589,6 +590,44 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     (folder / "train.jsonl").write_text('{"problem": "t", "answer": "1"}\n')
     (folder / "test.jsonl").write_text('{"problem": "e", "answer": "2"}\n')
     assert [p["prompt"] for p in load_benchmark(str(folder), split="train")] == ["t"]
+
+
+def test_a_folder_of_split_files_is_read_as_its_files_are(tmp_path):
+    """A local folder's split files (named as `datasets` names them) are read as a single such file is: through
+    `datasets`, a CSV answer beyond int64 ended the run as "loading it as a hub dataset failed", and a split's
+    shards of two formats were refused."""
+    folder = tmp_path / "bench"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("# not a split\n")
+    (folder / "data" / "train-00000-of-00001.csv").write_text("problem,answer\nt,1\n")
+    (folder / "data" / "test-00000-of-00002.csv").write_text("problem,answer\na,12345678901234567890\nb,007\n")
+    (folder / "data" / "test-00001-of-00002.jsonl").write_text('{"problem": "c", "answer": 3}\n')
+    assert load_benchmark(str(folder)) == [dict(id="0", prompt="a", answer="12345678901234567890"),
+                                           dict(id="1", prompt="b", answer="007"),
+                                           dict(id="2", prompt="c", answer="3")]  # ids number the split's rows
+    assert load_benchmark(str(folder), split="train", limit=1) == [dict(id="0", prompt="t", answer="1")]
+    with pytest.raises(ValueError, match=r"folder '.*bench' has no 'validation' split \(its files make "
+                                         r"\['test', 'train'\]\): name one with --split"):
+        load_benchmark(str(folder), split="validation")
+    # a bad row is named by its file and row there
+    (folder / "data" / "test-00001-of-00002.jsonl").write_text('{"problem": "c", "answer": 3}\n{"problem": "d"}\n')
+    with pytest.raises(ValueError, match=r"test-00001-of-00002.jsonl' row 1 needs one of"):
+        load_benchmark(str(folder))
+    (folder / "data" / "test-00001-of-00002.jsonl").write_text('{"id": 0, "problem": "c", "answer": 3}\n')
+    with pytest.raises(ValueError, match=r"test-00000-of-00002.csv' row 0 and '.*test-00001-of-00002.jsonl' row 0 "
+                                         r"share the id '0'"):
+        load_benchmark(str(folder))
+    # files whose names carry no split are the folder's one split, read without --split
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "problems.csv").write_text("problem,answer\nx,98765432109876543210987\n")
+    assert load_benchmark(str(loose)) == [dict(id="0", prompt="x", answer="98765432109876543210987")]
+    with pytest.raises(ValueError, match=r"has no 'test' split \(its files make \['train'\]\)"):
+        load_benchmark(str(loose), split="test")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"folder '.*empty' holds no data files"):
+        load_benchmark(str(empty))
 
 
 def test_cli_generate_checks_its_seed_and_sampling_before_the_weights_load(tmp_path, capsys, monkeypatch):
