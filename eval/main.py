@@ -181,7 +181,8 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--min_p", type=float, default=0.0, help="0: off")
     parser.add_argument("--sinks", type=int, default=4, help="StreamingLLM's sink tokens (TOVA and H2O run without)")
     parser.add_argument("--limit", type=int, default=None, help="first N >= 1 problems only")
-    parser.add_argument("--split", default=None, help="local folders and hub datasets: the split (default test); a demo spec names its own")
+    parser.add_argument("--split", default=None,
+                        help="local folders and hub datasets: the split (default test); a demo spec names its own")
     parser.add_argument("--chat_template", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="the sampling's")
     parser.add_argument("--problem_batch", type=int, default=1,
