@@ -122,6 +122,61 @@ def test_retention_aux_and_metrics(rng):
     assert np.isfinite(float(out_max.aux["retention_loss"]))
 
 
+def _np_policy(priority, s, w, k):
+    """Brute force, one row [S]: ranks (best first, ties to the smaller position) and each query's kept E(q)."""
+    n = priority.size
+    ranks = np.empty(n, np.int64)
+    ranks[np.lexsort((np.arange(n), -priority))] = np.arange(n)
+    kept = [set(sorted(range(s, q - w + 1), key=lambda t: ranks[t])[:k]) for q in range(n)]
+    return ranks, kept
+
+
+def test_layer_target_and_teacher_are_the_students_sparse_pass_and_its_decay(rng):
+    """DESIGN, "Future-attention target" and "Teacher policy", wired inside the model and rebuilt in numpy from the
+    layer's own q, k: LSE_d is the sparse pass's (the student's running top-k mask), m_t = (1/N_t) Σ_{d>=t+w}
+    exp(ℓ(d, t) − LSE_d), r_tgt = log(ε + max_g m_t); the teacher ranks r_tgt − t log γ with the student's own γ and
+    its boundary is y = [t_new kept at q], t_bnd = the k-th best of E(q − 1). A strong decay (γ in (0.5, 0.9)) so
+    that a teacher without it, or on the student's ranks, or a target on the dense LSE, decides otherwise."""
+    from kvpop_jax.modeling import layer_qkv, strip_kvpop
+
+    seq, (s, w, k) = 40, (2, 4, 6)
+    kv = KVpopConfig(sinks=s, window=w, topk=k, scorer="mlp", gamma_min=0.5, gamma_max=0.9, num_query_samples=8)
+    _, config, params = _models(kv, rng)
+    hkv, g = BASE.num_key_value_heads, BASE.num_attention_heads // BASE.num_key_value_heads
+    assert all(params[f"layers_{i}"]["self_attn"]["kvpop"]["decay_alpha"].shape == (hkv,)
+               for i in range(BASE.num_hidden_layers))  # one α per KV head per layer
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, size=(1, seq)))
+    q_idx = jnp.asarray(rng.integers(kv.budget, seq, size=(1, 8)))
+    layer = Qwen3ForCausalLM(config).apply({"params": params}, ids, query_samples=q_idx,
+                                           return_policy=True).aux["layers"][0]
+    q, kk, _ = layer_qkv(BASE, strip_kvpop(config, params)[1], ids, 0)
+    q, kk = np.asarray(q, np.float64)[0], np.asarray(kk, np.float64)[0]  # [S, Hq, D], [S, Hkv, D]
+    log_gamma = np.asarray(layer["log_gamma"], np.float64)
+    scores = np.asarray(layer["scores"], np.float64)[0]
+    target = np.asarray(layer["target"])[0]
+    pos = np.arange(seq)
+    for h in range(hkv):
+        ranks, kept = _np_policy(scores[h] - pos * log_gamma[h], s, w, k)
+        np.testing.assert_array_equal(np.asarray(layer["ranks"])[0, h], ranks)
+        mask = np.array([[t <= d and (t < s or d - t < w or t in kept[d]) for t in pos] for d in pos])
+        mass = []
+        for j in range(g):
+            logits = q[:, h * g + j] @ kk[:, h].T / np.sqrt(BASE.head_dim)  # [d, t]
+            lse = np.log(np.sum(np.where(mask, np.exp(logits), 0.0), axis=1))  # Eq. 9: the sparse pass's
+            np.testing.assert_allclose(np.asarray(layer["lse"])[0, h * g + j], lse, rtol=1e-5, atol=1e-5)
+            future = pos[:, None] >= pos[None, :] + w
+            m = np.sum(np.where(future, np.exp(logits - lse[:, None]), 0.0), axis=0)
+            mass.append(m / np.maximum(1, seq - (pos + w)))  # Eq. 2
+        np.testing.assert_allclose(target[h], np.log(kv.eps + np.max(mass, axis=0)), rtol=1e-5, atol=1e-5)  # Eq. 3
+        t_ranks, t_kept = _np_policy(target[h].astype(np.float64) - pos * log_gamma[h], s, w, k)
+        np.testing.assert_array_equal(np.asarray(layer["teacher_ranks"])[0, h], t_ranks)
+        bnd = jax.tree.map(lambda x: np.asarray(x)[0, h], layer["boundary"])
+        for qq in range(kv.budget, seq):
+            assert bnd.valid[qq] and bnd.t_new[qq] == qq - w
+            assert bnd.y[qq] == (1.0 if qq - w in t_kept[qq] else -1.0), (h, qq)
+            assert bnd.t_bnd[qq] == sorted(range(s, qq - w), key=lambda t: t_ranks[t])[k - 1], (h, qq)
+
+
 def test_kvpop_rejects_segment_ids_and_dense_cache(rng):
     _, config, params = _models(KVpopConfig(sinks=1, window=2, topk=3), rng)
     ids = jnp.zeros((1, 8), jnp.int32) + 3
