@@ -292,6 +292,7 @@ def test_padding_tail_is_neither_query_nor_target(rng, options):
     ("listwise_queries", 300, "listwise_queries 300 exceeds num_query_samples 256"),
     ("listwise_temperature", 0.0, "listwise_temperature must be > 0, got 0.0"),
     ("regression_weight", -0.5, "regression_weight must be >= 0, got -0.5"),
+    ("decay_step", 2, "decay_step must be 1 (static priorities need n = 1), got 2"),  # DESIGN: only n = 1
 ])
 def test_retention_options_refuse_bad_values_by_name(field, value, message):
     """A typo in a retention option is refused with its name and value, not run as the default."""
