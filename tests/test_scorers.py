@@ -186,6 +186,24 @@ def test_weights_are_headwise(rng, kind):
     np.testing.assert_array_equal(moved[:, 1:], base[:, 1:])
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_stateless_scorers_match_numpy_definition(rng, kind):
+    """Eq. 36 per KV head on x = [k; v]: linear `w_h^T x + b_h`; MLP (Sec. 3.3) two layers with SiLU,
+    `w2_h^T SiLU(W1_h x + b1_h) + b2_h`."""
+    module = make_scorer(_config(scorer=kind), H, D)
+    k, v = _kv(rng, 7)
+    variables = _randomized(module, rng, k, v)
+    p = {n: np.asarray(x, np.float64) for n, x in variables["params"].items()}
+    x = np.concatenate([np.asarray(k, np.float64), np.asarray(v, np.float64)], -1)  # [B, S, H, 2D]
+    if kind == "linear":
+        want = np.einsum("bshi,hi->bhs", x, p["w"]) + p["b"][None, :, None]
+    else:
+        z = np.einsum("bshi,hie->bshe", x, p["w1"]) + p["b1"]
+        want = np.einsum("bshe,he->bhs", z / (1 + np.exp(-z)), p["w2"]) + p["b2"][None, :, None]
+    assert float(np.std(want)) > 1e-2
+    np.testing.assert_allclose(jax.jit(module.apply)(variables, k, v), want, rtol=1e-5, atol=1e-5)
+
+
 def test_make_scorer_and_shapes(rng):
     assert isinstance(make_scorer(_config(scorer="linear"), H, D), LinearScorer)
     assert isinstance(make_scorer(_config(scorer="mlp"), H, D), MLPScorer)
