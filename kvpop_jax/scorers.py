@@ -150,7 +150,8 @@ def mlstm_readout(state: MLSTMState, q: jax.Array) -> jax.Array:
 
     Denominator `max(|q^T n|, exp(-m))`, i.e. `max(|q^T n_true|, 1)` on the true state:
     the standard stabilized mLSTM normalizer, which also keeps an almost empty memory
-    from blowing up the first reads.
+    from blowing up the first reads. The floor is xLSTM's, not the paper's: its Eq. 41 (and
+    Eq. 10) divides by `q^T z` with no floor and no absolute value.
     """
     num = jnp.einsum("bhd,bhde->bhe", q, state.C)
     den = jnp.einsum("bhd,bhd->bh", q, state.n)
