@@ -444,3 +444,30 @@ def test_admission_keeps_the_top_k_by_priority_then_earlier_position_under_ties(
     got = np.asarray(cache.k[..., n - kv.topk:, :])
     pos = np.asarray(cache.pos[..., n - kv.topk:])
     np.testing.assert_array_equal(got, np.take_along_axis(keys, pos[..., None], axis=2))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_prefill_cache_keeps_the_top_k_of_the_last_query_by_priority_then_earlier_position(seed):
+    """`build_from_prefill` against a brute-force top k of E(P - 1) with integer priorities that tie often (DESIGN:
+    rank ties go to the smaller position, so a tie keeps the earlier token, as the decode's admission does): the
+    long-range slots hold exactly those tokens with their keys and priorities, the sinks and the window the rest."""
+    from kvpop_jax.cache import build_from_prefill
+
+    rng = np.random.default_rng(seed)
+    kv = KVpopConfig(sinks=2, window=3, topk=4)
+    b, h, d = 2, 3, 4
+    for p in (kv.sinks + kv.window + 2, 25):
+        k = rng.normal(size=(b, p, h, d)).astype(np.float32)
+        prio = rng.integers(0, 3, size=(b, h, p)).astype(np.float32)  # three levels: ties everywhere
+        lc = jax.jit(functools.partial(build_from_prefill, kv=kv))(jnp.asarray(k), jnp.asarray(k), jnp.asarray(prio))
+        pos, got_k, got_prio = np.asarray(lc.pos), np.asarray(lc.k), np.asarray(lc.priority)
+        lo = kv.sinks + kv.window
+        for i, j in np.ndindex(b, h):
+            want = sorted(range(kv.sinks, p - kv.window), key=lambda t: (-prio[i, j, t], t))[:kv.topk]
+            long_range = pos[i, j, lo:]
+            assert sorted(long_range[long_range >= 0]) == sorted(want), (p, i, j)
+            held = sorted(pos[i, j, :lo])
+            assert held == list(range(kv.sinks)) + list(range(p - kv.window, p)), (p, i, j)
+            for slot in np.flatnonzero(pos[i, j] >= 0):
+                np.testing.assert_array_equal(got_k[i, j, slot], k[i, pos[i, j, slot], j])
+                assert got_prio[i, j, slot] == prio[i, j, pos[i, j, slot]]
