@@ -1198,3 +1198,25 @@ def test_budgets_run_at_each_memory_given_and_an_export_run_at_another_memory_is
     run_accuracy(["kvpop-mlp"], swapped, str(bench), out_dir=str(tmp_path / "f"), budgets=(12,), **kw)
     assert f"; kvpop-mlp@10={export} under --budgets with 10 runs it as trained" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() or not (tmp_path / "e" / "accuracy.md").exists()
+
+
+def test_accuracy_command_samples_as_the_paper_by_default(tmp_path, monkeypatch):
+    """DESIGN (evaluation): pass@1 over 16 rollouts at temperature 0.6, top-p 0.95, top-k 20, min-p 0 unless told
+    otherwise: what `eval.main accuracy` hands `run_accuracy` when no flag names them."""
+    import eval.main as eval_main
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_run(methods, checkpoints, benchmarks, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(eval_main, "run_accuracy", fake_run)
+    with pytest.raises(Stop):
+        eval_main.cmd_accuracy(["--checkpoints", f"dense={tmp_path}", "--benchmark", "demo:reuse",
+                                "--out_dir", str(tmp_path / "out")])
+    assert seen["n_rollouts"] == 16
+    assert dataclasses.astuple(seen["sampling"]) == (0.6, 0.95, 20, 0.0)
