@@ -528,8 +528,8 @@ def load_tokenizer(directory: str | os.PathLike):
         # transformers 5 would otherwise build an empty tokenizer of the model type's class from
         # config.json alone, and every prompt would encode to nothing
         raise ValueError(f"no tokenizer in {directory}: none of {list(_LOADABLE)} is there")
-    try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:  # trust_remote_code=False: an auto_map in tokenizer_config.json is refused, never run (or asked about)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         raise ValueError(f"no tokenizer could be loaded from {directory}: {e}") from e
 

@@ -59,7 +59,8 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             os.fspath(directory), dtype=dtype, attn_implementation=ATTENTION_NAME if kvpop else "sdpa",
-            output_loading_info=True, **({} if device_map is None else {"device_map": device_map}))
+            output_loading_info=True, trust_remote_code=False,  # an auto_map in config.json is refused, never run
+            **({} if device_map is None else {"device_map": device_map}))
     finally:
         hf_logging.set_verbosity(verbosity)
     unexpected = sorted(k for k in info["unexpected_keys"] if ".self_attn.kvpop." not in k)

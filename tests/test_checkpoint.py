@@ -644,3 +644,23 @@ def test_an_unreadable_max_window_layers_is_refused_not_guessed():
               num_key_value_heads=2, head_dim=4, use_sliding_window=True, sliding_window=8, max_window_layers="2")
     with pytest.raises(ValueError, match="max_window_layers='2'"):
         Qwen3Config.from_hf(hf)
+
+
+def test_a_tokenizer_naming_custom_code_is_refused_without_running_it(tmp_path, monkeypatch):
+    """An `auto_map` in tokenizer_config.json names Python files of the folder: transformers asked on
+    stdin whether to run them, and a "y" ran them. Nothing runs code from a checkpoint: refused, unasked."""
+    from demo.tokenizer import save_tokenizer
+    from kvpop_jax.checkpoint import load_tokenizer
+
+    save_tokenizer(tmp_path)
+    ran = tmp_path / "ran"
+    (tmp_path / "custom.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"
+                                        "from transformers import PreTrainedTokenizerFast\n\n\n"
+                                        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": [None, "custom.CustomTokenizer"]})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("builtins.input", lambda prompt="": "y")  # what a user at the prompt might answer
+    with pytest.raises(ValueError, match="no tokenizer could be loaded from .*custom code"):
+        load_tokenizer(tmp_path)
+    assert not ran.exists()

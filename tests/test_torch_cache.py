@@ -226,6 +226,25 @@ def test_an_export_that_lost_its_settings_or_holds_nan_scorers_is_refused(tmp_pa
             load(tmp_path)
 
 
+def test_an_export_naming_custom_code_is_refused_without_running_it(tmp_path, rng, monkeypatch):
+    """config.json's `auto_map` (with a model_type transformers does not know) names Python files of the
+    folder: transformers asked on stdin whether to run them, and a "y" ran them. Refused, unasked."""
+    kvpop_export(tmp_path, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    ran = tmp_path / "ran"
+    (tmp_path / "custom.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"
+                                        "from transformers import Qwen3Config, Qwen3ForCausalLM\n\n\n"
+                                        "class CustomConfig(Qwen3Config):\n    model_type = 'custom_qwen3'\n\n\n"
+                                        "class CustomModel(Qwen3ForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="custom_qwen3",
+                  auto_map={"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("builtins.input", lambda prompt="": "y")  # what a user at the prompt might answer
+    with pytest.raises(ValueError, match="custom code"):
+        kvpop_torch.load(tmp_path)
+    assert not ran.exists()
+
+
 def test_a_corrupt_weights_file_is_named(tmp_path, rng):
     import kvpop_torch
     from kvpop_torch.checkpoint import load_heads
