@@ -153,6 +153,10 @@ def _weight_files(path: str) -> dict[str, str]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
             raise ValueError(f"corrupt safetensors index {index!r}: weight_map must map tensor names to shard "
                              "file names")
+        elsewhere = sorted({fn for fn in weight_map.values() if os.path.basename(fn) != fn or fn in (".", "..")})
+        if elsewhere:  # "../x.safetensors", "/abs/x.safetensors": the folder must not send us to read other files
+            raise ValueError(f"corrupt safetensors index {index!r}: shard {elsewhere[0]!r} is not a file name in "
+                             f"{path!r} (an index names the shards beside it)")
         files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
         for fn in sorted(set(files.values())):
             if not os.path.isfile(fn):

@@ -664,3 +664,20 @@ def test_a_tokenizer_naming_custom_code_is_refused_without_running_it(tmp_path, 
     with pytest.raises(ValueError, match="no tokenizer could be loaded from .*custom code"):
         load_tokenizer(tmp_path)
     assert not ran.exists()
+
+
+@pytest.mark.parametrize("elsewhere", ["../outside.safetensors", "ABSOLUTE"])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(hf_checkpoint, tmp_path, elsewhere):
+    """An untrusted index sent the loader to read any file ('../x', an absolute path) as a shard."""
+    from safetensors.numpy import load_file
+
+    path, _ = hf_checkpoint("g2_untied")
+    outside = os.path.join(os.path.dirname(path), "outside.safetensors")
+    os.replace(os.path.join(path, "model.safetensors"), outside)
+    shard = outside if elsewhere == "ABSOLUTE" else elsewhere
+    weight_map = {name: shard for name in load_file(outside)}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    for load in (load_pretrained, check_checkpoint):
+        with pytest.raises(ValueError, match=f"shard '{shard}' is not a file name in"):
+            load(path)

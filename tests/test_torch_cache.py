@@ -245,6 +245,21 @@ def test_an_export_naming_custom_code_is_refused_without_running_it(tmp_path, rn
     assert not ran.exists()
 
 
+def test_an_index_naming_a_shard_outside_the_export_is_refused(tmp_path, rng):
+    """An untrusted index sent load_heads to read a file outside the folder as the scorers' shard."""
+    from kvpop_torch.checkpoint import load_heads
+    from safetensors.torch import load_file
+
+    export = tmp_path / "export"
+    kvpop_export(export, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    os.replace(export / "model.safetensors", tmp_path / "outside.safetensors")
+    weight_map = {name: "../outside.safetensors" for name in load_file(tmp_path / "outside.safetensors")}
+    (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for load in (load_heads, kvpop_torch.load):  # (transformers 5 refuses it too, in its own words)
+        with pytest.raises(ValueError, match="shard '../outside.safetensors' is not a file name in"):
+            load(export)
+
+
 def test_a_corrupt_weights_file_is_named(tmp_path, rng):
     import kvpop_torch
     from kvpop_torch.checkpoint import load_heads
