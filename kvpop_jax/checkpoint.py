@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -181,6 +182,7 @@ def _open(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
+STORED_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # a stored tensor's layer (a base Qwen3Model's too)
 NAMES_SHOWN = 8  # tensor names an error lists before counting the rest (a 36-layer mismatch is 400 names)
 
 
@@ -193,6 +195,12 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     """(name map, expected abstract params, open handles) after checking the files' headers
     against the config: the same tensor names (a tied lm_head may be stored), each of the shape
     config.json implies. Reads no tensor data."""
+    # The layer count first: the expected params are built per layer, and a hostile num_hidden_layers
+    # (1e9) would take hours and gigabytes before any name was compared.
+    layers = {int(m.group(1)) for m in map(STORED_LAYER.match, files) if m}
+    if len(layers) != config.num_hidden_layers:
+        raise ValueError(f"checkpoint {path!r} does not match the config: config.json has num_hidden_layers="
+                         f"{config.num_hidden_layers}, the weights hold {len(layers)} layers")
     expected = traverse_util.flatten_dict(abstract_params(config, dtype), sep="/")
     names = name_map(config, expected)
     file_names = set(files)
@@ -208,7 +216,10 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     handles = {fn: _open(fn) for fn in sorted(set(files.values()))}
     for hf_name, (param_path, kind) in names.items():
         want = expected[param_path]
-        hf_shape = tuple(TRANSFORMS[kind][1](np.empty(want.shape, np.int8), config).shape)
+        try:  # the transform of a zero-memory view: nothing allocated, whatever sizes config.json names
+            hf_shape = tuple(TRANSFORMS[kind][1](np.broadcast_to(np.int8(0), want.shape), config).shape)
+        except ValueError:  # over 2**63 elements: a shape no file holds
+            hf_shape = want.shape
         try:
             shape = tuple(handles[files[hf_name]].get_slice(hf_name).get_shape())
         except (SafetensorError, OSError, ValueError) as e:

@@ -25,10 +25,15 @@ DEFAULT_HF_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json 
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+MAX_SIZE = 2**31 - 1  # sizes and counts: JAX indexes, and traces shapes, with int32
+
+
 def _require_positive(cls_name: str, **values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
+        if value > MAX_SIZE:  # else an OverflowError traceback from deep inside jax, naming no field
+            raise ValueError(f"{cls_name}.{name} must be at most 2**31 - 1 (JAX's int32 indices), got {value!r}")
 
 
 def _require_bools(obj: Any) -> None:
@@ -389,6 +394,9 @@ class KVpopConfig:
             minimum, why = (1, " (the newest token is always kept)") if name == "window" else (0, "")
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= {minimum}{why}, got {value!r}")
+            if value > MAX_SIZE:
+                raise ValueError(f"KVpopConfig.{name} must be at most 2**31 - 1 (JAX's int32 indices), "
+                                 f"got {value!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"KVpopConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
         if self.aggregate not in AGGREGATIONS:

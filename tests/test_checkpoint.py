@@ -681,3 +681,23 @@ def test_an_index_naming_a_shard_outside_its_folder_is_refused(hf_checkpoint, tm
     for load in (load_pretrained, check_checkpoint):
         with pytest.raises(ValueError, match=f"shard '{shard}' is not a file name in"):
             load(path)
+
+
+def test_hostile_sizes_in_config_json_are_named_before_anything_is_built(hf_checkpoint):
+    """An untrusted config.json is held to the weights before the expected params are built from it: a
+    huge num_hidden_layers built them layer by layer (hours, gigabytes) before naming the missing tensors,
+    a huge width allocated its shape (a MemoryError traceback), and a size past int32 was an OverflowError
+    traceback from inside jax naming no field."""
+    path, _ = hf_checkpoint("g2_untied")
+    with open(os.path.join(path, "config.json")) as f:
+        original = json.load(f)
+    cases = [({"num_attention_heads": 2**30}, r"shape mismatch for tensor 'model.layers.0.self_attn.[qo]_proj.weight'"
+                                              r": expected \(.*34359738368.*\) from config.json"),
+             ({"num_hidden_layers": 1000}, "config.json has num_hidden_layers=1000, the weights hold 2 layers"),
+             ({"vocab_size": 10**12}, r"Qwen3Config.vocab_size must be at most 2\*\*31 - 1"),
+             ({"kvpop": {"topk": 10**12}}, r"KVpopConfig.topk must be at most 2\*\*31 - 1")]
+    for change, message in cases:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**original, **change}, f)
+        with pytest.raises(ValueError, match=message):
+            check_checkpoint(path)
