@@ -149,7 +149,7 @@ def _weight_files(path: str) -> dict[str, str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"corrupt safetensors index {index!r}: {type(e).__name__}: {e}") from e
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
             raise ValueError(f"corrupt safetensors index {index!r}: weight_map must map tensor names to shard "
@@ -585,7 +585,7 @@ def _generation_config(directory: str | os.PathLike) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{path} is not a JSON file: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")

@@ -88,6 +88,8 @@ def hf_layer_types(hf: Mapping[str, Any]) -> list[str]:
     `sliding_window` are set. So `use_sliding_window: true` with every layer below max_window_layers is
     full attention everywhere."""
     if hf.get("layer_types") is not None:
+        if not isinstance(hf["layer_types"], list):
+            return ["unreadable layer_types"]  # refused, naming it (list(5) was a TypeError naming nothing)
         return list(hf["layer_types"])
     layers = hf.get("num_hidden_layers")
     if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None or not isinstance(layers, int):
@@ -187,7 +189,7 @@ class Qwen3Config:
             with open(path) as f:
                 try:
                     source = json.load(f)
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # binary, nested 100000 deep
                     raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from e
             where = f"config.json at {path!r}"
             if not isinstance(source, Mapping):

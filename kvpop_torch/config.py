@@ -133,7 +133,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path) as f:
             config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"config.json at {path!r} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"config.json at {path!r} is not a JSON object (got {type(config).__name__})")

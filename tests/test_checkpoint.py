@@ -701,3 +701,18 @@ def test_hostile_sizes_in_config_json_are_named_before_anything_is_built(hf_chec
             json.dump({**original, **change}, f)
         with pytest.raises(ValueError, match=message):
             check_checkpoint(path)
+
+
+def test_a_config_json_that_is_binary_nested_too_deep_or_has_odd_layer_types_is_named(tmp_path):
+    """Each was a bare traceback naming no file (UnicodeDecodeError, RecursionError, TypeError: 'int'
+    object is not iterable)."""
+    path = tmp_path / "config.json"
+    for content, message in ((b"\xff\xfe{}", "is not valid JSON: 'utf-8' codec"),
+                             (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON: maximum recursion depth")):
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=f"config.json at .*config.json' {message}"):
+            Qwen3Config.from_hf(tmp_path)
+    hf = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=4, layer_types=5)
+    with pytest.raises(ValueError, match="unsupported sliding-window layers .*layer_types=5"):
+        Qwen3Config.from_hf(hf)
