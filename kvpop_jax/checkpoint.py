@@ -182,6 +182,7 @@ def _open(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
+STORED_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the weights' dtypes we read
 STORED_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # a stored tensor's layer (a base Qwen3Model's too)
 NAMES_SHOWN = 8  # tensor names an error lists before counting the rest (a 36-layer mismatch is 400 names)
 
@@ -221,12 +222,17 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
         except ValueError:  # over 2**63 elements: a shape no file holds
             hf_shape = want.shape
         try:
-            shape = tuple(handles[files[hf_name]].get_slice(hf_name).get_shape())
+            stored = handles[files[hf_name]].get_slice(hf_name)
+            shape, stored_dtype = tuple(stored.get_shape()), stored.get_dtype()
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"corrupt safetensors file {files[hf_name]!r} reading {hf_name!r}: {e}") from e
         if shape != hf_shape:
             raise ValueError(f"checkpoint {path!r}: shape mismatch for tensor {hf_name!r}: expected {hf_shape} "
                              f"from config.json, got {shape}")
+        if stored_dtype not in STORED_FLOAT_DTYPES:  # int8, bool: cast silently; F8: numpy cannot read it
+            raise ValueError(f"checkpoint {path!r}: tensor {hf_name!r} is stored as {stored_dtype}; expected one of "
+                             f"{STORED_FLOAT_DTYPES} (a quantized checkpoint's weights need scales kvpop-jax does not "
+                             "read: load the unquantized model)")
     return names, expected, handles
 
 

@@ -716,3 +716,18 @@ def test_a_config_json_that_is_binary_nested_too_deep_or_has_odd_layer_types_is_
               num_key_value_heads=2, head_dim=4, layer_types=5)
     with pytest.raises(ValueError, match="unsupported sliding-window layers .*layer_types=5"):
         Qwen3Config.from_hf(hf)
+
+
+def test_a_weight_stored_as_an_integer_bool_or_float8_is_refused_by_name(hf_checkpoint):
+    """int8 / bool weights of the right name and shape were cast to float silently (a quantized tensor
+    without its scale), float8 ones a bare AttributeError from numpy."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = hf_checkpoint("g2_untied")
+    fn = os.path.join(path, "model.safetensors")
+    weights = load_file(fn)
+    for dtype, stored in ((torch.int8, "I8"), (torch.bool, "BOOL"), (torch.float8_e4m3fn, "F8_E4M3")):
+        save_file({**weights, "model.norm.weight": weights["model.norm.weight"].to(dtype)}, fn)
+        for load in (load_pretrained, check_checkpoint):
+            with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' is stored as {stored}; expected one of"):
+                load(path)
