@@ -88,8 +88,6 @@ def hf_layer_types(hf: Mapping[str, Any]) -> list[str]:
     `sliding_window` are set. So `use_sliding_window: true` with every layer below max_window_layers is
     full attention everywhere."""
     if hf.get("layer_types") is not None:
-        if not isinstance(hf["layer_types"], list):
-            return ["unreadable layer_types"]  # refused, naming it (list(5) was a TypeError naming nothing)
         return list(hf["layer_types"])
     layers = hf.get("num_hidden_layers")
     if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None or not isinstance(layers, int):
@@ -230,6 +228,9 @@ class Qwen3Config:
             rope_theta = rope["rope_theta"]
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
             raise ValueError(f"{where}: rope_theta must be a number, got {rope_theta!r}")
+        if hf.get("layer_types") is not None and not isinstance(hf["layer_types"], list):  # list(5): a TypeError
+            raise ValueError(f"{where}: layer_types must be a list of each layer's attention, got "
+                             f"{hf['layer_types']!r}")
         if any(t != "full_attention" for t in hf_layer_types(hf)):
             raise ValueError(
                 f"unsupported sliding-window layers (use_sliding_window={hf.get('use_sliding_window')!r}, "

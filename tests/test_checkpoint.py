@@ -714,7 +714,7 @@ def test_a_config_json_that_is_binary_nested_too_deep_or_has_odd_layer_types_is_
             Qwen3Config.from_hf(tmp_path)
     hf = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=4, layer_types=5)
-    with pytest.raises(ValueError, match="unsupported sliding-window layers .*layer_types=5"):
+    with pytest.raises(ValueError, match="layer_types must be a list of each layer's attention, got 5"):
         Qwen3Config.from_hf(hf)
 
 
