@@ -566,9 +566,14 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:
     """`content` as one user turn of the tokenizer's chat template, with the assistant's opening: its
-    token ids. transformers 5 returns a BatchEncoding by default, 4 a list of ids: both asked for the dict."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
+    token ids. transformers 5 returns a BatchEncoding by default, 4 a list of ids: both asked for the dict.
+    A template that fails (its own `raise_exception`, or an attribute the sandbox refuses) is named."""
+    try:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+    except Exception as e:  # jinja2's TemplateError and SecurityError: tracebacks through eval.main, naming nothing
+        raise ValueError(f"the tokenizer's chat template failed on the prompt ({type(e).__name__}: {e})") from e
+    return list(encoded["input_ids"])
 
 
 GENERATION_CONFIG = "generation_config.json"

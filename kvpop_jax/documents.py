@@ -242,7 +242,11 @@ def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
     # Arrow gives every message every key seen in the column; drop the absent (None) ones.
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as e:  # a template's raise_exception ("roles must alternate"): a traceback naming no row
+            raise ValueError(f"the tokenizer's chat template failed on the messages of field {spec.fields[0]!r} "
+                             f"({type(e).__name__}: {e}): {str(messages)[:80]!r}...") from e
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
 

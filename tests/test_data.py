@@ -193,6 +193,20 @@ def test_messages_use_chat_template(tmp_path):
     assert doc == tokenizer("u:a+b\na:c0\n")["input_ids"] + [tokenizer.eos_token_id]
 
 
+def test_a_chat_template_that_fails_is_named_with_its_row(tmp_path):
+    """A template's own raise_exception (Qwen-style "roles must alternate") and an attribute jinja's sandbox
+    refuses were tracebacks from deep in the data pipeline, naming neither the field nor the row."""
+    tokenizer = build_tokenizer()
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT, "text_len": 1}])
+    for template, why in (("{% if messages[0]['role'] == 'user' %}{{ raise_exception('roles must alternate') }}"
+                           "{% endif %}", "roles must alternate"),
+                          ("{{ messages.__class__.__mro__ }}", "SecurityError: access to attribute '__class__'")):
+        tokenizer.chat_template = template
+        with pytest.raises(ValueError, match=rf"chat template failed on the messages of field 'messages' \(.*{why}"
+                                             r".*\): \"\[\{'role': 'user', 'content': 'a\+b'\}"):
+            list(load_documents(config(tmp_path, data).documents, tokenizer))
+
+
 def test_messages_without_template_and_prompt_fields(tmp_path):
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     assert list(load_documents(config(tmp_path, chat).documents, build_tokenizer())) == ["user: a+b\nassistant: c0\n"]

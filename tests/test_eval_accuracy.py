@@ -1101,6 +1101,15 @@ def test_cli_generate_wraps_a_prompt_in_the_chat_template(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--checkpoint", dense, "--prompt_ids", "1,5", "--chat_template"])
     assert exit_info.value.code == 2 and "--chat_template needs --prompt or --prompt_file" in capsys.readouterr().err
+    # a template that fails (its raise_exception; an attribute the sandbox refuses) was a traceback
+    for template, why in (("{{ raise_exception('no system turn') }}", "TemplateError: no system turn"),
+                          ("{{ messages.__class__.__mro__ }}", "SecurityError: access to attribute '__class__'")):
+        tok.chat_template = template
+        tok.save_pretrained(dense)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--checkpoint", dense, "--prompt", "x3", "--chat_template"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"chat template failed on the prompt ({why}" in err, err
 
 
 def test_accuracy_help_shows_the_paper_defaults(capsys):
