@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -20,6 +21,8 @@ from kvpop_torch.scorers import KVpopHead
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 KVPOP_PREFIX = "model.layers.{i}.self_attn.kvpop."
+STORED_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a stored tensor's layer
+SCORER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # read as float32
 
 
 def open_safetensors(filename: str):
@@ -30,11 +33,18 @@ def open_safetensors(filename: str):
         raise ValueError(f"corrupt safetensors file {filename!r}: {e}") from e
 
 
-def check_weights(directory: str | os.PathLike) -> None:
-    """Every safetensors file of the export opens (its header parses and covers the file)."""
-    for filename in sorted(set(weight_files(directory).values())):
+def check_weights(directory: str | os.PathLike, config: dict) -> None:
+    """Every safetensors file of the export opens (its header parses and covers the file), and its layers are
+    config.json's `num_hidden_layers`: transformers builds every layer first, so a hostile 1e5 took minutes and
+    gigabytes before it named a missing weight."""
+    files = weight_files(directory)
+    for filename in sorted(set(files.values())):
         with open_safetensors(filename):
             pass
+    stored = {int(m.group(1)) for m in map(STORED_LAYER.match, files) if m}
+    if config.get("num_hidden_layers") != len(stored):
+        raise ValueError(f"{os.fspath(directory)!r} does not match its config: config.json has num_hidden_layers="
+                         f"{config.get('num_hidden_layers')!r}, the weights hold {len(stored)} layers")
 
 
 def weight_files(directory: str | os.PathLike) -> dict[str, str]:
@@ -96,6 +106,9 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         for name in (n for n in files if n.startswith(prefix)):
             with open_safetensors(files[name]) as f:
                 state[name[len(prefix):]] = f.get_tensor(name)
+            if state[name[len(prefix):]].dtype not in SCORER_DTYPES:  # load_state_dict cast int8 and bool silently
+                raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} is stored as "
+                                 f"{state[name[len(prefix):]].dtype}; expected a float dtype {SCORER_DTYPES}")
             if not torch.isfinite(state[name[len(prefix):]]).all():  # a NaN scorer keeps the oldest tokens
                 raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} holds NaN or infinite values")
         head = KVpopHead(settings, heads_kv, head_dim, rope_theta=rope_theta)

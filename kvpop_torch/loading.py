@@ -35,6 +35,13 @@ def check_device(device) -> torch.device:
     return dev
 
 
+NAMES_SHOWN = 8  # tensor names an error lists before counting the rest (a 36-layer mismatch is 400 names)
+
+
+def _shown(names: list) -> str:
+    return str(names[:NAMES_SHOWN]) + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else "")
+
+
 def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device=None, device_map=None):
     """(model, make_cache) for an export: `model.generate(ids, cache=make_cache(), ...)`.
 
@@ -51,7 +58,7 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
     if device is not None:
         check_device(device)
     config = read_config(directory)
-    check_weights(directory)  # a corrupt file named here, not as a bare SafetensorError from transformers
+    check_weights(directory, config)  # a corrupt file named here, not a bare SafetensorError from transformers
     kvpop = bool(config.get("kvpop"))
     # The kvpop tensors are ours, not the model's: load quietly, then report anything else.
     verbosity = hf_logging.get_verbosity()
@@ -70,8 +77,9 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
                          "config.json has no 'kvpop' settings: restore them (the export's config.json as written), "
                          "or load a dense checkpoint")
     if info["missing_keys"] or info["mismatched_keys"] or unexpected:
-        raise ValueError(f"{os.fspath(directory)!r} does not match its config: missing {sorted(info['missing_keys'])}, "
-                         f"mismatched {info['mismatched_keys']}, unexpected {unexpected}")
+        raise ValueError(f"{os.fspath(directory)!r} does not match its config: missing "
+                         f"{_shown(sorted(info['missing_keys']))}, mismatched {_shown(list(info['mismatched_keys']))}, "
+                         f"unexpected {_shown(unexpected)}")
     model = model.to(device).eval() if device is not None else model.eval()
     if not kvpop:
         return model, lambda: DynamicCache(config=model.config)

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -220,10 +221,11 @@ def test_an_export_that_lost_its_settings_or_holds_nan_scorers_is_refused(tmp_pa
     tensors[name] = torch.ones_like(tensors[name])
     tensors[name.replace("layers.0.", "layers.5.").replace("layers.1.", "layers.5.")] = tensors[name].clone()
     save_file(tensors, weights, metadata={"format": "pt"})
-    for load in (kvpop_torch.load, load_heads):
-        with pytest.raises(ValueError, match=r"KVpop tensors of layers its config.json does not have "
-                                             r"\(num_hidden_layers=2\): \['model.layers.5.self_attn.kvpop"):
-            load(tmp_path)
+    with pytest.raises(ValueError, match=r"KVpop tensors of layers its config.json does not have "
+                                         r"\(num_hidden_layers=2\): \['model.layers.5.self_attn.kvpop"):
+        load_heads(tmp_path)
+    with pytest.raises(ValueError, match=r"config.json has num_hidden_layers=2, the weights hold 3 layers"):
+        kvpop_torch.load(tmp_path)  # (before transformers builds the model)
 
 
 def test_an_export_naming_custom_code_is_refused_without_running_it(tmp_path, rng, monkeypatch):
@@ -258,6 +260,35 @@ def test_an_index_naming_a_shard_outside_the_export_is_refused(tmp_path, rng):
     for load in (load_heads, kvpop_torch.load):  # (transformers 5 refuses it too, in its own words)
         with pytest.raises(ValueError, match="shard '../outside.safetensors' is not a file name in"):
             load(export)
+
+
+def test_an_export_with_other_layers_or_integer_scorers_is_refused_by_name(tmp_path, rng):
+    """A hostile num_hidden_layers (1e5) kept transformers building layers for minutes before it named a missing
+    weight; scorer tensors stored as int8 or bool were cast to float by load_state_dict without a word."""
+    from kvpop_torch.checkpoint import load_heads
+    from safetensors.torch import load_file, save_file
+
+    export = tmp_path / "export"
+    kvpop_export(export, BASE, KVpopConfig(scorer="mlp", sinks=1, window=3, topk=4), rng)
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+    with pytest.raises(ValueError, match=r"does not match its config: config.json has num_hidden_layers=100000, "
+                                         r"the weights hold 2 layers"):
+        kvpop_torch.load(export)
+    (export / "config.json").write_text(json.dumps(config))
+    tensors = load_file(export / "model.safetensors")
+    gone = sorted(n for n in tensors if n.startswith("model.layers.1.") and ".kvpop." not in n)  # 11 base weights
+    save_file({n: t for n, t in tensors.items() if n not in gone}, export / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"does not match its config: missing \[{re.escape(repr(gone[0]))}.*\] and "
+                                         rf"{len(gone) - 8} more, mismatched \[\], unexpected \[\]$"):
+        kvpop_torch.load(export)  # (the whole list ran to 50 MB for 1e5 layers)
+    scorer = next(name for name in tensors if ".self_attn.kvpop." in name and tensors[name].ndim > 1)
+    for dtype in (torch.int8, torch.bool):
+        save_file({**tensors, scorer: tensors[scorer].to(dtype)}, export / "model.safetensors",
+                  metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=rf"KVpop tensor '{scorer}' is stored as {dtype}; expected a float"):
+            load_heads(export)
 
 
 def test_a_corrupt_weights_file_is_named(tmp_path, rng):
