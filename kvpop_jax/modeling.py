@@ -319,6 +319,8 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids: expected an integer array [batch, seq]; got {type(input_ids).__name__} "
                              f"of shape {np.shape(input_ids)} and dtype {dtype}")
         b, s = input_ids.shape
+        if b == 0 or s == 0:  # each path failed on its own terms ("index can't contain negative values": mLSTM)
+            raise ValueError(f"input_ids has shape {(b, s)}: expected at least one row of at least one token")
         for name, value in (("positions", positions), ("segment_ids", segment_ids)):
             if value is not None and tuple(np.shape(value)) != (b, s):
                 raise ValueError(f"{name} has shape {tuple(np.shape(value))}; input_ids is {(b, s)} and {name} "

@@ -45,6 +45,18 @@ def test_infinite_budget_equals_dense(rng, scorer):
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=1e-5, rtol=0)
 
 
+def test_an_empty_input_is_refused_by_shape_on_every_path(rng):
+    """Each path failed on its own terms: "need at least one row, query and key" (dense), "ranks must have
+    shape [..., S] with S >= 1" (MLP), "index can't contain negative values" (mLSTM)."""
+    for kvpop in (None, KVpopConfig(sinks=1, window=3, topk=4, scorer="mlp"),
+                  KVpopConfig(sinks=1, window=3, topk=4, scorer="mlstm", mlstm_chunk=8)):
+        base, config, params = _models(kvpop, rng) if kvpop else (init_params(BASE, jax.random.key(0)), BASE, None)
+        for shape in ((1, 0), (0, 5)):
+            with pytest.raises(ValueError, match=rf"input_ids has shape \({shape[0]}, {shape[1]}\): expected at "
+                                                 "least one row of at least one token"):
+                Qwen3ForCausalLM(config).apply({"params": params or base}, jnp.zeros(shape, jnp.int32))
+
+
 def test_finite_budget_changes_late_logits_only(rng):
     s, kv = 40, KVpopConfig(sinks=2, window=4, topk=5, scorer="mlp")
     base, config, params = _models(kv, rng)
