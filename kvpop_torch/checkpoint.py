@@ -21,7 +21,7 @@ from kvpop_torch.scorers import KVpopHead
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 KVPOP_PREFIX = "model.layers.{i}.self_attn.kvpop."
-STORED_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a stored tensor's layer
+STORED_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")  # a stored tensor's layer (a base Qwen3Model's too)
 SCORER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # read as float32
 
 

@@ -657,3 +657,18 @@ def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path, rng):
     cache.reset()
     with torch.no_grad():
         torch.testing.assert_close(model(ids, cache=cache).logits, model(ids, cache=make_cache()).logits)
+
+
+def test_a_base_qwen3model_checkpoint_with_tied_embeddings_still_loads(tmp_path):
+    """transformers loads a base `Qwen3Model`'s weights (`layers.0....`, no `model.` prefix) into the causal LM,
+    and a tied one needs no lm_head: the layer count before loading read its layers as 0 and refused it."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen3Config(**TINY_HF_CONFIGS["g1_tied"])
+    transformers.Qwen3Model(hf).save_pretrained(tmp_path)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
+        np.testing.assert_allclose(model(ids, past_key_values=make_cache()).logits, want, rtol=1e-5, atol=1e-5)
