@@ -235,7 +235,13 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
                          "name one with --split")
     paths = files[name]
     if not all(path.endswith(TEXT_SUFFIXES) for path in paths):  # parquet, arrow, ...
-        return list(datasets.load_dataset(source, split=name)), None
+        try:
+            return list(datasets.load_dataset(source, split=name)), None
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # DatasetGenerationError, ...: one line naming the folder, not a traceback
+            raise ValueError(f"benchmark folder {source!r}: `datasets` could not read its {name!r} split "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     rows, places = [], []
     for path in paths:
         file_rows = _text_file_rows(path)

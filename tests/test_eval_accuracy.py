@@ -630,6 +630,18 @@ def test_a_folder_of_split_files_is_read_as_its_files_are(tmp_path):
         load_benchmark(str(empty))
 
 
+def test_a_folder_datasets_cannot_read_is_one_line_naming_it(tmp_path):
+    """A split with a file that is not JSON or CSV (here a LICENSE) goes to `datasets`, whose
+    DatasetGenerationError (a CSV answer beyond int64) was a traceback through eval.main, naming no folder."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    (folder / "problems.csv").write_text("problem,answer\nx,98765432109876543210987\n")
+    (folder / "LICENSE").write_text("MIT\n")
+    with pytest.raises(ValueError, match=r"benchmark folder '.*bench': `datasets` could not read its 'train' split "
+                                         r"\(DatasetGenerationError: "):
+        load_benchmark(str(folder))
+
+
 def test_cli_generate_checks_its_seed_and_sampling_before_the_weights_load(tmp_path, capsys, monkeypatch):
     """--seed past int64 was a bare OverflowError from jax.random.key after the weights had loaded; a bad
     --top_p too was refused only then. Both are one line now, before `load_pretrained` runs."""
