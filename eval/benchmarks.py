@@ -218,7 +218,8 @@ def _text_file_rows(source: str) -> list:
 def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None]:
     """A local folder's records for one split, and where each row is (None: `datasets` read them). Its files are
     split as `datasets` splits them (test.csv, data/test-00000-of-00002.jsonl, ...; files whose names carry no
-    split are its one split, "train", read when no split is given). JSONL/JSON and CSV files are read as a single
+    split are its one split, "train", read when no split is given; a README.md whose YAML names `configs` is
+    `datasets`' to read, as it names the splits' files). JSONL/JSON and CSV files are read as a single
     such file is, each cell as written: `datasets` typed a CSV column, and an answer beyond int64 ended the run."""
     import datasets  # heavy: only for folders and non-text sources
 
@@ -229,12 +230,14 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     found = datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=source)
     files = {str(name): list(paths) for name, paths in found.items()}
     unnamed = patterns == datasets.data_files.DEFAULT_PATTERNS_ALL  # no file names a split
-    name = split or ("train" if unnamed else "test")
-    if name not in files:
+    card = os.path.join(source, "README.md")  # a dataset card: its YAML `configs` name each split's files
+    configured = _has_yaml_header(card) and bool(datasets.load.DatasetCard.load(card).data.get("configs"))
+    name = split or ("train" if unnamed and not configured else "test")
+    if not configured and name not in files:
         raise ValueError(f"benchmark folder {source!r} has no {name!r} split (its files make {sorted(files)}): "
                          "name one with --split")
-    paths = files[name]
-    if not all(path.endswith(TEXT_SUFFIXES) for path in paths):  # parquet, arrow, ...
+    paths = files.get(name, [])
+    if configured or not all(path.endswith(TEXT_SUFFIXES) for path in paths):  # parquet, arrow, ...
         try:
             return list(datasets.load_dataset(source, split=name)), None
         except (ValueError, FileNotFoundError):
@@ -248,6 +251,14 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
         rows += file_rows
         places += [f"{path!r} row {i}" for i in range(len(file_rows))]
     return rows, places
+
+
+def _has_yaml_header(path: str) -> bool:
+    """Whether `path` is a file that opens with a YAML block (`---`), as a dataset card with metadata does."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(3) == b"---"
 
 
 def _json_rows(source: str, text: str) -> list:

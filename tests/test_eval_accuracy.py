@@ -642,6 +642,21 @@ def test_a_folder_datasets_cannot_read_is_one_line_naming_it(tmp_path):
         load_benchmark(str(folder))
 
 
+def test_a_folder_whose_dataset_card_names_its_splits_is_read_as_datasets_reads_it(tmp_path):
+    """A hub dataset's clone names each split's files in its README's YAML `configs` (opencompass/AIME2025's
+    aime2025-I.jsonl is its test split): `datasets` reads the card, and reading the file names alone took the
+    folder's one split for "train" and refused --split test."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: test\n"
+                                      "    path: aime.jsonl\n---\n# AIME\n")
+    (folder / "aime.jsonl").write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": "2"}\n')
+    want = [dict(id="0", prompt="a", answer="1"), dict(id="1", prompt="b", answer="2")]
+    assert load_benchmark(str(folder)) == load_benchmark(str(folder), split="test") == want
+    with pytest.raises(ValueError, match=r"Unknown split \"train\""):
+        load_benchmark(str(folder), split="train")
+
+
 def test_cli_generate_checks_its_seed_and_sampling_before_the_weights_load(tmp_path, capsys, monkeypatch):
     """--seed past int64 was a bare OverflowError from jax.random.key after the weights had loaded; a bad
     --top_p too was refused only then. Both are one line now, before `load_pretrained` runs."""
