@@ -186,9 +186,9 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         if problem_id in seen:
             first = seen[problem_id]
             both = f"{source!r} rows {first} and {i}" if places is None else f"{places[first]} and {at}"
-            raise ValueError(f"{both} share the id {problem_id!r}: records and "
-                             "samples are keyed by it, so give each problem its own (a row without 'id' takes its "
-                             "row number)")
+            number = "row number" if places is None else "row number among the split's rows, file after file"
+            raise ValueError(f"{both} share the id {problem_id!r}: records and samples are keyed by it, so give "
+                             f"each problem its own (a row without 'id' takes its {number})")
         seen[problem_id] = i
         answer = str(row["answer"])
         if (final := reference_answer(answer)) is not None and not final:
@@ -222,6 +222,7 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     `datasets`' to read, as it names the splits' files). JSONL/JSON and CSV files are read as a single
     such file is, each cell as written: `datasets` typed a CSV column, and an answer beyond int64 ended the run."""
     import datasets  # heavy: only for folders and non-text sources
+    import huggingface_hub
 
     try:
         patterns = datasets.data_files.get_data_patterns(source)
@@ -231,7 +232,7 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     files = {str(name): list(paths) for name, paths in found.items()}
     unnamed = patterns == datasets.data_files.DEFAULT_PATTERNS_ALL  # no file names a split
     card = os.path.join(source, "README.md")  # a dataset card: its YAML `configs` name each split's files
-    configured = _has_yaml_header(card) and bool(datasets.load.DatasetCard.load(card).data.get("configs"))
+    configured = _has_yaml_header(card) and bool(huggingface_hub.DatasetCard.load(card).data.get("configs"))
     name = split or ("train" if unnamed and not configured else "test")
     if not configured and name not in files:
         raise ValueError(f"benchmark folder {source!r} has no {name!r} split (its files make {sorted(files)}): "

@@ -200,7 +200,7 @@ def _matched_tensors(path: str, config: Qwen3Config, files: dict[str, str], dtyp
     # (1e9) would take hours and gigabytes before any name was compared.
     layers = {int(m.group(1)) for m in map(STORED_LAYER.match, files) if m}
     if len(layers) != config.num_hidden_layers:
-        raise ValueError(f"checkpoint {path!r} does not match the config: config.json has num_hidden_layers="
+        raise ValueError(f"checkpoint {path!r} does not match the config: the config has num_hidden_layers="
                          f"{config.num_hidden_layers}, the weights hold {len(layers)} layers")
     expected = traverse_util.flatten_dict(abstract_params(config, dtype), sep="/")
     names = name_map(config, expected)

@@ -59,11 +59,12 @@ def weight_files(directory: str | os.PathLike) -> dict[str, str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            elsewhere = sorted({fn for fn in weight_map.values() if os.path.basename(fn) != fn or fn in (".", "..")})
+            elsewhere = sorted({repr(fn) for fn in weight_map.values()
+                                if not fn or os.path.basename(fn) != fn or fn in (".", "..")})
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ValueError(f"corrupt safetensors index {index!r}: {type(e).__name__}: {e}") from None
         if elsewhere:  # "../x.safetensors", "/abs/x.safetensors": the folder must not send us to read other files
-            raise ValueError(f"corrupt safetensors index {index!r}: shard {elsewhere[0]!r} is not a file name in "
+            raise ValueError(f"corrupt safetensors index {index!r}: shard {elsewhere[0]} is not a file name in "
                              f"{directory!r} (an index names the shards beside it)")
         return {n: os.path.join(directory, fn) for n, fn in weight_map.items()}
     single = os.path.join(directory, SINGLE_FILE)

@@ -693,7 +693,7 @@ def test_hostile_sizes_in_config_json_are_named_before_anything_is_built(hf_chec
         original = json.load(f)
     cases = [({"num_attention_heads": 2**30}, r"shape mismatch for tensor 'model.layers.0.self_attn.[qo]_proj.weight'"
                                               r": expected \(.*34359738368.*\) from config.json"),
-             ({"num_hidden_layers": 1000}, "config.json has num_hidden_layers=1000, the weights hold 2 layers"),
+             ({"num_hidden_layers": 1000}, "the config has num_hidden_layers=1000, the weights hold 2 layers"),
              ({"vocab_size": 10**12}, r"Qwen3Config.vocab_size must be at most 2\*\*31 - 1"),
              ({"kvpop": {"topk": 10**12}}, r"KVpopConfig.topk must be at most 2\*\*31 - 1")]
     for change, message in cases:

@@ -260,6 +260,9 @@ def test_an_index_naming_a_shard_outside_the_export_is_refused(tmp_path, rng):
     for load in (load_heads, kvpop_torch.load):  # (transformers 5 refuses it too, in its own words)
         with pytest.raises(ValueError, match="shard '../outside.safetensors' is not a file name in"):
             load(export)
+    (export / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "" for n in weight_map}}))
+    with pytest.raises(ValueError, match="shard '' is not a file name in"):  # was the folder itself, opened
+        load_heads(export)
 
 
 def test_an_export_with_other_layers_or_integer_scorers_is_refused_by_name(tmp_path, rng):
