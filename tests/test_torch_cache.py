@@ -674,4 +674,4 @@ def test_a_base_qwen3model_checkpoint_with_tied_embeddings_still_loads(tmp_path)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
-        np.testing.assert_allclose(model(ids, past_key_values=make_cache()).logits, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(model(ids, cache=make_cache()).logits, want, rtol=1e-5, atol=1e-5)
