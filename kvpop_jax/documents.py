@@ -114,6 +114,8 @@ def first_json_error(files: Sequence[str]) -> str | None:
                 blank = False
                 try:
                     record = json.loads(line)
+                except RecursionError:  # thousands of nested brackets: no training text, and no traceback either
+                    return f"{fn} line {number} nests its JSON too deep: {line.strip()[:80]!r}"
                 except json.JSONDecodeError as e:
                     if _extension(fn) == ".json":
                         whole = True  # perhaps one JSON document over many lines: parse it whole below
@@ -127,6 +129,8 @@ def first_json_error(files: Sequence[str]) -> str | None:
             try:
                 with open(fn, encoding="utf-8", errors="replace") as f:
                     json.load(f)
+            except RecursionError:
+                return f"{fn} nests its JSON too deep"
             except json.JSONDecodeError as e:
                 return f"{fn} line {e.lineno} is not valid JSON ({e.msg})"
     return None

@@ -140,6 +140,15 @@ def test_malformed_line_is_named_by_file_and_line_number(tmp_path, streaming):
         PackedBatchIterator(config(tmp_path, path, streaming=streaming), build_tokenizer())
 
 
+def test_json_nested_too_deep_is_named_by_file_and_line(tmp_path):
+    """A line of 100,000 nested brackets failed the readers, and then the search for the bad line with a
+    RecursionError traceback naming no file."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + '}\n{"text": "ab"}\n')
+    with pytest.raises(ValueError, match=r"deep.jsonl line 1 nests its JSON too deep"):
+        PackedBatchIterator(config(tmp_path, path), build_tokenizer())
+
+
 def test_empty_jsonl_is_a_clear_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"empty.jsonl is empty"):
