@@ -251,6 +251,10 @@ def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
         except Exception as e:  # a template's raise_exception ("roles must alternate"): a traceback naming no row
             raise ValueError(f"the tokenizer's chat template failed on the messages of field {spec.fields[0]!r} "
                              f"({type(e).__name__}: {e}): {str(messages)[:80]!r}...") from e
+    lacking = next((m for m in messages if "role" not in m or "content" not in m), None)
+    if lacking is not None:  # the `role: content` lines need both (a KeyError traceback named neither field nor row)
+        raise ValueError(f"text field {spec.fields[0]!r} holds a chat message without 'role' and 'content' "
+                         f"({str(lacking)[:60]!r}...), and the tokenizer has no chat template to render it")
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
 

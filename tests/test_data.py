@@ -225,6 +225,14 @@ def test_messages_without_template_and_prompt_fields(tmp_path):
     assert list(load_documents(config(tmp_path, qa, text_field="prompt+answer").documents)) == ["x1\n7", "q"]
 
 
+def test_messages_without_role_or_content_are_named(tmp_path):
+    """Without a chat template a message lacking `role` or `content` was a KeyError traceback naming no field."""
+    for message in ({"foo": "bar"}, {"role": "user"}, {"content": "hi"}):
+        data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": [message]}])
+        with pytest.raises(ValueError, match="text field 'messages' holds a chat message without 'role' and 'content'"):
+            list(load_documents(config(tmp_path, data).documents, build_tokenizer()))
+
+
 def test_a_null_first_row_does_not_make_chat_text_and_non_text_values_are_named(tmp_path):
     """A chat column whose first row was null was read as plain text: every later row trained on the
     Python repr of its message list. Lists and objects in a text field were stringified the same way."""
