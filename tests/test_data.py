@@ -149,6 +149,15 @@ def test_json_nested_too_deep_is_named_by_file_and_line(tmp_path):
         PackedBatchIterator(config(tmp_path, path), build_tokenizer())
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_invalid_utf8_is_named_by_file(tmp_path, streaming):
+    """Read up front, a line that is not UTF-8 was a bare UnicodeDecodeError naming no file (a stream named it)."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "ab"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"could not read .*latin1.jsonl: UnicodeDecodeError"):
+        next(PackedBatchIterator(config(tmp_path, path, streaming=streaming), build_tokenizer()))
+
+
 def test_empty_jsonl_is_a_clear_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"empty.jsonl is empty"):

@@ -134,7 +134,7 @@ class _InMemoryDocuments:
         self.tokens: list[np.ndarray] = []
         self.stats = Counter()
         bar = tqdm(total=len(ds), desc="tokenizing", unit="doc", disable=config.process_index != 0)
-        for chunk in chunks(ds, _TOKENIZE_CHUNK):
+        for chunk in chunks(checked_rows(config.documents, ds), _TOKENIZE_CHUNK):  # a bad row names its file
             texts = [t for t in (render(e, spec, tokenizer) for e in chunk) if t is not None]
             if len(texts) < len(chunk):
                 self.stats["no_text"] += len(chunk) - len(texts)
