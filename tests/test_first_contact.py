@@ -150,6 +150,17 @@ def test_a_recipe_run_from_outside_the_repo_root_says_where_nested_flagfiles_are
     assert f"working directory {tmp_path}: run from the repo root {REPO}" in first
 
 
+def test_a_flagfile_that_is_not_utf8_is_named_in_one_line(tmp_path):
+    """absl reads flagfiles as text; a binary one (or one saved as Latin-1) was a UnicodeDecodeError traceback."""
+    (tmp_path / "inner.flags").write_bytes(b"--steps=3  # \xe9t\xe9\n")
+    (tmp_path / "outer.flags").write_text(f"--flagfile={tmp_path / 'inner.flags'}\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "train.main", f"--flagfile={tmp_path / 'outer.flags'}", "--dry_run"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: the flagfile {tmp_path / 'inner.flags'} is not UTF-8 text ("), proc.stderr
+
+
 def test_an_unknown_variant_is_named_once(tmp_path):
     from train.config import FlagError
 

@@ -293,6 +293,19 @@ def parse_flags(argv):
                         f"working directory {os.getcwd()}: run from the repo root {REPO_ROOT}")
         print(f"error: {message}\nPass --helpfull to see every flag.", file=sys.stderr)
         sys.exit(2)
+    except UnicodeDecodeError as e:  # absl reads a flagfile as text: a binary or Latin-1 one was a traceback
+        print(f"error: the flagfile {_flagfile_being_read(e)} is not UTF-8 text ({e})", file=sys.stderr)
+        sys.exit(2)
+
+
+def _flagfile_being_read(error: BaseException) -> str:
+    """The file absl's flagfile reader had open when `error` was raised ('?' if none is found)."""
+    tb, name = error.__traceback__, "?"
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_get_flag_file_lines":
+            name = tb.tb_frame.f_locals.get("filename", name)
+        tb = tb.tb_next
+    return name
 
 
 def check_output_dir(path: str, flag: str, *, swapped: bool = False) -> None:
