@@ -269,6 +269,14 @@ def test_resume_check_names_each_changed_flag_with_old_and_new_values(tmp_path, 
         check_resume(saved, cfg, wider, "ckpt/2")
 
 
+def test_metrics_with_bytes_that_are_not_text_name_the_line(tmp_path, rng):
+    """Binary garbage in metrics.jsonl (disk trouble) stopped the resume with a UnicodeDecodeError traceback."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xc9' + rng.bytes(64).replace(b"\n", b"") + b'\n{"step": 2}\n')
+    with pytest.raises(FlagError, match=r"metrics.jsonl line 2 is not a metrics record"):
+        read_metrics(str(path), 2)
+
+
 def test_metrics_torn_last_line_is_dropped_and_a_bad_middle_line_named(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')

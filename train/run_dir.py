@@ -258,7 +258,7 @@ def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
     dropped (with a note); any other line that is not a JSON record is an error naming it."""
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are not text: a line named below
         lines = f.read().split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
