@@ -1052,3 +1052,14 @@ def test_gradient_accumulation_applies_the_mean_of_the_micro_batch_gradients(tmp
     assert sampled and all(kw["min_q"] == sc.model.kvpop.budget == 36 for kw in sampled)
     for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_damaged_demo_tokenizer_in_the_run_folder_is_named(tmp_path, arch):
+    """RUN_DIR/tokenizer (written once, then reused) with a torn tokenizer.json was a ValueError traceback."""
+    from train.setup import run_tokenizer
+
+    cfg = parse(tiny_flags(str(tmp_path / "run"), arch))
+    os.makedirs(tmp_path / "run" / "tokenizer")
+    (tmp_path / "run" / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with pytest.raises(FlagError, match=r"--tokenizer=demo: .*; delete .*run/tokenizer and the run writes it again"):
+        run_tokenizer(cfg, str(tmp_path / "init"))

@@ -127,7 +127,10 @@ def run_tokenizer(cfg: TrainConfig, init_dir: str):
             with fileio.staged_directory(path) as stage:
                 save_tokenizer(stage.path)
                 stage.written.update(os.listdir(stage.path))
-        return load_tokenizer(path), path
+        try:
+            return load_tokenizer(path), path
+        except ValueError as e:  # a damaged copy (disk trouble, an edit): a traceback before
+            raise FlagError(f"--tokenizer=demo: {e}; delete {path} and the run writes it again") from e
     path = cfg.tokenizer or init_dir
     try:
         return load_tokenizer(path), path
