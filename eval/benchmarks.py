@@ -23,6 +23,8 @@ import math
 import os
 import re
 
+import yaml
+
 from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, extract_answer, generate_dataset, make_config
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
@@ -222,7 +224,6 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     `datasets`' to read, as it names the splits' files). JSONL/JSON and CSV files are read as a single
     such file is, each cell as written: `datasets` typed a CSV column, and an answer beyond int64 ended the run."""
     import datasets  # heavy: only for folders and non-text sources
-    import huggingface_hub
 
     try:
         patterns = datasets.data_files.get_data_patterns(source)
@@ -232,7 +233,7 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     files = {str(name): list(paths) for name, paths in found.items()}
     unnamed = patterns == datasets.data_files.DEFAULT_PATTERNS_ALL  # no file names a split
     card = os.path.join(source, "README.md")  # a dataset card: its YAML `configs` name each split's files
-    configured = _has_yaml_header(card) and bool(huggingface_hub.DatasetCard.load(card).data.get("configs"))
+    configured = _card_names_configs(card)
     name = split or ("train" if unnamed and not configured else "test")
     if not configured and name not in files:
         raise ValueError(f"benchmark folder {source!r} has no {name!r} split (its files make {sorted(files)}): "
@@ -254,12 +255,20 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
     return rows, places
 
 
-def _has_yaml_header(path: str) -> bool:
-    """Whether `path` is a file that opens with a YAML block (`---`), as a dataset card with metadata does."""
+def _card_names_configs(path: str) -> bool:
+    """Whether `path` is a dataset card whose YAML header (between `---` lines) names `configs`, the files of
+    each split, which `datasets` reads; an unreadable header names none."""
     if not os.path.isfile(path):
         return False
-    with open(path, "rb") as f:
-        return f.read(3) == b"---"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if not text.startswith("---"):
+        return False
+    try:
+        meta = yaml.safe_load(text[3:].split("\n---", 1)[0])
+    except yaml.YAMLError:
+        return False
+    return isinstance(meta, dict) and bool(meta.get("configs"))
 
 
 def _json_rows(source: str, text: str) -> list:
