@@ -253,7 +253,7 @@ def render(example: dict, spec: TextSpec, tokenizer) -> str | None:
                              f"({type(e).__name__}: {e}): {str(messages)[:80]!r}...") from e
     lacking = next((m for m in messages if "role" not in m or "content" not in m), None)
     if lacking is not None:  # the `role: content` lines need both (a KeyError traceback named neither field nor row)
-        raise ValueError(f"text field {spec.fields[0]!r} holds a chat message without 'role' and 'content' "
+        raise ValueError(f"text field {spec.fields[0]!r} holds a chat message that lacks 'role' or 'content' "
                          f"({str(lacking)[:60]!r}...), and the tokenizer has no chat template to render it")
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 

@@ -238,7 +238,8 @@ def test_messages_without_role_or_content_are_named(tmp_path):
     """Without a chat template a message lacking `role` or `content` was a KeyError traceback naming no field."""
     for message in ({"foo": "bar"}, {"role": "user"}, {"content": "hi"}):
         data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": [message]}])
-        with pytest.raises(ValueError, match="text field 'messages' holds a chat message without 'role' and 'content'"):
+        with pytest.raises(ValueError, match="text field 'messages' holds a chat message that lacks 'role' or "
+                                             "'content'"):
             list(load_documents(config(tmp_path, data).documents, build_tokenizer()))
 
 
