@@ -145,21 +145,13 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
     elif not os.path.exists(source) and (os.path.splitext(source)[1] in LOCAL_SUFFIXES
                                          or source.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"benchmark {source!r}: no such file (a local path is never looked up on the hub)")
-    else:
-        import datasets  # heavy: only for non-JSONL sources
+    elif os.path.exists(source) and os.path.splitext(source)[1] == ".parquet":
+        import datasets  # heavy: only for non-text sources
 
-        ext = os.path.splitext(source)[1].lstrip(".")
-        if os.path.exists(source) and ext == "parquet":
-            rows = datasets.load_dataset(ext, data_files=source, split="train")
-        else:
-            try:
-                rows = datasets.load_dataset(source, split=split or "test")
-            except (ValueError, FileNotFoundError):
-                raise
-            except Exception as e:  # offline, no such dataset, gated: one line naming the source
-                raise ValueError(f"benchmark {source!r}: not a local file, and loading it as a hub dataset "
-                                 f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-        rows = [dict(r) for r in rows]
+        rows = [dict(r) for r in datasets.load_dataset("parquet", data_files=source, split="train")]
+    else:  # offline, no such dataset, gated: one line naming the source
+        rows = _datasets_rows(source, split or "test",
+                              f"benchmark {source!r}: not a local file, and loading it as a hub dataset failed")
     problems, seen = [], {}
     for i, row in enumerate(rows if limit is None else rows[:limit]):
         at = f"{source!r} row {i}" if places is None else places[i]  # a folder's rows are named by file
@@ -240,19 +232,28 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
                          "name one with --split")
     paths = files.get(name, [])
     if configured or not all(path.endswith(TEXT_SUFFIXES) for path in paths):  # parquet, arrow, ...
-        try:
-            return list(datasets.load_dataset(source, split=name)), None
-        except (ValueError, FileNotFoundError):
-            raise
-        except Exception as e:  # DatasetGenerationError, ...: one line naming the folder, not a traceback
-            raise ValueError(f"benchmark folder {source!r}: `datasets` could not read its {name!r} split "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        return _datasets_rows(source, name, f"benchmark folder {source!r}: `datasets` could not read its {name!r} "
+                                            "split"), None
     rows, places = [], []
     for path in paths:
         file_rows = _text_file_rows(path)
         rows += file_rows
         places += [f"{path!r} row {i}" for i in range(len(file_rows))]
     return rows, places
+
+
+def _datasets_rows(source: str, split: str, failed: str) -> list[dict]:
+    """`datasets.load_dataset(source, split=split)`'s rows. Its ValueError and FileNotFoundError say what is
+    wrong; anything else (DatasetGenerationError, a connection error) is one line, `failed` and its first line,
+    not a traceback through eval.main."""
+    import datasets  # heavy: only for folders and non-text sources
+
+    try:
+        return [dict(r) for r in datasets.load_dataset(source, split=split)]
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:
+        raise ValueError(f"{failed} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def _card_names_configs(path: str) -> bool:

@@ -592,6 +592,32 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     assert [p["prompt"] for p in load_benchmark(str(folder), split="train")] == ["t"]
 
 
+def test_a_parquet_file_is_read_and_a_hub_dataset_that_fails_to_load_is_one_line(tmp_path, monkeypatch):
+    """A local parquet file goes through `datasets`; a hub dataset `datasets` cannot load (offline, gated) is one
+    line naming it, its ValueError as it is."""
+    import datasets
+    import pandas as pd
+
+    pd.DataFrame(dict(problem=["a", "b"], answer=["1", "20"])).to_parquet(tmp_path / "bench.parquet")
+    assert load_benchmark(str(tmp_path / "bench.parquet")) == [dict(id="0", prompt="a", answer="1"),
+                                                              dict(id="1", prompt="b", answer="20")]
+
+    def unreachable(path, split):
+        raise ConnectionError(f"Couldn't reach {path!r} on the Hub\nsecond line")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ValueError, match=r"^benchmark 'org/bench': not a local file, and loading it as a hub dataset "
+                                         r"failed \(ConnectionError: Couldn't reach 'org/bench' on the Hub\)$"):
+        load_benchmark("org/bench")
+
+    def unknown_split(path, split):
+        raise ValueError(f"Unknown split {split!r}")
+
+    monkeypatch.setattr(datasets, "load_dataset", unknown_split)
+    with pytest.raises(ValueError, match=r"^Unknown split 'dev'$"):
+        load_benchmark("org/bench", split="dev")
+
+
 def test_a_folder_of_split_files_is_read_as_its_files_are(tmp_path):
     """A local folder's split files (named as `datasets` names them) are read as a single such file is: through
     `datasets`, a CSV answer beyond int64 ended the run as "loading it as a hub dataset failed", and a split's
