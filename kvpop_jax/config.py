@@ -32,8 +32,12 @@ def _require_positive(cls_name: str, **values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
-        if value > MAX_SIZE:  # else an OverflowError traceback from deep inside jax, naming no field
-            raise ValueError(f"{cls_name}.{name} must be at most 2**31 - 1 (JAX's int32 indices), got {value!r}")
+        _require_int32(cls_name, name, value)
+
+
+def _require_int32(cls_name: str, name: str, value: int) -> None:
+    if value > MAX_SIZE:  # else an OverflowError traceback from deep inside jax, naming no field
+        raise ValueError(f"{cls_name}.{name} must be at most 2**31 - 1 (JAX's int32 indices), got {value!r}")
 
 
 def _require_bools(obj: Any) -> None:
@@ -397,9 +401,7 @@ class KVpopConfig:
             minimum, why = (1, " (the newest token is always kept)") if name == "window" else (0, "")
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"KVpopConfig.{name} must be an int >= {minimum}{why}, got {value!r}")
-            if value > MAX_SIZE:
-                raise ValueError(f"KVpopConfig.{name} must be at most 2**31 - 1 (JAX's int32 indices), "
-                                 f"got {value!r}")
+            _require_int32("KVpopConfig", name, value)
         if self.scorer not in SCORERS:
             raise ValueError(f"KVpopConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
         if self.aggregate not in AGGREGATIONS:

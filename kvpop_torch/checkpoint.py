@@ -106,11 +106,11 @@ def load_heads(directory: str | os.PathLike, *, device=None) -> tuple[KVpopSetti
         state = {}
         for name in (n for n in files if n.startswith(prefix)):
             with open_safetensors(files[name]) as f:
-                state[name[len(prefix):]] = f.get_tensor(name)
-            if state[name[len(prefix):]].dtype not in SCORER_DTYPES:  # load_state_dict cast int8 and bool silently
-                raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} is stored as "
-                                 f"{state[name[len(prefix):]].dtype}; expected a float dtype {SCORER_DTYPES}")
-            if not torch.isfinite(state[name[len(prefix):]]).all():  # a NaN scorer keeps the oldest tokens
+                tensor = state[name[len(prefix):]] = f.get_tensor(name)
+            if tensor.dtype not in SCORER_DTYPES:  # load_state_dict cast int8 and bool silently
+                raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} is stored as {tensor.dtype}; "
+                                 f"expected a float dtype {SCORER_DTYPES}")
+            if not torch.isfinite(tensor).all():  # a NaN scorer keeps the oldest tokens
                 raise ValueError(f"{os.fspath(directory)!r}: KVpop tensor {name!r} holds NaN or infinite values")
         head = KVpopHead(settings, heads_kv, head_dim, rope_theta=rope_theta)
         try:
