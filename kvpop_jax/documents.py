@@ -214,6 +214,11 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Itera
             if row.get(fields[0]) is not None:
                 sample = row[fields[0]]
                 break
+    if isinstance(sample, list) and not all(isinstance(m, dict) for m in sample):  # e.g. token ids: not chat
+        odd = next(m for m in sample if not isinstance(m, dict))
+        raise ValueError(f"data={config.data}: text field {fields[0]!r} holds a list of {type(odd).__name__} "
+                         f"({str(sample)[:60]!r}...); expected text, or chat messages (a list of "
+                         "{'role': ..., 'content': ...}); set text_field (--text_field)")
     return TextSpec(fields, chat=isinstance(sample, list))
 
 

@@ -257,6 +257,16 @@ def test_a_null_first_row_does_not_make_chat_text_and_non_text_values_are_named(
         list(load_documents(config(tmp_path, mixed).documents, build_tokenizer()))
 
 
+def test_a_column_of_token_ids_is_not_read_as_chat(tmp_path):
+    """A list column whose first value is not messages (pre-tokenized ids) was taken for chat, then every row
+    failed with "holds chat messages in other rows but a list here", which no row did."""
+    for first in ([17, 4, 9], ["a", "b"], [{"role": "user", "content": "hi"}, 3]):
+        data = write_jsonl(tmp_path / "ids.jsonl", [{"text": first}, {"text": [4, 5]}])
+        with pytest.raises(ValueError, match=r"text field 'text' holds a list of (int|str) .*expected text, or chat "
+                                             r"messages"):
+            list(load_documents(config(tmp_path, data).documents, build_tokenizer()))
+
+
 # --------------------------------------------------------------------------------- packing
 
 @pytest.mark.parametrize("split_documents", [False, True])
