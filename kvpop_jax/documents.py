@@ -144,6 +144,8 @@ def read_error(config: DocumentSpec, error: Exception, source: _Source | None = 
         if where is not None:
             return ValueError(f"data={config.data}: {where}")
     where = ", ".join(source.files) if source.files else source.location
+    if type(error).__name__ == "DatasetGenerationError" and error.__cause__ is not None:
+        error = error.__cause__  # "An error occurred while generating the dataset" says nothing; its cause does
     return ValueError(f"data={config.data}: could not read {where}: {type(error).__name__}: {error}")
 
 

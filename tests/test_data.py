@@ -149,6 +149,16 @@ def test_json_nested_too_deep_is_named_by_file_and_line(tmp_path):
         PackedBatchIterator(config(tmp_path, path), build_tokenizer())
 
 
+def test_a_reader_error_names_its_cause(tmp_path):
+    """`datasets` wraps what went wrong in "DatasetGenerationError: An error occurred while generating the
+    dataset"; the message stopped there, so a JSON line naming a column twice read as a mystery."""
+    path = tmp_path / "twice.json"
+    path.write_text('{"text": "a", "text": "b"}\n')
+    with pytest.raises(ValueError, match=r"could not read .*twice.json: ArrowInvalid: .*Column\(/text\) was "
+                                         r"specified twice"):
+        list(load_documents(config(tmp_path, path).documents))
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_invalid_utf8_is_named_by_file(tmp_path, streaming):
     """Read up front, a line that is not UTF-8 was a bare UnicodeDecodeError naming no file (a stream named it)."""
