@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from demo.tokenizer import build_tokenizer, save_tokenizer
-from kvpop_jax.documents import DocumentSpec, load_documents, resolve_source
+from kvpop_jax.documents import DocumentSpec, load_documents, resolve_source, tokenize
 from train.packing import DataConfig, PackedBatchIterator
 from train.step import real_lengths
 
@@ -337,6 +337,45 @@ def test_length_filter(tmp_path, rng):
     seen = {tuple(p) for p in segments(take(batches, 20))}
     expected = {tuple(doc_ids(batches.tokenizer, t)) for t, n in zip(texts, lengths) if 12 <= n <= 30}
     assert seen == expected
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_huge_document_is_found_too_long_by_its_head(tmp_path, rng, monkeypatch, streaming):
+    """A 20 MB line took 7.7 GB and 40 s to tokenize whole, to be dropped as too long (a 50 MB one ran out of
+    memory): the tokenizer now reads a long text's head, and the whole only where the head fits the limit."""
+    texts = random_texts(rng, 20, lo=3, hi=40)
+    huge = "".join(rng.choice(CHARS, size=64 * (30 + 64) * 3))  # the demo tokenizer: a token per character
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts[:10] + [huge] + texts[10:]])
+    longest, call = [0], type(build_tokenizer()).__call__
+
+    def spy(self, text, *args, **kwargs):
+        longest[0] = max([longest[0]] + [len(t) for t in (text if isinstance(text, list) else [text])])
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(build_tokenizer()), "__call__", spy)
+    batches = PackedBatchIterator(config(tmp_path, data, shuffle=False, max_length=30, streaming=streaming),
+                                  build_tokenizer())
+    seen = [tuple(p) for p in segments(take(batches, 12))]
+    lengths = np.array([len(t) + 2 for t in texts])
+    assert 0 < longest[0] <= 64 * (30 + 64)
+    if not streaming:  # a stream counts again at every epoch
+        assert batches.stats == {"kept": int((lengths <= 30).sum()), "too_long": int((lengths > 30).sum()) + 1}
+    expected = [tuple(doc_ids(batches.tokenizer, t)) for t in texts if len(t) + 2 <= 30]
+    assert set(seen) == set(expected) and seen[:len(expected)] == expected
+
+
+def test_tokenize_reads_a_long_text_whole_where_its_head_fits_the_limit():
+    class Coarse:  # a token per 100 characters: the head (64 * (10 + 64) characters) fits limit 10 + margin 64
+        eos_token_id = 0
+
+        def __call__(self, texts, add_special_tokens, return_attention_mask):
+            return {"input_ids": [[7] * (len(t) // 100 + 1) for t in texts]}
+
+    texts = ["y" * 99, "x" * 200_000]
+    got = tokenize(texts, Coarse(), chat=False, limit=10)
+    assert [len(ids) for ids in got] == [2, 200_000 // 100 + 2]  # + EOS: both read whole
+    # a token per character: <bos> + the head (no whitespace to cut at: 64 * (10 + 64) characters) + EOS
+    assert [len(ids) for ids in tokenize(texts, build_tokenizer(), chat=False, limit=10)] == [99 + 2, 4736 + 2]
 
 
 # --------------------------------------------------------------------------------- shuffle

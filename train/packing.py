@@ -11,7 +11,8 @@
 Sources and text fields: `kvpop_jax/documents.py` (hub names, local files, chat rendering).
 
 Length filter: a document's length counts its EOS; documents outside [min_length, max_length]
-are dropped before packing (max_length defaults to S: the paper trains on sequences <= S).
+are dropped before packing (max_length defaults to S: the paper trains on sequences <= S). A text
+longer than 64 characters per token of max_length is tokenized by its head first (`documents.tokenize`).
 
 Packing (greedy, in the epoch's document order, rows filled one after another):
 - split_documents=False (default): a document that does not fit the rest of the row starts the
@@ -138,7 +139,7 @@ class _InMemoryDocuments:
             texts = [t for t in (render(e, spec, tokenizer) for e in chunk) if t is not None]
             if len(texts) < len(chunk):
                 self.stats["no_text"] += len(chunk) - len(texts)
-            for ids in tokenize(texts, tokenizer, spec.chat):
+            for ids in tokenize(texts, tokenizer, spec.chat, limit=config.length_limit):
                 verdict = _length_verdict(config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
@@ -182,7 +183,8 @@ class _StreamedDocuments:
             rows, with_text = rows + len(chunk), with_text + len(texts)
             if len(texts) < len(chunk):
                 self.stats["no_text"] += len(chunk) - len(texts)
-            for (i, _), ids in zip(texts, tokenize([t for _, t in texts], self.tokenizer, self.spec.chat)):
+            encoded = tokenize([t for _, t in texts], self.tokenizer, self.spec.chat, limit=self.config.length_limit)
+            for (i, _), ids in zip(texts, encoded):
                 verdict = _length_verdict(self.config, len(ids))
                 self.stats[verdict] += 1
                 if verdict == "kept":
