@@ -15,6 +15,7 @@ from kvpop_jax import config as jax_config
 from kvpop_jax.kvpop import KVpopHead as JaxHead
 from kvpop_jax import scorers as jax_scorers
 from kvpop_jax.scorers import mlstm_step
+import kvpop_torch
 from kvpop_torch import config as torch_config
 from kvpop_torch.config import KVpopSettings
 from kvpop_torch import scorers as torch_scorers
@@ -29,6 +30,18 @@ SCORERS = [
     dict(scorer="mlstm", mlstm_feature_map="softmax", mlstm_value="cached", mlstm_norm=True),
     dict(scorer="mlstm", mlstm_skip=True, mlstm_gate_softcap=0.0, mlstm_dim=8, mlstm_chunk=5),
 ]
+
+
+def test_transformers_older_than_5_24_is_refused_by_version():
+    """On transformers 4.57 every decode failed with "Can't instantiate abstract class KVpopLayer", on 5.0-5.23 with
+    "attn_implementation='kvpop' needs a KVpopCache" given one: their attention calls the cache without the kwargs
+    the KVpop mask travels in. The package now names the version and the fix on import."""
+    for old in ("4.57.6", "5.0.0", "5.23.0", "5.23.1.dev0", "nightly"):
+        with pytest.raises(ImportError, match=f"kvpop_torch needs transformers >= 5.24 .*found {old}: pip install"):
+            kvpop_torch.check_transformers_version(old)
+    for new in ("5.24.0", "5.25.0.dev0", "5.100.1", "6.0"):
+        kvpop_torch.check_transformers_version(new)
+    kvpop_torch.check_transformers_version(transformers.__version__)  # the one these tests run on
 
 
 def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
