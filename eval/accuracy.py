@@ -58,6 +58,7 @@ from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
 from kvpop_jax.runtime import background_worker
 from kvpop_jax.sampling import FLOAT32_TINY, SamplingConfig
 
+REPORT_FILES = ("samples.jsonl", "accuracy.md", "accuracy.json", "accuracy.png")  # the order they are renamed in
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -379,7 +380,7 @@ def run_accuracy(
     # this thread while setting k decodes (the same programs as without it: the results are identical).
     upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
-    with staged_outputs(out_dir) as out, open(out.path("samples.jsonl"), "w") as samples, \
+    with staged_outputs(out_dir, REPORT_FILES) as out, open(out.path("samples.jsonl"), "w") as samples, \
             background_worker(compile_ahead, "compile-ahead") as pool:
         for k, (method, cr) in enumerate(settings):
             model, mparams, cache, eos = upcoming.result() if upcoming is not None else prepare(k, False)

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import inspect
 import os
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir, lock_folder
 
@@ -34,19 +34,23 @@ Writer = TypeVar("Writer", bound=Callable)
 
 
 class StagedOutputs:
-    """Temporary paths for the final files of one report in `out_dir` (created)."""
+    """Temporary paths for the final files of one report in `out_dir` (created); `names`: the report's files,
+    staged (and checked) now rather than when each is written, after the work."""
 
-    def __init__(self, out_dir: str | os.PathLike):
+    def __init__(self, out_dir: str | os.PathLike, names: Sequence[str] = ()):
         self.out_dir = os.fspath(out_dir)
         check_writable_dir(self.out_dir, "out_dir")
         os.makedirs(os.path.realpath(self.out_dir), exist_ok=True)  # a symlink to a folder not made yet: made
         remove_dead_staged_files(self.out_dir)
         self.staged: dict[str, str] = {}  # final path -> temporary path
+        for name in names:
+            self.path(name)
 
     def path(self, name: str) -> str:
         """Where to write the file `name` of the report now (renamed to out_dir/name at the end)."""
         final = os.path.join(self.out_dir, name)
         if final not in self.staged:
+            _check_not_a_folder(final)
             self.staged[final] = os.path.join(self.out_dir, f"{TMP_PREFIX}{os.getpid()}-{name}")
         return self.staged[final]
 
@@ -54,6 +58,8 @@ class StagedOutputs:
         return os.path.join(self.out_dir, name)
 
     def commit(self) -> None:
+        for final in self.staged:  # before any rename: a report mixing new files with old ones is no report
+            _check_not_a_folder(final)
         for final, tmp in self.staged.items():
             if os.path.exists(tmp):
                 os.replace(tmp, final)
@@ -63,6 +69,13 @@ class StagedOutputs:
         for tmp in self.staged.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _check_not_a_folder(final: str) -> None:
+    """os.replace cannot put a report file where a folder of that name is (a link to one is replaced)."""
+    if os.path.isdir(final) and not os.path.islink(final):
+        raise ValueError(f"{final} is a folder, not a file: the report writes its file there; move the folder "
+                         "aside, or write the report into another folder")
 
 
 def remove_dead_staged_files(out_dir: str) -> None:
@@ -85,15 +98,16 @@ def out_dir_arg(text: str) -> str:
 
 
 @contextlib.contextmanager
-def staged_outputs(out_dir: str | os.PathLike) -> Iterator[StagedOutputs]:
-    """Yields a StagedOutputs; renames its files into place if the block succeeds, else deletes them."""
-    stage = StagedOutputs(out_dir)
+def staged_outputs(out_dir: str | os.PathLike, names: Sequence[str] = ()) -> Iterator[StagedOutputs]:
+    """Yields a StagedOutputs (`names`: its files, checked up front); renames its files into place if the block
+    succeeds, else (or if the renames cannot start) deletes them."""
+    stage = StagedOutputs(out_dir, names)
     try:
         yield stage
+        stage.commit()
     except BaseException:
         stage.discard()
         raise
-    stage.commit()
 
 
 def lock_out_dir(out_dir: str | os.PathLike) -> contextlib.AbstractContextManager[None]:

@@ -340,6 +340,35 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
+def test_a_folder_named_like_a_report_file_is_refused_before_the_first_decode(tmp_path, monkeypatch):
+    """An accuracy.json/ folder in --out_dir: the rerun decoded everything, then renamed the new samples.jsonl and
+    accuracy.md over the old ones and stopped at accuracy.json (IsADirectoryError), a report of two runs. Now it
+    stops before the first decode, naming the folder, and the old report is as it was."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")
+    decodes = []
+
+    def fake_generate(model, params, prompt_ids, *, max_new_tokens, **kwargs):
+        decodes.append(1)
+        return np.zeros((prompt_ids.shape[0], max_new_tokens), np.int32), np.full(prompt_ids.shape[0], 1)
+
+    monkeypatch.setattr(accuracy, "generate", fake_generate)
+    out = tmp_path / "out"
+    kw = dict(n_rollouts=1, max_new_tokens=4, sampling=SamplingConfig.greedy(), out_dir=str(out), progress=False)
+    run_accuracy(["dense"], {"dense": dense}, str(bench), **kw)
+    (out / "accuracy.json").unlink()
+    (out / "accuracy.json").mkdir()
+    before = {f: (out / f).read_bytes() for f in os.listdir(out) if f != "accuracy.json"}
+    decodes.clear()
+    with pytest.raises(ValueError, match=re.escape(f"{out / 'accuracy.json'} is a folder, not a file")):
+        run_accuracy(["dense"], {"dense": dense}, str(bench), **kw)
+    assert not decodes
+    assert {f: (out / f).read_bytes() for f in os.listdir(out) if f != "accuracy.json"} == before
+
+
 def test_problems_of_equal_length_batch_together_and_report_in_order(tmp_path, monkeypatch):
     """--problem_batch grouped only consecutive problems of equal length: a benchmark of interleaved lengths ran
     one problem per decode. Now each length's problems batch together, each row's completion stays its own, and

@@ -128,3 +128,26 @@ def test_bench_decode_budget_line_names_the_slots_and_memory_b():
                                                          "same memory")
     assert "106 slots = memory B 106 per KV head, scorer mlp" in _budget_line({**kv, "memory": 106, "scorer": "mlp"},
                                                                               None)
+
+
+def test_a_folder_where_a_report_file_goes_is_refused_before_any_rename(tmp_path):
+    """A folder named like a report file (accuracy.json/) made os.replace fail halfway through the renames, after
+    the whole run: the files renamed before it were new, the rest old, and the temporaries stayed. Now the renames
+    start only when every one can be made, and a file named up front is checked before the work."""
+    out = tmp_path / "report"
+    with staged_outputs(out) as stage:
+        for name in ("samples.jsonl", "accuracy.md"):
+            write_text(stage.path(name), "old")
+    (out / "accuracy.json").mkdir()
+    folder = re.escape(f"{out / 'accuracy.json'} is a folder, not a file")
+    with pytest.raises(ValueError, match=folder):
+        with staged_outputs(out) as stage:
+            for name in ("samples.jsonl", "accuracy.md", "accuracy.json"):
+                write_text(stage.path(name), "new")
+    assert sorted(os.listdir(out)) == ["accuracy.json", "accuracy.md", "samples.jsonl"]
+    assert (out / "samples.jsonl").read_text() == (out / "accuracy.md").read_text() == "old"
+    worked = []
+    with pytest.raises(ValueError, match=folder):
+        with staged_outputs(out, ("samples.jsonl", "accuracy.json")):
+            worked.append(1)
+    assert not worked
