@@ -26,7 +26,7 @@ import inspect
 import os
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir, lock_folder
+from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir, fsync_file, lock_folder
 
 TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
 
@@ -60,6 +60,9 @@ class StagedOutputs:
     def commit(self) -> None:
         for final in self.staged:  # before any rename: a report mixing new files with old ones is no report
             _check_not_a_folder(final)
+        for tmp in self.staged.values():  # a file written with open() (samples.jsonl): on disk before it is renamed
+            if os.path.exists(tmp):
+                fsync_file(tmp)
         for final, tmp in self.staged.items():
             if os.path.exists(tmp):
                 os.replace(tmp, final)

@@ -150,6 +150,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def fsync_file(path: str) -> None:
+    """Makes a file written (and closed) without a sync durable, before a rename publishes it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """Makes renames inside `path` durable (best effort: not every file system allows it)."""
     try:

@@ -151,3 +151,26 @@ def test_a_folder_where_a_report_file_goes_is_refused_before_any_rename(tmp_path
         with staged_outputs(out, ("samples.jsonl", "accuracy.json")):
             worked.append(1)
     assert not worked
+
+
+def test_a_file_written_into_the_stage_is_synced_before_it_is_renamed(tmp_path, monkeypatch):
+    """samples.jsonl is written with open() into its temporary and was renamed unsynced: a crash soon after the
+    rename could leave an empty samples.jsonl beside a whole accuracy.md. Each temporary is now synced first."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with staged_outputs(tmp_path / "report") as stage:
+        with open(stage.path("samples.jsonl"), "w") as f:
+            f.write("{}\n")
+        tmp = stage.path("samples.jsonl")
+    assert events.index(("fsync", tmp)) < events.index(("replace", tmp))
