@@ -280,7 +280,9 @@ def _json_rows(source: str, text: str) -> list:
         except json.JSONDecodeError as e:
             raise ValueError(f"benchmark {source!r} line {e.lineno} is not valid JSON ({e.msg})") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # Lines end at \n, \r\n or \r (never inside a JSON string) only: str.splitlines also cut at U+2028, U+0085, ...,
+    # which json.dumps(ensure_ascii=False) leaves raw in a prompt.
+    for number, line in enumerate(re.split(r"\r\n?|\n", text), 1):
         if not line.strip():
             continue
         try:

@@ -621,6 +621,19 @@ def test_benchmark_file_errors_name_file_and_line(tmp_path):
     assert [p["prompt"] for p in load_benchmark(str(folder), split="train")] == ["t"]
 
 
+def test_a_jsonl_prompt_with_a_unicode_line_separator_is_one_record(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside a string; the JSONL reader cut
+    lines at them too (str.splitlines), so a valid file was refused as 'line 1 is not valid JSON'."""
+    rows = [dict(id=1, prompt="2 + 3 =\u2028?", answer="5"), dict(id=2, prompt="a\u2029b\x85c", answer="7")]
+    bench = tmp_path / "bench.jsonl"
+    bench.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    assert [(p["id"], p["prompt"]) for p in load_benchmark(str(bench))] == [("1", rows[0]["prompt"]),
+                                                                             ("2", rows[1]["prompt"])]
+    bench.write_bytes(bench.read_bytes() + b'{"prompt": "x\xe2\x80\xa8y", "answer": \n')
+    with pytest.raises(ValueError, match=re.escape(f"benchmark {str(bench)!r} line 3 is not valid JSON")):
+        load_benchmark(str(bench))
+
+
 def test_a_parquet_file_is_read_and_a_hub_dataset_that_fails_to_load_is_one_line(tmp_path, monkeypatch):
     """A local parquet file goes through `datasets`; a hub dataset `datasets` cannot load (offline, gated) is one
     line naming it, its ValueError as it is."""
