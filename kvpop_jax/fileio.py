@@ -334,8 +334,8 @@ def lock_folder(folder: str, what: str, flag: str, error: type[Exception] = Valu
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
-            with open(path) as f:
-                owner = f.read().strip() or "?"
+            with open(path, "rb") as f:  # another program's lock may hold anything: not a decode error
+                owner = f.read(32).decode(errors="replace").strip() or "?"
             raise error(f"{what} {folder} in use by PID {owner} (lock {path}); wait for that run, "
                         f"or stop it, or choose another {flag}") from None
         os.ftruncate(fd, 0)

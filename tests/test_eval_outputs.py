@@ -15,7 +15,7 @@ from eval.outputs import staged_outputs
 from eval.patterns import run_patterns
 from eval.plots import write_text
 from eval.recall import run_recall
-from helpers import hold_lock
+from helpers import HOLD_LOCK, hold_lock
 from train.run_dir import LOCK_FILE, lock_run_dir
 
 
@@ -106,6 +106,23 @@ def test_eval_main_refuses_a_locked_out_dir_in_one_line(tmp_path, capsys):
                                     f"{os.path.realpath(out)}/{LOCK_FILE}); wait for that run, or stop it, or "
                                     "choose another --out_dir")
     assert "Traceback" not in err
+
+
+def test_a_lock_held_by_another_program_with_other_bytes_in_it_is_still_named(tmp_path):
+    """A run.lock flocked by another program that wrote non-UTF-8 bytes into it: the refusal was the codec's
+    "'utf-8' codec can't decode byte 0xff ...", naming neither the folder nor the lock."""
+    out = str(tmp_path / "report")
+    script = HOLD_LOCK.replace('b"%d\\n" % os.getpid()', 'b"\\xff\\xfe\\x00lock"')
+    assert script != HOLD_LOCK
+    holder = hold_lock(out, script)
+    try:
+        owner = "\ufffd\ufffd\x00lock"  # the bytes as decoded with replacement characters
+        with pytest.raises(ValueError, match=re.escape(f"report folder {out} in use by PID {owner} (lock ")):
+            WRITERS["accuracy"](out)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
 
 
 def test_a_report_folder_this_process_holds_is_not_refused(tmp_path):
