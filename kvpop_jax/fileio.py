@@ -64,11 +64,12 @@ def atomic_file(filename: str | os.PathLike, mode: str = "wb", tmp: str | None =
     beside it, synced, then `os.replace`d when the block ends; an exception (a full disk) removes the
     temporary. `tmp`: a fixed temporary name, for a writer that owns the name (a locked folder), so that a
     killed write's partial file is overwritten by the rerun rather than left beside it; by default a fresh
-    one (`mkstemp`). The file gets the mode a plain `open(filename, "w")` would (0666 less the umask), not
+    one (`mkstemp`, named `.tmp-PID-...` as `dead_temporaries` reads it, so that a report folder's sweep removes
+    a killed write's). The file gets the mode a plain `open(filename, "w")` would (0666 less the umask), not
     mkstemp's private 0600: reports and exports stay readable to whom the umask allows."""
     filename = os.fspath(filename)
     if tmp is None:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(filename) or ".", prefix=".tmp-",
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(filename) or ".", prefix=f".tmp-{os.getpid()}-",
                                    suffix=os.path.basename(filename))
     else:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)

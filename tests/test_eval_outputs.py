@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +17,7 @@ from eval.outputs import staged_outputs
 from eval.patterns import run_patterns
 from eval.plots import write_text
 from eval.recall import run_recall
-from helpers import HOLD_LOCK, hold_lock
+from helpers import HOLD_LOCK, REPO, hold_lock
 from train.run_dir import LOCK_FILE, lock_run_dir
 
 
@@ -35,6 +37,25 @@ def test_a_killed_reports_temporaries_are_removed_by_the_next_report(tmp_path):
             write_text(stage.path("samples.jsonl"), "half")
             raise RuntimeError
     assert (out / "accuracy.md").read_text() == "new" and live.exists()
+
+
+def test_a_report_killed_while_it_writes_a_file_leaves_nothing_the_next_report_keeps(tmp_path):
+    """write_text into a staged name writes through a temporary of its own, named by mkstemp without the PID
+    (`.tmp-RANDOM.tmp-PID-accuracy.md`): a report killed in that write left it for good, as no sweep could tell
+    whose it was. Here the child is killed (os._exit) between the write and the rename."""
+    out = tmp_path / "report"
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os
+from eval.outputs import staged_outputs
+from eval.plots import write_text
+os.fsync = lambda fd: os._exit(9)
+with staged_outputs({str(out)!r}) as stage:
+    write_text(stage.path("accuracy.md"), "new")
+"""], cwd=REPO)
+    assert killed.returncode == 9 and [n for n in os.listdir(out) if n.startswith(".tmp-")]
+    with staged_outputs(out) as stage:
+        write_text(stage.path("accuracy.md"), "next")
+    assert sorted(os.listdir(out)) == ["accuracy.md"]
 
 
 def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_old_report(tmp_path, monkeypatch, capsys):
