@@ -253,7 +253,10 @@ def _datasets_rows(source: str, split: str, failed: str) -> list[dict]:
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:
-        raise ValueError(f"{failed} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        cause = e.__cause__ if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None else e
+        # "An error occurred while generating the dataset" says nothing; its cause does
+        raise ValueError(f"{failed} ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+                         ) from e
 
 
 def _card_names_configs(path: str) -> bool:

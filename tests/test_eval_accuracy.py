@@ -700,13 +700,14 @@ def test_a_folder_of_split_files_is_read_as_its_files_are(tmp_path):
 
 def test_a_folder_datasets_cannot_read_is_one_line_naming_it(tmp_path):
     """A split with a file that is not JSON or CSV (here a LICENSE) goes to `datasets`, whose
-    DatasetGenerationError (a CSV answer beyond int64) was a traceback through eval.main, naming no folder."""
+    DatasetGenerationError (a CSV answer beyond int64) was a traceback through eval.main, naming no folder; then one
+    line naming the wrapper ("An error occurred while generating the dataset") instead of its cause."""
     folder = tmp_path / "bench"
     folder.mkdir()
     (folder / "problems.csv").write_text("problem,answer\nx,98765432109876543210987\n")
     (folder / "LICENSE").write_text("MIT\n")
     with pytest.raises(ValueError, match=r"benchmark folder '.*bench': `datasets` could not read its 'train' split "
-                                         r"\(DatasetGenerationError: "):
+                                         r"\(OverflowError: Python int too large"):
         load_benchmark(str(folder))
 
 
