@@ -26,6 +26,7 @@ import re
 import yaml
 
 from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, extract_answer, generate_dataset, make_config
+from kvpop_jax.documents import reader_cause
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
@@ -244,8 +245,8 @@ def _folder_rows(source: str, split: str | None) -> tuple[list, list[str] | None
 
 def _datasets_rows(source: str, split: str, failed: str) -> list[dict]:
     """`datasets.load_dataset(source, split=split)`'s rows. Its ValueError and FileNotFoundError say what is
-    wrong; anything else (DatasetGenerationError, a connection error) is one line, `failed` and its first line,
-    not a traceback through eval.main."""
+    wrong; anything else (a DatasetGenerationError, named by its cause; a connection error) is one line, `failed`
+    and its first line, not a traceback through eval.main."""
     import datasets  # heavy: only for folders and non-text sources
 
     try:
@@ -253,8 +254,7 @@ def _datasets_rows(source: str, split: str, failed: str) -> list[dict]:
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:
-        cause = e.__cause__ if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None else e
-        # "An error occurred while generating the dataset" says nothing; its cause does
+        cause = reader_cause(e)
         raise ValueError(f"{failed} ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
                          ) from e
 

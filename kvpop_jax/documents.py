@@ -144,9 +144,16 @@ def read_error(config: DocumentSpec, error: Exception, source: _Source | None = 
         if where is not None:
             return ValueError(f"data={config.data}: {where}")
     where = ", ".join(source.files) if source.files else source.location
-    if type(error).__name__ == "DatasetGenerationError" and error.__cause__ is not None:
-        error = error.__cause__  # "An error occurred while generating the dataset" says nothing; its cause does
+    error = reader_cause(error)
     return ValueError(f"data={config.data}: could not read {where}: {type(error).__name__}: {error}")
+
+
+def reader_cause(error: BaseException) -> BaseException:
+    """What went wrong in a `datasets` read: the cause of a DatasetGenerationError, whose own message ("An error
+    occurred while generating the dataset") says nothing; any other error itself."""
+    if type(error).__name__ == "DatasetGenerationError" and error.__cause__ is not None:
+        return error.__cause__
+    return error
 
 
 def open_dataset(config: DocumentSpec, source: _Source | None = None):
