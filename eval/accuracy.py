@@ -453,7 +453,8 @@ def run_accuracy(
         settings_json = dict(max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
                              sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch,
                              chat_template=chat_template, limit=limit, split=split,
-                             benchmarks={b: named[b] for b in benchmarks},
+                             benchmarks={b: os.path.abspath(named[b]) if os.path.exists(named[b]) else named[b]
+                                         for b in benchmarks},  # a local file as the checkpoints: from any folder
                              checkpoints=[dict(method=m, cr=cr, path=os.path.abspath(p)) for m, cr, p in used])
         names = list(benchmarks)
         rows = summarize(records, names)

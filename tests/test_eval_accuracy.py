@@ -418,7 +418,8 @@ def test_a_budget_that_held_every_decoded_sequence_is_reported(tmp_path, monkeyp
               sampling=SamplingConfig.greedy(), progress=False)
     for stop, warned in ((2, True), (3, False)):  # 10 + 2 <= B: nothing evicted; 10 + 3 > B
         out = tmp_path / f"out{stop}"
-        run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), out_dir=str(out), **kw)
+        monkeypatch.chdir(tmp_path)  # a benchmark given relative to the working folder is recorded absolute
+        run_accuracy(["dense", "tova"], {"dense": dense}, "bench.jsonl", out_dir=str(out), **kw)
         err = capsys.readouterr().err
         report = json.loads((out / "accuracy.json").read_text())["unevicted"]
         line = "CR 0.5 (B 12): the longest prompt + completion was 12 tokens, so nothing was evicted"
@@ -481,7 +482,8 @@ def test_completions_cut_off_before_any_answer_are_reported(tmp_path, monkeypatc
     for name, cut, last, warned in (("cut", True, digit, True), ("eos", True, VOCAB["<eos>"], False),
                                     ("early", False, digit, False)):
         out = tmp_path / name
-        run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), out_dir=str(out), **kw)
+        monkeypatch.chdir(tmp_path)  # a benchmark given relative to the working folder is recorded absolute
+        run_accuracy(["dense", "tova"], {"dense": dense}, "bench.jsonl", out_dir=str(out), **kw)
         err = capsys.readouterr().err
         report = json.loads((out / "accuracy.json").read_text())["truncated"]
         assert bool(report) == warned and len(report) == (2 if warned else 0), name
