@@ -396,6 +396,51 @@ def test_a_damaged_checkpoint_is_one_error_naming_it_and_the_step_to_fall_back_t
         assert Checkpointer(directory, read_only=True).latest_step() == 2  # the advice works
 
 
+def test_a_hand_edited_meta_item_is_the_steps_damage_not_a_traceback(tmp_path):
+    """A step's meta/metadata edited by hand (a model_config that is a list or a path, a train_config that is a
+    string, an unknown param_dtype, a size given as a string) was a KeyError, TypeError or bare ValueError
+    traceback in train.export and in a resume; now it is the damaged-checkpoint error naming the step and what is
+    wrong, and train.export of a meta without a model_config names the step."""
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.export import export_checkpoint
+    from train.step import TrainState
+
+    directory = tmp_path / "checkpoints"
+    state = TrainState(step=jnp.asarray(4, jnp.int32), params={"w": jnp.zeros((2, 2))}, opt_state={"m": jnp.zeros(2)},
+                       rng=jnp.asarray([1, 2], jnp.uint32))
+    ckpt = Checkpointer(str(directory), async_save=False)
+    good = {"model_config": dict(TINY_ARCH), "param_dtype": "float32", "train_config": {"kvpop": None},
+            "tokenizer_dir": None}
+    ckpt.save(state, {"pos": 4}, good, force=True)
+    ckpt.close()
+    metadata = directory / "4" / "meta" / "metadata"
+    saved = json.loads(metadata.read_text())
+    wrong = r"its meta item's {} has the wrong type \({}\)"
+    edits = {"model_config": ([1, 2], wrong.format("model_config", r"list: \[1, 2\]")),
+             "train_config": ("x", wrong.format("train_config", "str: x")),
+             "param_dtype": ("int8", r"its meta item's param_dtype is 'int8', not one of float32, bfloat16"),
+             "tokenizer_dir": (5, wrong.format("tokenizer_dir", "int: 5"))}
+    edits["path"] = ("model_config", str(tmp_path), wrong.format("model_config", f"str: {tmp_path}"))  # not read
+    edits["size"] = ("model_config", dict(TINY_ARCH, hidden_size="32"),
+                     r"Qwen3Config.hidden_size must be a positive int, got '32'")
+    edits["kvpop"] = ("train_config", {"kvpop": [1]}, wrong.format("train_config.kvpop", r"list: \[1\]"))
+    for name, edit in edits.items():
+        field, value, message = edit if len(edit) == 3 else (name, *edit)
+        metadata.write_text(json.dumps(dict(saved, **{field: value})))
+        ckpt = Checkpointer(str(directory), read_only=True)
+        with pytest.raises(FlagError, match=rf"^checkpoint {directory}/4 cannot be read \(ValueError: {message}\): "
+                                            r"it is damaged or does not match this run; no earlier step is kept$"):
+            ckpt.restore_meta(4)
+        ckpt.close()
+    metadata.write_text(json.dumps({k: v for k, v in saved.items() if k != "model_config"}))
+    with pytest.raises(ValueError, match=rf"^checkpoint {directory}/4 has no model_config in its meta item \(it "
+                                         r"holds param_dtype, rng, step, tokenizer_dir, train_config\)"):
+        export_checkpoint(str(directory), str(tmp_path / "export"))
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_killed_saves_unfinished_step_folder_is_swept_quietly_when_the_run_reopens(tmp_path, caplog):
     """A kill during an async save leaves N.orbax-checkpoint-tmp. The resume's own save of step N then
     met it with a `W... Attempted to create temporary directory ... which already exists` line; the

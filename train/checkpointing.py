@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kvpop_jax.config import Qwen3Config
-from train.config import FlagError
+from train.config import DTYPES, FlagError
 from train.run_dir import step_folders
 from train.step import TrainState
 
@@ -147,10 +147,13 @@ class Checkpointer:
         return restored["params"]
 
     def restore_meta(self, step: int) -> dict:
+        """The meta item, its fields checked here (a hand edit or damage is named as the step's, not met later as
+        a KeyError or TypeError where train.export or a resume reads it)."""
         with self._reading(step):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if not isinstance(meta, dict) or "step" not in meta:
                 raise ValueError(f"its meta item is not a training checkpoint's ({str(meta)[:80]})")
+            check_meta(meta)
         return meta
 
     def wait(self) -> None:
@@ -188,7 +191,33 @@ def _put(x: np.ndarray, sharding) -> jax.Array:
     return jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
 
 
-def model_config_from_meta(meta: dict) -> Qwen3Config:
+# The meta item's fields that train.export and a resume read -> the types a run saves (None: not set).
+META_TYPES = {"model_config": dict, "train_config": dict, "tokenizer_dir": (str, type(None))}
+TRAIN_CONFIG_TYPES = {"kvpop": (dict, type(None)), "dms": (dict, type(None)), "optim": (dict, type(None)),
+                      "data": (dict, type(None)), "init_checkpoint": (str, type(None))}
+
+
+def check_meta(meta: dict) -> None:
+    """Raises ValueError naming the first field of a checkpoint's meta item that cannot be what the run saved
+    (META_TYPES; a model_config string would be read as a path), a model_config that is no valid config, and a
+    param_dtype not in DTYPES."""
+    fields = [(k, meta[k], kind) for k, kind in META_TYPES.items() if k in meta]
+    run = meta.get("train_config") if isinstance(meta.get("train_config"), dict) else {}
+    fields += [(f"train_config.{k}", run[k], kind) for k, kind in TRAIN_CONFIG_TYPES.items() if k in run]
+    for name, value, kind in fields:
+        if not isinstance(value, kind):
+            raise ValueError(f"its meta item's {name} has the wrong type ({type(value).__name__}: {str(value)[:80]})")
+    if not isinstance(meta.get("param_dtype", "float32"), str) or meta.get("param_dtype", "float32") not in DTYPES:
+        raise ValueError(f"its meta item's param_dtype is {meta['param_dtype']!r}, not one of {', '.join(DTYPES)}")
+    if "model_config" in meta:
+        Qwen3Config.from_hf(meta["model_config"])  # each field's type and range
+
+
+def model_config_from_meta(meta: dict, where: str) -> Qwen3Config:
+    """The model config of checkpoint `where` (its meta item, checked by Checkpointer.restore_meta)."""
+    if "model_config" not in meta:
+        raise ValueError(f"checkpoint {where} has no model_config in its meta item (it holds "
+                         f"{', '.join(sorted(meta))}): it is damaged or was edited by hand")
     return Qwen3Config.from_hf(meta["model_config"])
 
 

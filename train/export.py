@@ -101,7 +101,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
         raise FileNotFoundError(f"--checkpoint={checkpoint}: step {step} not found (have {ckpt.all_steps()})")
     meta = ckpt.restore_meta(step)
     check_not_init(out, meta)  # before the (long) params restore
-    config = checkpointing.model_config_from_meta(meta)
+    config = checkpointing.model_config_from_meta(meta, os.path.join(directory, str(step)))
     param_dtype = DTYPES[meta.get("param_dtype", "float32")]
     device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
