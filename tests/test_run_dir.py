@@ -711,6 +711,42 @@ def test_a_run_folder_that_is_a_symlink_to_a_folder_not_made_yet_is_made(tmp_pat
     assert (tmp_path / "big" / "report" / "a.md").read_text() == "x"
 
 
+def test_checkpoints_and_tb_linked_to_a_folder_not_made_yet_are_made_but_a_run_is_not_resumed_without_them(
+        tmp_path, arch):
+    """RUN_DIR/checkpoints or tb linked to another disk's folder not made yet stopped a run with `[Errno 17] File
+    exists` (orbax's and tensorboardX's makedirs); now the target is made, as for a linked --run_dir. A link whose
+    target is gone in a folder that holds a run (the disk not mounted) is refused by name: made afresh, the resume
+    would have started over and cut the run's metrics.jsonl."""
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.loop import MetricsLog
+    from train.step import TrainState
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("checkpoints", "tb"):
+        os.symlink(tmp_path / "big" / name, run / name)
+    prepare_run_dir(parse(tiny_flags(str(run), arch)))  # a fresh run
+    ckpt = Checkpointer(str(run / "checkpoints"), async_save=False)
+    ckpt.save(TrainState(step=jnp.asarray(2, jnp.int32), params={"w": jnp.zeros(2)}, opt_state={"m": jnp.zeros(2)},
+                         rng=jnp.asarray([1, 2], jnp.uint32)), {"pos": 2}, {"note": "x"}, force=True)
+    ckpt.close()
+    assert os.listdir(tmp_path / "big" / "checkpoints") == ["2"]
+    log = MetricsLog(parse(tiny_flags(str(run), arch, tensorboard=True)), 0)
+    log.write(1, {"loss": 1.0})
+    log.close()
+    assert os.listdir(tmp_path / "big" / "tb")[0].startswith("events.out.tfevents.")
+    os.rename(tmp_path / "big", tmp_path / "unmounted")
+    with pytest.raises(FlagError, match=rf"^{run}/checkpoints links to {tmp_path}/big/checkpoints, which does not "
+                                        rf"exist \(a disk not mounted\?\), and {run} holds a run \(a metrics.jsonl\):"
+                                        r" resuming would start over without its checkpoints; mount that disk"):
+        prepare_run_dir(parse(tiny_flags(str(run), arch)))
+    assert not (tmp_path / "big").exists() and (run / "metrics.jsonl").read_text().startswith('{"step": 1')
+    prepare_run_dir(parse(tiny_flags(str(run), arch, overwrite=True)))  # starting over is still possible
+    assert not os.path.lexists(run / "checkpoints")
+
+
 def test_train_main_tells_a_disk_error_in_one_line_with_advice_only_for_a_full_or_failing_disk(tmp_path, monkeypatch,
                                                                                                  capsys):
     import train.main as tm

@@ -39,6 +39,8 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
         self.read_only = read_only
+        if not read_only:  # checkpoints/ linked to a folder not made yet (another disk): made (orbax: EEXIST)
+            os.makedirs(os.path.realpath(self.directory), exist_ok=True)
         options = ocp.CheckpointManagerOptions(  # read-only: what orbax would reset, with a warning, anyway
             max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,

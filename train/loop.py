@@ -92,7 +92,9 @@ class MetricsLog:
             return
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
-            self.writer = summary_writer_class()(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
+            tb = os.path.join(cfg.run_dir, "tb")
+            os.makedirs(os.path.realpath(tb), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
+            self.writer = summary_writer_class()(tb, purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
