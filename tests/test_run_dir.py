@@ -441,6 +441,36 @@ def test_a_hand_edited_meta_item_is_the_steps_damage_not_a_traceback(tmp_path):
     assert not (tmp_path / "export").exists()
 
 
+def test_a_step_folder_renamed_to_another_step_is_refused_not_exported_or_resumed_under_that_number(tmp_path):
+    """checkpoints/6 renamed (or copied) to checkpoints/10: train.export said `exported step 10` for step 6's
+    weights, and a resume trained from step 6 again, failed to save step 10 (it exists) and advised a rerun,
+    which resumed from `10` again. Now the folder is named as not matching its meta item's step."""
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.export import export_checkpoint
+    from train.step import TrainState
+
+    directory = tmp_path / "checkpoints"
+    ckpt = Checkpointer(str(directory), async_save=False)
+    for step in (4, 6):
+        ckpt.save(TrainState(step=jnp.asarray(step, jnp.int32), params={"w": jnp.zeros(2)},
+                             opt_state={"m": jnp.zeros(2)}, rng=jnp.asarray([1, 2], jnp.uint32)),
+                  {"pos": step}, {"model_config": dict(TINY_ARCH)}, force=True)
+    ckpt.close()
+    os.rename(directory / "6", directory / "10")
+    message = (rf"^checkpoint {directory}/10 cannot be read \(ValueError: its meta item is of step 6: the folder was "
+               r"renamed, or copied from another step\): it is damaged or does not match this run; ")
+    ckpt = Checkpointer(str(directory), async_save=False)  # as a resume opens it
+    with pytest.raises(FlagError, match=message + rf"move it aside \(`mv {directory}/10 {directory}/10.damaged`\)"):
+        ckpt.restore_meta(10)
+    assert ckpt.restore_meta(4)["step"] == 4
+    ckpt.close()
+    with pytest.raises(FlagError, match=message + r"export an earlier step \(4\)$"):
+        export_checkpoint(str(tmp_path), str(tmp_path / "export"))
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_killed_saves_unfinished_step_folder_is_swept_quietly_when_the_run_reopens(tmp_path, caplog):
     """A kill during an async save leaves N.orbax-checkpoint-tmp. The resume's own save of step N then
     met it with a `W... Attempted to create temporary directory ... which already exists` line; the

@@ -155,6 +155,9 @@ class Checkpointer:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if not isinstance(meta, dict) or "step" not in meta:
                 raise ValueError(f"its meta item is not a training checkpoint's ({str(meta)[:80]})")
+            if meta["step"] != step:  # a resume would train from meta's step and meet this folder again when saving
+                raise ValueError(f"its meta item is of step {str(meta['step'])[:20]}: the folder was renamed, or "
+                                 "copied from another step")
             check_meta(meta)
         return meta
 
