@@ -421,6 +421,29 @@ def test_restore_continues_exactly(tmp_path, rng, streaming, split_documents):
                                    max_length=60 if split_documents else None, seed=4), tokenizer).restore(saved)
 
 
+def test_restore_names_a_hand_edited_state_instead_of_a_traceback_or_a_silent_skip(tmp_path, rng):
+    """A checkpoint's data item edited by hand: a missing field or a list was a KeyError or AttributeError
+    traceback, an index past the documents started another epoch and a negative offset packed a document's last
+    tokens, both silently. Now each is a ValueError naming the field (train.loop says which step)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in random_texts(rng, 12, hi=45)])
+    cfg = config(tmp_path, data, seed=3)
+    tokenizer = build_tokenizer()
+    first = PackedBatchIterator(cfg, tokenizer)
+    take(first, 2)
+    saved = json.loads(json.dumps(first.state()))
+    edits = {"index": (10**9, rf"index 1000000000 is past its {first.num_documents} documents"),
+             "offset": (-5, r"offset -5 is not an int >= 0"), "epoch": (None, r"epoch None is not an int >= 0"),
+             "batches": ("3", r"batches '3' is not an int >= 0"), "config": ([1], r"config \[1\] is not an object")}
+    for field, (value, message) in edits.items():
+        with pytest.raises(ValueError, match=rf"^the data state is not one a run saved: its {message}$"):
+            PackedBatchIterator(cfg, tokenizer).restore(dict(saved, **{field: value}))
+    with pytest.raises(ValueError, match=r"^data state version \[1\] is not 1$"):
+        PackedBatchIterator(cfg, tokenizer).restore([1])
+    resumed = PackedBatchIterator(cfg, tokenizer)
+    resumed.restore(saved)
+    assert_batches_equal(take(resumed, 1), take(first, 1))
+
+
 def test_stream_matches_in_memory_without_shuffle(tmp_path, rng):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in random_texts(rng, 20, hi=45)])
     tokenizer = build_tokenizer()

@@ -262,8 +262,8 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
         try:
             batches.restore(data_state)
         except ValueError as e:
-            raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} (the data flags changed; rerun with "
-                            "the old ones, or start over with --overwrite)") from e
+            raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} (the data flags changed, or its data "
+                            "item was edited: rerun with the old flags, or start over with --overwrite)") from e
         info(f"resumed from {cfg.checkpoint_dir}/{latest}")
     else:
         restored_meta = {}

@@ -335,13 +335,25 @@ class PackedBatchIterator:
                     batches=self._batches, config=self._fingerprint())
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from `state()` of an iterator with the same data settings."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"data state version {state.get('version')!r} is not {_STATE_VERSION}")
+        """Continue from `state()` of an iterator with the same data settings. A state it did not write (a hand
+        edit) is a ValueError naming the field: a negative offset or a far index would be taken silently."""
+        version = state.get("version") if isinstance(state, dict) else state
+        if version != _STATE_VERSION:
+            raise ValueError(f"data state version {repr(version)[:40]} is not {_STATE_VERSION}")
+        position = {k: state.get(k) for k in ("epoch", "index", "offset", "batches")}
+        problems = [f"{k} {repr(v)[:40]} is not an int >= 0" for k, v in position.items()
+                    if type(v) is not int or v < 0]
+        if not isinstance(state.get("config"), dict):
+            problems.append(f"config {repr(state.get('config'))[:40]} is not an object")
+        if problems:
+            raise ValueError(f"the data state is not one a run saved: its {problems[0]}")
         saved, now = state["config"], self._fingerprint()
         changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if changed:
             raise ValueError(f"the data state was saved with other settings (saved, now): {changed}")
-        self._position = (int(state["epoch"]), int(state["index"]), int(state["offset"]))
+        if self.num_documents is not None and position["index"] >= self.num_documents:
+            raise ValueError(f"the data state is not one a run saved: its index {position['index']} is past its "
+                             f"{self.num_documents} documents")
+        self._position = (position["epoch"], position["index"], position["offset"])
         self._cursor = None
-        self._batches = int(state["batches"])
+        self._batches = position["batches"]
