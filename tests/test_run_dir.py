@@ -471,6 +471,35 @@ def test_a_step_folder_renamed_to_another_step_is_refused_not_exported_or_resume
     assert not (tmp_path / "export").exists()
 
 
+def test_export_of_a_step_whose_meta_gives_other_shapes_names_the_parameter_before_orbax_reads(tmp_path):
+    """A meta item whose model config was edited to other sizes (hidden_size 32 -> 64): orbax's `Requested shape
+    ... is not compatible` came with up to a hundred lines of `RuntimeError: Event loop is closed` tracebacks at
+    exit (its other reads were still in flight). The stored shapes are now compared first, by parameter."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.checkpointing import Checkpointer
+    from train.step import TrainState
+
+    directory = tmp_path / "checkpoints"
+    params = {"embed": {"embedding": jnp.zeros((16, 8))}, "norm": jnp.ones(8)}
+    ckpt = Checkpointer(str(directory), async_save=False)
+    ckpt.save(TrainState(step=jnp.asarray(2, jnp.int32), params=params, opt_state={"m": jnp.zeros(2)},
+                         rng=jnp.asarray([1, 2], jnp.uint32)), {"pos": 2}, {}, force=True)
+    ckpt.close()
+    ckpt = Checkpointer(str(directory), read_only=True)
+    wider = {"embed": {"embedding": jax.ShapeDtypeStruct((16, 12), jnp.float32)},
+             "norm": jax.ShapeDtypeStruct((12,), jnp.float32)}
+    with pytest.raises(FlagError, match=rf"^checkpoint {directory}/2 cannot be read \(ValueError: "
+                                        r"params\['embed'\]\['embedding'\] is \(16, 8\) on disk, not \(16, 12\) "
+                                        r"as the model config in its meta item says\): it is damaged"):
+        ckpt.restore_params(2, wider)
+    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert jax.tree.map(lambda x: x.shape, ckpt.restore_params(2, same)) == {"embed": {"embedding": (16, 8)},
+                                                                               "norm": (8,)}
+    ckpt.close()
+
+
 def test_a_killed_saves_unfinished_step_folder_is_swept_quietly_when_the_run_reopens(tmp_path, caplog):
     """A kill during an async save leaves N.orbax-checkpoint-tmp. The resume's own save of step N then
     met it with a `W... Attempted to create temporary directory ... which already exists` line; the

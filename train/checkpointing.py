@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from kvpop_jax.config import Qwen3Config
 from train.config import DTYPES, FlagError
@@ -144,6 +145,7 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters (for export)."""
         with self._reading(step):
+            check_stored_shapes(os.path.join(self.directory, str(step), "params"), abstract_params)
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
         return restored["params"]
@@ -168,6 +170,20 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.manager.close()
+
+
+def check_stored_shapes(directory: str, abstract: Any) -> None:
+    """Raises ValueError naming the first parameter whose shape in orbax's metadata of `directory` is not
+    `abstract`'s (a model config edited in the meta item): orbax's own error left its other reads in flight,
+    and their callbacks printed tracebacks under the error at exit."""
+    is_array = lambda x: hasattr(x, "shape")  # noqa: E731
+    stored = ocp.StandardCheckpointHandler().metadata(epath.Path(directory))
+    shapes = {jax.tree_util.keystr(k): tuple(x.shape) for k, x in jax.tree_util.tree_leaves_with_path(stored, is_array)}
+    for key, want in jax.tree_util.tree_leaves_with_path(abstract, is_array):
+        have = shapes.get(jax.tree_util.keystr(key))
+        if have is not None and have != tuple(want.shape):
+            raise ValueError(f"params{jax.tree_util.keystr(key)} is {have} on disk, not {tuple(want.shape)} as the "
+                             "model config in its meta item says")
 
 
 def save_error_reason(e: BaseException) -> str:
