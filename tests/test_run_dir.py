@@ -575,6 +575,22 @@ def test_a_run_dir_named_by_a_number_is_a_run_dir_not_a_step(tmp_path):
     assert split_step_dir(str(run / "checkpoints")) == (str(run / "checkpoints"), None)
 
 
+def test_export_of_a_recipes_run_dir_names_its_variants(tmp_path):
+    """train.export --checkpoint=runs/tiny_cpu (README command 1's RUN_DIR, one run folder per variant) said only
+    `no checkpoint steps in runs/tiny_cpu`; now it names the variants' run folders to choose from."""
+    from train.export import export_checkpoint
+
+    for name in ("kvpop-mlp", "dms"):
+        (tmp_path / "runs" / name / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "runs" / "eval").mkdir()
+    run = str(tmp_path / "runs")
+    with pytest.raises(FileNotFoundError, match=rf"^--checkpoint={run}: no checkpoint steps in {run} \(it holds the "
+                                                rf"runs dms, kvpop-mlp: name one, e.g. --checkpoint={run}/dms\)$"):
+        export_checkpoint(run, str(tmp_path / "out"))
+    with pytest.raises(FileNotFoundError, match=rf"^--checkpoint={run}/eval: no checkpoint steps in {run}/eval$"):
+        export_checkpoint(f"{run}/eval", str(tmp_path / "out"))
+
+
 def test_export_refuses_an_out_that_is_holds_or_lies_in_the_checkpoints_before_reading_them(tmp_path):
     """The export replaces its --out folder whole, carrying the old entries over: a step a live run saves into
     its run dir meanwhile was lost. Refused by name before the checkpoint is opened; RUN_DIR/export is fine."""

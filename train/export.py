@@ -95,8 +95,11 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
     ckpt = checkpointing.Checkpointer(directory, read_only=True)
     if step is None:
         step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"--checkpoint={checkpoint}: no checkpoint steps in {directory}")
+        if step is None:  # a recipe's RUN_DIR holds one run folder per variant
+            runs = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d, "checkpoints")))
+            hint = (f" (it holds the runs {', '.join(runs)}: name one, e.g. --checkpoint="
+                    f"{os.path.join(checkpoint, runs[0])})" if runs else "")
+            raise FileNotFoundError(f"--checkpoint={checkpoint}: no checkpoint steps in {directory}{hint}")
     elif step not in ckpt.all_steps():
         raise FileNotFoundError(f"--checkpoint={checkpoint}: step {step} not found (have {ckpt.all_steps()})")
     meta = ckpt.restore_meta(step)
