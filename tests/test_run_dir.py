@@ -103,6 +103,10 @@ def test_starting_over_an_existing_run_needs_overwrite(tmp_path, arch):
     # above prepared nothing: it is checked before any input is)
     assert left == ["data", "export", "run.lock"], left
     prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # nothing left to lose
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:  # killed before its first checkpoint
+        f.write('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(FlagError, match=rf"^--noresume would start over in {run}, which holds a run's metrics.jsonl; "):
+        prepare_run_dir(parse(tiny_flags(run, arch, resume=False)))  # was "a run's a metrics.jsonl"
 
 
 def test_ctrl_c_advice_under_overwrite_depends_on_whether_it_deleted_anything(tmp_path, arch, monkeypatch):
@@ -814,7 +818,7 @@ def test_checkpoints_and_tb_linked_to_a_folder_not_made_yet_are_made_but_a_run_i
     assert os.listdir(tmp_path / "big" / "tb")[0].startswith("events.out.tfevents.")
     os.rename(tmp_path / "big", tmp_path / "unmounted")
     with pytest.raises(FlagError, match=rf"^{run}/checkpoints links to {tmp_path}/big/checkpoints, which does not "
-                                        rf"exist \(a disk not mounted\?\), and {run} holds a run \(a metrics.jsonl\):"
+                                        rf"exist \(a disk not mounted\?\), and {run} holds a run's metrics.jsonl:"
                                         r" resuming would start over without its checkpoints; mount that disk"):
         prepare_run_dir(parse(tiny_flags(str(run), arch)))
     assert not (tmp_path / "big").exists() and (run / "metrics.jsonl").read_text().startswith('{"step": 1')

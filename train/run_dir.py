@@ -124,17 +124,17 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
     link = cfg.checkpoint_dir  # linked to another disk, not mounted now: its steps are there, not lost
     if os.path.islink(link) and not os.path.exists(link) and (held := held_run(cfg)):
         raise FlagError(f"{link} links to {os.readlink(link)}, which does not exist (a disk not mounted?), and "
-                        f"{cfg.run_dir} holds a run ({held}): resuming would start over without its checkpoints; "
+                        f"{cfg.run_dir} holds a run's {held}: resuming would start over without its checkpoints; "
                         "mount that disk (or fix the link) and rerun, or pass --overwrite to start over")
 
 
 def held_run(cfg: TrainConfig) -> str | None:
-    """What of a run RUN_DIR holds ("checkpoints (steps 30, 60)" or "a metrics.jsonl"), or None."""
+    """What of a run RUN_DIR holds ("checkpoints (steps 30, 60)" or "metrics.jsonl"), or None."""
     steps = checkpoint_steps(cfg)
     if steps:
         return f"checkpoints (steps {', '.join(map(str, steps))})"
     metrics = os.path.join(cfg.run_dir, METRICS_FILE)
-    return f"a {METRICS_FILE}" if os.path.isfile(metrics) and os.path.getsize(metrics) > 0 else None
+    return METRICS_FILE if os.path.isfile(metrics) and os.path.getsize(metrics) > 0 else None
 
 
 # In a RUN_OUTPUTS folder that is a symlink (to another disk, or a shared TensorBoard folder): what the run wrote
