@@ -201,7 +201,7 @@ class TextSpec:
 
 def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Iterable[dict] | None = None) -> TextSpec:
     """Which field(s) hold the text, and whether it is chat: a list of messages in the first row whose
-    field is not null (`rows`, when given, is read for one; otherwise `first` decides)."""
+    field is not null or empty (`rows`, when given, is read for one; otherwise `first` decides)."""
     if config.text_field == "auto":
         found = [f for f in _AUTO_FIELDS if all(p in columns for p in f.split("+"))]
         if not found:
@@ -218,9 +218,9 @@ def text_spec(config: DocumentSpec, columns: list[str], first: dict, rows: Itera
     if len(fields) > 1:
         return TextSpec(fields, chat=False)
     sample = first[fields[0]]
-    if sample is None and rows is not None:  # a null first row says nothing: the first row with a value does
+    if sample in (None, []) and rows is not None:  # a null or empty first value says nothing: the first other does
         for row in itertools.islice(checked_rows(config, rows), _SPEC_SCAN_ROWS):
-            if row.get(fields[0]) is not None:
+            if row.get(fields[0]) not in (None, []):
                 sample = row[fields[0]]
                 break
     if isinstance(sample, list) and not all(isinstance(m, dict) for m in sample):  # e.g. token ids: not chat

@@ -4,6 +4,7 @@ with the settings that shaped it, and its metrics survive a torn last line (issu
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -430,13 +431,20 @@ def test_a_hand_edited_meta_item_is_the_steps_damage_not_a_traceback(tmp_path):
     edits["size"] = ("model_config", dict(TINY_ARCH, hidden_size="32"),
                      r"Qwen3Config.hidden_size must be a positive int, got '32'")
     edits["kvpop"] = ("train_config", {"kvpop": [1]}, wrong.format("train_config.kvpop", r"list: \[1\]"))
+    for rng in ("x", None, [1, -2], [2**32]):  # read by a resume's restore: a bare ValueError or TypeError
+        edits[f"rng {rng}"] = ("rng", rng, rf"its meta item's rng is {re.escape(str(rng))}, not the list of uint32 "
+                                           "a run saves")
+    edits["history"] = ("divergence_history", {"kl": "1"}, r"its meta item's divergence_history is \{'kl': '1'\}, "
+                                                           "not the lists of numbers a run saves")
+    edits["step"] = ("step", "4", r"its meta item's step is '4', not an int")
     for name, edit in edits.items():
         field, value, message = edit if len(edit) == 3 else (name, *edit)
         metadata.write_text(json.dumps(dict(saved, **{field: value})))
         ckpt = Checkpointer(str(directory), read_only=True)
-        with pytest.raises(FlagError, match=rf"^checkpoint {directory}/4 cannot be read \(ValueError: {message}\): "
-                                            r"it is damaged or does not match this run; no earlier step is kept$"):
-            ckpt.restore_meta(4)
+        for restore in (ckpt.restore_meta, lambda step: ckpt.restore(step, state)):
+            with pytest.raises(FlagError, match=rf"^checkpoint {directory}/4 cannot be read \(ValueError: {message}\): "
+                                                r"it is damaged or does not match this run; no earlier step is kept$"):
+                restore(4)
         ckpt.close()
     metadata.write_text(json.dumps({k: v for k, v in saved.items() if k != "model_config"}))
     with pytest.raises(ValueError, match=rf"^checkpoint {directory}/4 has no model_config in its meta item \(it "

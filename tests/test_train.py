@@ -577,6 +577,15 @@ def test_resume_refuses_changed_settings_before_restoring_and_drops_a_torn_metri
         train(parse(tiny_flags(run, arch, steps=1, warmup_steps=0, checkpoint_every=2)))  # it exported step 2
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "loss": 2.6')  # a kill mid-write
+    data_item = os.path.join(run, "checkpoints", "2", "data", "metadata")
+    data_state = open(data_item).read()
+    with open(data_item, "w") as f:  # a hand edit: named as such, not blamed on the flags
+        f.write(json.dumps(dict(json.loads(data_state), offset=-5)))
+    with pytest.raises(FlagError, match=rf"cannot resume {run}/checkpoints/2: the data state is not one a run saved: "
+                                        r"its offset -5 is not an int >= 0 \(its data item was edited or damaged"):
+        train(parse(tiny_flags(run, arch, steps=3)))
+    with open(data_item, "w") as f:
+        f.write(data_state)
     # the same flags resume (nothing left to train: no second compile; the subprocess test resumes mid-run)
     out = train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, log_every=2)))
     assert out["resumed_from"] == 2 and _steps(run) == [2]

@@ -133,7 +133,8 @@ class Checkpointer:
                     meta=ocp.args.JsonRestore(),
                 ),
             )
-        meta = restored["meta"]
+            meta = restored["meta"]
+            check_meta(meta, step)  # named as the step's damage here, not a bare TypeError below
         rng_sharding = getattr(abstract_state.rng, "sharding", None)
         rng = np.asarray(meta["rng"], np.uint32)
         state = TrainState(
@@ -155,12 +156,7 @@ class Checkpointer:
         a KeyError or TypeError where train.export or a resume reads it)."""
         with self._reading(step):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            if not isinstance(meta, dict) or "step" not in meta:
-                raise ValueError(f"its meta item is not a training checkpoint's ({str(meta)[:80]})")
-            if meta["step"] != step:  # a resume would train from meta's step and meet this folder again when saving
-                raise ValueError(f"its meta item is of step {str(meta['step'])[:20]}: the folder was renamed, or "
-                                 "copied from another step")
-            check_meta(meta)
+            check_meta(meta, step)
         return meta
 
     def wait(self) -> None:
@@ -212,22 +208,39 @@ def _put(x: np.ndarray, sharding) -> jax.Array:
     return jax.device_put(x, sharding) if sharding is not None else jax.numpy.asarray(x)
 
 
+GUARD_META_KEY = "divergence_history"  # a checkpoint's meta: train.loop.DivergenceGuard.saved()
 # The meta item's fields that train.export and a resume read -> the types a run saves (None: not set).
 META_TYPES = {"model_config": dict, "train_config": dict, "tokenizer_dir": (str, type(None))}
 TRAIN_CONFIG_TYPES = {"kvpop": (dict, type(None)), "dms": (dict, type(None)), "optim": (dict, type(None)),
                       "data": (dict, type(None)), "init_checkpoint": (str, type(None))}
 
 
-def check_meta(meta: dict) -> None:
-    """Raises ValueError naming the first field of a checkpoint's meta item that cannot be what the run saved
-    (META_TYPES; a model_config string would be read as a path), a model_config that is no valid config, and a
-    param_dtype not in DTYPES."""
+def check_meta(meta: dict, step: int) -> None:
+    """Raises ValueError naming the first field of the meta item of checkpoint `step` that cannot be what the run
+    saved: a step that is not the folder's, META_TYPES (a model_config string would be read as a path), a
+    model_config that is no valid config, a param_dtype not in DTYPES, an rng or divergence history of another
+    form."""
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ValueError(f"its meta item is not a training checkpoint's ({str(meta)[:80]})")
+    if type(meta["step"]) is not int:
+        raise ValueError(f"its meta item's step is {str(meta['step'])[:20]!r}, not an int")
+    if meta["step"] != step:  # a resume would train from meta's step and meet this folder again when saving
+        raise ValueError(f"its meta item is of step {meta['step']}: the folder was renamed, or copied from another "
+                         "step")
     fields = [(k, meta[k], kind) for k, kind in META_TYPES.items() if k in meta]
     run = meta.get("train_config") if isinstance(meta.get("train_config"), dict) else {}
     fields += [(f"train_config.{k}", run[k], kind) for k, kind in TRAIN_CONFIG_TYPES.items() if k in run]
     for name, value, kind in fields:
         if not isinstance(value, kind):
             raise ValueError(f"its meta item's {name} has the wrong type ({type(value).__name__}: {str(value)[:80]})")
+    rng = meta.get("rng", [0])
+    if not isinstance(rng, list) or not rng or any(type(x) is not int or not 0 <= x < 2**32 for x in rng):
+        raise ValueError(f"its meta item's rng is {str(rng)[:80]}, not the list of uint32 a run saves")
+    history = meta.get(GUARD_META_KEY, {})
+    if not isinstance(history, dict) or any(not isinstance(v, list) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) for v in history.values()):
+        raise ValueError(f"its meta item's {GUARD_META_KEY} is {str(history)[:80]}, not the lists of numbers a run "
+                         "saves")
     if not isinstance(meta.get("param_dtype", "float32"), str) or meta.get("param_dtype", "float32") not in DTYPES:
         raise ValueError(f"its meta item's param_dtype is {meta['param_dtype']!r}, not one of {', '.join(DTYPES)}")
     if "model_config" in meta:

@@ -29,7 +29,7 @@ from kvpop_jax.checkpoint import check_checkpoint, checkpoint_fingerprint
 from kvpop_jax.fileio import atomic_write_bytes
 from train import optim
 from train import step as st
-from train.checkpointing import Checkpointer
+from train.checkpointing import GUARD_META_KEY, Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
 from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_no_live_run_inside,
@@ -41,7 +41,6 @@ from train.teacher_cache import check_teacher_dir, read_teacher_topk
 CHECKED_TERMS = ("kl", "retention_loss", "dms_loss", "loss", "grad_norm")
 # Not dms_loss: it starts at 0 and grows with its target by design, a "divergence" to a median guard.
 GUARDED_TERMS = ("kl", "retention_loss", "loss")
-GUARD_META_KEY = "divergence_history"  # a checkpoint's meta: DivergenceGuard.saved()
 BATCH_KEYS = ("input_ids", "positions", "loss_mask", "segment_ids")
 
 
@@ -262,8 +261,11 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
         try:
             batches.restore(data_state)
         except ValueError as e:
-            raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} (the data flags changed, or its data "
-                            "item was edited: rerun with the old flags, or start over with --overwrite)") from e
+            advice = ("its data item was edited or damaged: move the step aside to resume from an earlier one, or "
+                      "start over with --overwrite" if "not one a run saved" in str(e) else
+                      "the data flags changed, or its data item was edited: rerun with the old flags, or start over "
+                      "with --overwrite")
+            raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} ({advice})") from e
         info(f"resumed from {cfg.checkpoint_dir}/{latest}")
     else:
         restored_meta = {}

@@ -12,7 +12,8 @@ Sources and text fields: `kvpop_jax/documents.py` (hub names, local files, chat 
 
 Length filter: a document's length counts its EOS; documents outside [min_length, max_length]
 are dropped before packing (max_length defaults to S: the paper trains on sequences <= S). A text
-longer than 64 characters per token of max_length is tokenized by its head first (`documents.tokenize`).
+longer than 64 * (max_length + 64) characters is tokenized by that head first, and dropped when the head alone
+is too long (`documents.tokenize`).
 
 Packing (greedy, in the epoch's document order, rows filled one after another):
 - split_documents=False (default): a document that does not fit the rest of the row starts the
@@ -336,10 +337,12 @@ class PackedBatchIterator:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()` of an iterator with the same data settings. A state it did not write (a hand
-        edit) is a ValueError naming the field: a negative offset or a far index would be taken silently."""
-        version = state.get("version") if isinstance(state, dict) else state
-        if version != _STATE_VERSION:
-            raise ValueError(f"data state version {repr(version)[:40]} is not {_STATE_VERSION}")
+        edit) is a ValueError naming the field: a negative offset or a far index would be taken silently. (A
+        streamed source's index counts raw examples, not known ahead: one past its end starts the next epoch.)"""
+        if not isinstance(state, dict):
+            raise ValueError(f"the data state is not one a run saved: {repr(state)[:40]} is not an object")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"data state version {repr(state.get('version'))[:40]} is not {_STATE_VERSION}")
         position = {k: state.get(k) for k in ("epoch", "index", "offset", "batches")}
         problems = [f"{k} {repr(v)[:40]} is not an int >= 0" for k, v in position.items()
                     if type(v) is not int or v < 0]
@@ -351,9 +354,14 @@ class PackedBatchIterator:
         changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if changed:
             raise ValueError(f"the data state was saved with other settings (saved, now): {changed}")
-        if self.num_documents is not None and position["index"] >= self.num_documents:
-            raise ValueError(f"the data state is not one a run saved: its index {position['index']} is past its "
-                             f"{self.num_documents} documents")
+        if self.num_documents is not None:
+            if position["index"] >= self.num_documents:
+                raise ValueError(f"the data state is not one a run saved: its index {position['index']} is past its "
+                                 f"{self.num_documents} documents")
+            document = self._documents.tokens[self._documents.order(position["epoch"])[position["index"]]]
+            if position["offset"] >= len(document):
+                raise ValueError(f"the data state is not one a run saved: its offset {position['offset']} is past "
+                                 f"its document ({len(document)} tokens)")
         self._position = (position["epoch"], position["index"], position["offset"])
         self._cursor = None
         self._batches = position["batches"]
