@@ -203,7 +203,7 @@ def _text_file_rows(source: str) -> list:
         text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as e:  # was the codec's line alone, naming no file
         at = bom + e.start
-        line = data.count(b"\n", 0, at) + 1
+        line = len(re.split(rb"\r\n?|\n", data[:at]))  # lines as _json_rows counts them (\n, \r\n or \r)
         raise ValueError(f"benchmark {source!r} is not UTF-8 text ({e.reason} at byte {at}, line {line})") from None
     if not text.strip():
         raise ValueError(f"benchmark {source!r} is empty (no records)")

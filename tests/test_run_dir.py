@@ -595,6 +595,7 @@ def test_export_of_a_recipes_run_dir_names_its_variants(tmp_path):
     for name in ("kvpop-mlp", "dms"):
         (tmp_path / "runs" / name / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "runs" / "eval").mkdir()
+    (tmp_path / "runs" / "aborted" / "checkpoints").mkdir(parents=True)  # no step saved: nothing to export
     run = str(tmp_path / "runs")
     with pytest.raises(FileNotFoundError, match=rf"^--checkpoint={run}: no checkpoint steps in {run} \(it holds the "
                                                 rf"runs dms, kvpop-mlp: name one, e.g. --checkpoint={run}/dms\)$"):
@@ -830,6 +831,14 @@ def test_checkpoints_and_tb_linked_to_a_folder_not_made_yet_are_made_but_a_run_i
                                         r" resuming would start over without its checkpoints; mount that disk"):
         prepare_run_dir(parse(tiny_flags(str(run), arch)))
     assert not (tmp_path / "big").exists() and (run / "metrics.jsonl").read_text().startswith('{"step": 1')
+    os.unlink(run / "checkpoints")  # the checkpoints found again, tb's disk still gone: its events would split
+    os.symlink(tmp_path / "unmounted" / "checkpoints", run / "checkpoints")
+    with pytest.raises(FlagError, match=rf"^{run}/tb links to {tmp_path}/big/tb, which does not exist \(a disk not "
+                                        r"mounted\?\), and .* resuming would write its TensorBoard events apart"):
+        prepare_run_dir(parse(tiny_flags(str(run), arch)))
+    assert not (tmp_path / "big").exists()
+    os.unlink(run / "checkpoints")
+    os.symlink(tmp_path / "big" / "checkpoints", run / "checkpoints")
     prepare_run_dir(parse(tiny_flags(str(run), arch, overwrite=True)))  # starting over is still possible
     assert not os.path.lexists(run / "checkpoints")
 

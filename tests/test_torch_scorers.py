@@ -1,6 +1,8 @@
 """kvpop_torch's scorers and settings equal kvpop_jax's: same parameters, same scores and states."""
 
 import dataclasses
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,10 @@ def test_transformers_older_than_5_24_is_refused_by_version():
     for new in ("5.24.0", "5.25.0.dev0", "5.100.1", "6.0"):
         kvpop_torch.check_transformers_version(new)
     kvpop_torch.check_transformers_version(transformers.__version__)  # the one these tests run on
+    old = subprocess.run([sys.executable, "-c", "import transformers; transformers.__version__ = '5.23.0'; "
+                          "import kvpop_torch"], capture_output=True, text=True)
+    assert old.returncode != 0 and old.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: kvpop_torch needs transformers >= 5.24"), old.stderr[-400:]
 
 
 def test_settings_read_every_serving_field_with_kvpop_jax_defaults():

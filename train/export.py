@@ -25,7 +25,7 @@ from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import abstract_params
 from train import checkpointing
 from train.config import DTYPES, check_export_dir, parse_flags
-from train.run_dir import check_no_live_run_inside
+from train.run_dir import check_no_live_run_inside, step_folders
 
 
 def tokenizer_files(source_dir: str | None) -> dict[str, str]:
@@ -96,9 +96,9 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None) ->
     if step is None:
         step = ckpt.latest_step()
         if step is None:  # a recipe's RUN_DIR holds one run folder per variant
-            runs = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d, "checkpoints")))
+            runs = sorted(d for d in os.listdir(directory) if step_folders(os.path.join(directory, d, "checkpoints")))
             hint = (f" (it holds the runs {', '.join(runs)}: name one, e.g. --checkpoint="
-                    f"{os.path.join(checkpoint, runs[0])})" if runs else "")
+                    f"{os.path.join(directory, runs[0])})" if runs else "")
             raise FileNotFoundError(f"--checkpoint={checkpoint}: no checkpoint steps in {directory}{hint}")
     elif step not in ckpt.all_steps():
         raise FileNotFoundError(f"--checkpoint={checkpoint}: step {step} not found (have {ckpt.all_steps()})")

@@ -121,11 +121,13 @@ def prepare_run_dir(cfg: TrainConfig, *, delete: bool = True) -> None:
     if not cfg.resume and (held := held_run(cfg)):  # a resume need not list the folder
         raise FlagError(f"--noresume would start over in {cfg.run_dir}, which holds a run's {held}; pass "
                         "--overwrite to delete it, resume without --noresume, or choose another --run_dir")
-    link = cfg.checkpoint_dir  # linked to another disk, not mounted now: its steps are there, not lost
-    if os.path.islink(link) and not os.path.exists(link) and (held := held_run(cfg)):
-        raise FlagError(f"{link} links to {os.readlink(link)}, which does not exist (a disk not mounted?), and "
-                        f"{cfg.run_dir} holds a run's {held}: resuming would start over without its checkpoints; "
-                        "mount that disk (or fix the link) and rerun, or pass --overwrite to start over")
+    for link, lost in ((cfg.checkpoint_dir, "start over without its checkpoints"),
+                       (os.path.join(cfg.run_dir, "tb"), "write its TensorBoard events apart from the earlier ones")):
+        # linked to another disk, not mounted now: what the run wrote there is there, not lost
+        if os.path.islink(link) and not os.path.exists(link) and (held := held_run(cfg)):
+            raise FlagError(f"{link} links to {os.readlink(link)}, which does not exist (a disk not mounted?), and "
+                            f"{cfg.run_dir} holds a run's {held}: resuming would {lost}; mount that disk (or fix "
+                            "the link) and rerun, or pass --overwrite to start over")
 
 
 def held_run(cfg: TrainConfig) -> str | None:
