@@ -13,8 +13,8 @@
 - Mosaic GPU. `jax.experimental.pallas.mosaic_gpu` imports on every supported version, but
   its GPU interpret mode (`InterpretGPUParams`, which runs a Mosaic GPU kernel on CPU)
   exists from jax 0.11 on: `mosaic_gpu_interpret_params` says why it cannot run before.
-  `plgpu.kernel` takes `out_type=`/`scratch_types=` on every version (0.10 also accepts
-  the older `out_shape=`), so the kernels use those. `plgpu.load` needs an index on jax
+  `plgpu.kernel` takes `out_type=`/`scratch_types=` on every version from 0.10.2, the floor
+  (0.10.0/0.10.1 take only the older `out_shape=`), so the kernels use those. `plgpu.load` needs an index on jax
   0.10, takes an optional one on 0.11 and none on 0.12: `mosaic_load` hides it.
 - jax 0.11 deprecates the Pallas Triton backend (warning id `jax-pallas-triton`, a
   `DeprecationWarning` at each lowering, hidden outside `__main__` by Python's defaults);
