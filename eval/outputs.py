@@ -26,7 +26,8 @@ import inspect
 import os
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from kvpop_jax.fileio import check_writable_dir, dead_temporaries, fsync_dir, fsync_file, lock_folder
+from kvpop_jax.fileio import (check_writable_dir, dead_temporaries, fsync_dir, fsync_file, lock_folder,
+                              make_folder)
 
 TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
 
@@ -40,7 +41,7 @@ class StagedOutputs:
     def __init__(self, out_dir: str | os.PathLike, names: Sequence[str] = ()):
         self.out_dir = os.fspath(out_dir)
         check_writable_dir(self.out_dir, "out_dir")
-        os.makedirs(os.path.realpath(self.out_dir), exist_ok=True)  # a symlink to a folder not made yet: made
+        make_folder(self.out_dir)
         remove_dead_staged_files(self.out_dir)
         self.staged: dict[str, str] = {}  # final path -> temporary path
         for name in names:

@@ -151,6 +151,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def make_folder(path: str | os.PathLike) -> None:
+    """Makes the folder `path` and its parents; a symlink to a folder not made yet (another disk) makes its target,
+    where os.makedirs(path) would raise EEXIST on the link itself."""
+    os.makedirs(os.path.realpath(path), exist_ok=True)
+
+
 def fsync_file(path: str) -> None:
     """Makes a file written (and closed) without a sync durable, before a rename publishes it."""
     fd = os.open(path, os.O_RDONLY)
@@ -320,7 +326,7 @@ def _swap_in(tmp: str, path: str) -> str | None:
 def lock_folder(folder: str, what: str, flag: str, error: type[Exception] = ValueError) -> Iterator[None]:
     """Holds FOLDER/run.lock (creating FOLDER) or raises `error` naming the PID that holds it (the folder
     called `what`, chosen by `flag`). Only process 0 of a multi-host run locks (the others share its folder)."""
-    os.makedirs(os.path.realpath(folder), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
+    make_folder(folder)
     path = os.path.realpath(os.path.join(folder, LOCK_FILE))
     if jax.process_index() != 0:
         yield

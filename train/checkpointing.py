@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from kvpop_jax.config import Qwen3Config
+from kvpop_jax.fileio import make_folder
 from train.config import DTYPES, FlagError
 from train.run_dir import step_folders
 from train.step import TrainState
@@ -41,7 +42,7 @@ class Checkpointer:
         self.save_every = save_every
         self.read_only = read_only
         if not read_only:  # checkpoints/ linked to a folder not made yet (another disk): made (orbax: EEXIST)
-            os.makedirs(os.path.realpath(self.directory), exist_ok=True)
+            make_folder(self.directory)
         options = ocp.CheckpointManagerOptions(  # read-only: what orbax would reset, with a warning, anyway
             max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,

@@ -26,12 +26,13 @@ from tqdm.auto import tqdm
 from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_fingerprint
-from kvpop_jax.fileio import atomic_write_bytes
+from kvpop_jax.fileio import atomic_write_bytes, make_folder
 from train import optim
 from train import step as st
 from train.checkpointing import GUARD_META_KEY, Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
+from train.packing import DamagedDataState
 from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_no_live_run_inside,
                            check_resume, lock_run_dir, prepare_run_dir, read_metrics, training_changes)
 from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
@@ -92,7 +93,7 @@ class MetricsLog:
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
             tb = os.path.join(cfg.run_dir, "tb")
-            os.makedirs(os.path.realpath(tb), exist_ok=True)  # a symlink to a folder not made yet: made (not EEXIST)
+            make_folder(tb)  # a symlink to a folder not made yet (another disk): made
             self.writer = summary_writer_class()(tb, purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -262,7 +263,7 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
             batches.restore(data_state)
         except ValueError as e:
             advice = ("its data item was edited or damaged: move the step aside to resume from an earlier one, or "
-                      "start over with --overwrite" if "not one a run saved" in str(e) else
+                      "start over with --overwrite" if isinstance(e, DamagedDataState) else
                       "the data flags changed, or its data item was edited: rerun with the old flags, or start over "
                       "with --overwrite")
             raise FlagError(f"cannot resume {cfg.checkpoint_dir}/{latest}: {e} ({advice})") from e

@@ -273,6 +273,13 @@ def row_features(ids_BxS: np.ndarray, segment_BxS: np.ndarray, reset_attention: 
                 segment_ids=segment_BxS, loss_mask=loss_mask_BxS)
 
 
+class DamagedDataState(ValueError):
+    """A data state no run saved (a hand edit, damage): `PackedBatchIterator.restore` names the field."""
+
+    def __init__(self, what: str):
+        super().__init__(f"the data state is not one a run saved: {what}")
+
+
 class PackedBatchIterator:
     """Endless iterator of this host's packed batches: dicts of numpy arrays, each
     [batch_size / process_count, seq_len] (keys: input_ids, targets, positions, segment_ids,
@@ -340,7 +347,7 @@ class PackedBatchIterator:
         edit) is a ValueError naming the field: a negative offset or a far index would be taken silently. (A
         streamed source's index counts raw examples, not known ahead: one past its end starts the next epoch.)"""
         if not isinstance(state, dict):
-            raise ValueError(f"the data state is not one a run saved: {repr(state)[:40]} is not an object")
+            raise DamagedDataState(f"{repr(state)[:40]} is not an object")
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"data state version {repr(state.get('version'))[:40]} is not {_STATE_VERSION}")
         position = {k: state.get(k) for k in ("epoch", "index", "offset", "batches")}
@@ -349,19 +356,18 @@ class PackedBatchIterator:
         if not isinstance(state.get("config"), dict):
             problems.append(f"config {repr(state.get('config'))[:40]} is not an object")
         if problems:
-            raise ValueError(f"the data state is not one a run saved: its {problems[0]}")
+            raise DamagedDataState(f"its {problems[0]}")
         saved, now = state["config"], self._fingerprint()
         changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if changed:
             raise ValueError(f"the data state was saved with other settings (saved, now): {changed}")
         if self.num_documents is not None:
             if position["index"] >= self.num_documents:
-                raise ValueError(f"the data state is not one a run saved: its index {position['index']} is past its "
-                                 f"{self.num_documents} documents")
+                raise DamagedDataState(f"its index {position['index']} is past its {self.num_documents} documents")
             document = self._documents.tokens[self._documents.order(position["epoch"])[position["index"]]]
             if position["offset"] >= len(document):
-                raise ValueError(f"the data state is not one a run saved: its offset {position['offset']} is past "
-                                 f"its document ({len(document)} tokens)")
+                raise DamagedDataState(f"its offset {position['offset']} is past its document ({len(document)} "
+                                       "tokens)")
         self._position = (position["epoch"], position["index"], position["offset"])
         self._cursor = None
         self._batches = position["batches"]
