@@ -24,13 +24,16 @@ Answers are checked by `eval/answers.py`; benchmarks load by `eval/benchmarks.py
 
 Outputs in out_dir: accuracy.md (table), accuracy.png (bars), accuracy.json (all numbers),
 samples.jsonl (every completion with its extracted answer); written under temporary names and
-renamed together at the end, so a failed rerun leaves the previous report as it was.
+renamed together at the end, so a failed rerun leaves the previous report as it was. Each method × CR
+is journaled as it finishes (OUT/.accuracy-journal.jsonl): the rerun of a killed run with the same
+inputs decodes only the rest (`resume`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -44,9 +47,10 @@ from tqdm.auto import tqdm
 
 from eval.answers import check_grading_thread, is_correct, math_verify_available
 from eval.benchmarks import benchmark_name, held_out_note, load_benchmark
-from eval.outputs import holds_out_dir, staged_outputs
+from eval.outputs import Journal, holds_out_dir, staged_outputs
 from eval.plots import check_counts, write_text
 from eval.report import cr_percent, format_table, plot_bars, summarize
+from kvpop_jax import __version__ as kvpop_version
 from kvpop_jax import load_pretrained
 from kvpop_jax.baselines import BOUNDED_METHODS as BASELINES
 from kvpop_jax.baselines import BaselineConfig
@@ -59,6 +63,7 @@ from kvpop_jax.runtime import background_worker
 from kvpop_jax.sampling import FLOAT32_TINY, SamplingConfig
 
 REPORT_FILES = ("samples.jsonl", "accuracy.md", "accuracy.json", "accuracy.png")  # the order they are renamed in
+JOURNAL_NAME = "accuracy"  # OUT/.accuracy-journal.jsonl: the settings a killed run finished (`resume`)
 CHAT_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -184,6 +189,25 @@ def _problem_groups(encoded: Sequence[Sequence[int]], size: int) -> list[list[in
     return sorted(groups, key=lambda group: group[0])
 
 
+def _folder_identity(path: str | os.PathLike) -> list:
+    """The files of a checkpoint or tokenizer folder as (name, size, mtime): another export written there
+    since is another input. Not a hash of the weights: those can be many GB."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return [os.path.realpath(path)]
+    return [os.path.realpath(path)] + sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns]
+                                             for e in os.scandir(path) if e.is_file())
+
+
+def _problems_digest(problems: Sequence[Mapping], encoded: Sequence[Sequence[int]]) -> str:
+    """A hash of a benchmark's problems and their token ids (fast for long prompts)."""
+    digest = hashlib.sha256()
+    for problem, ids in zip(problems, encoded, strict=True):
+        digest.update(json.dumps(problem, sort_keys=True, default=str).encode())
+        digest.update(np.asarray(ids, np.int64).tobytes() + b";")
+    return digest.hexdigest()
+
+
 @holds_out_dir
 def run_accuracy(
     methods: Sequence[str],
@@ -210,6 +234,7 @@ def run_accuracy(
     stream_prompt: bool = False,
     compile_ahead: bool = True,
     notes: bool = True,
+    resume: bool = True,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -239,6 +264,9 @@ def run_accuracy(
     compile_ahead: while one method × CR decodes, a background thread compiles the next one's first
     decode program (`generate.compile_generate`); the same programs run
     either way, so the results are identical, and XLA's single-core compiles overlap the decodes.
+    resume: a run killed in out_dir left the settings it finished in a journal (`eval.outputs.Journal`,
+    OUT/.accuracy-journal.jsonl); a rerun with the same inputs (methods, CRs, problems, checkpoint files,
+    sampling, ...) decodes only the others, and writes the report an unbroken run writes. False: decode all.
     notes: print on stderr each export run at a memory other than its trained one (`accuracy.md` names them
     either way; the demo recipe, which trains once and runs at two budgets, says it once itself).
     """
@@ -375,18 +403,52 @@ def run_accuracy(
     cut_off: dict[tuple, list[int]] = {}  # (method, cr) -> [rollouts cut at max_new_tokens with no answer, rollouts]
     reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
-    bar = tqdm(total=total, desc="accuracy", disable=not progress)
+    inputs = dict(settings=settings, budgets=sorted(budgets.items()), context_len=context_len, n_rollouts=n_rollouts,
+                  batch=batch, max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
+                  sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch, dtype=str(jnp.dtype(dtype)),
+                  eos={path: stop_token_ids(path, config) for path, config in configs.items()},
+                  tokenizer=_folder_identity(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None,
+                  benchmarks={b: _problems_digest(benchmarks[b], encoded[b]) for b in benchmarks},
+                  checkpoints={path: _folder_identity(path) for path in configs},
+                  versions=dict(kvpop_jax=kvpop_version, jax=jax.__version__, numpy=np.__version__))
     # XLA compiles on one core while a decode keeps ~1.5 busy: setting k + 1 compiles in
     # this thread while setting k decodes (the same programs as without it: the results are identical).
     upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
     with staged_outputs(out_dir, REPORT_FILES) as out, open(out.path("samples.jsonl"), "w") as samples, \
             background_worker(compile_ahead, "compile-ahead") as pool:
+        # Each setting's results are journaled as it finishes: a killed run's rerun decodes only the rest.
+        journal = Journal(out.out_dir, JOURNAL_NAME, inputs, resume=resume)
+        finished = {(part["method"], part["cr"]): part for part in journal.parts}
+        if journal.stale:
+            print(f"note: {journal.path} held a killed run of other inputs: started over", file=sys.stderr)
+        if finished:
+            print(f"note: resuming the run killed in {out.out_dir}: {len(finished)} of {len(settings)} method x CR "
+                  f"settings are done ({journal.path}); pass resume=False (--noresume) to decode them again",
+                  file=sys.stderr)
+        pending = [k for k, setting in enumerate(settings) if setting not in finished]
+
+        def take(part: dict) -> None:
+            """A finished setting's results into the report."""
+            records.extend(part["records"])
+            samples.writelines(part["samples"])
+            cut_off[(part["method"], part["cr"])] = part["cut_off"]
+            if part["cr"] is not None:
+                reached[part["cr"]] = max(reached[part["cr"]], part["reached"])
+
+        bar = tqdm(total=total, desc="accuracy", disable=not progress,
+                   initial=len(finished) * sum(len(p) for p in benchmarks.values()))
         for k, (method, cr) in enumerate(settings):
+            if (method, cr) in finished:
+                part = finished[(method, cr)]
+                take(part)
+                continue
             model, mparams, cache, eos = upcoming.result() if upcoming is not None else prepare(k, False)
-            upcoming = pool.submit(prepare, k + 1, True) if pool is not None and k + 1 < len(settings) else None
+            after = [j for j in pending if j > k]
+            upcoming = pool.submit(prepare, after[0], True) if pool is not None and after else None
             budget = None if cr is None else budgets[cr]
             bar.set_postfix(method=method, cr=cr)
+            part = dict(method=method, cr=cr, records=[], samples=[], reached=0, cut_off=[0, 0])
             for bench, problems in benchmarks.items():
                 done: dict[int, tuple[dict, list[str]]] = {}  # problem -> (record, sample lines): written in order
                 for group in _problem_groups(encoded[bench], problem_batch if n_rollouts == 1 else 1):
@@ -402,16 +464,15 @@ def run_accuracy(
                                                    stream_prompt=stream_prompt and method in BASELINES)
                         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
                         if cr is not None and cache != "dms":  # DMS's gates evict whatever B is
-                            reached[cr] = max(reached[cr], *(len(encoded[bench][i]) + int(lengths[r])
-                                                             for r, (i, _) in enumerate(rows)))
+                            part["reached"] = max(part["reached"], *(len(encoded[bench][i]) + int(lengths[r])
+                                                                     for r, (i, _) in enumerate(rows)))
                         for r, (i, rollout) in enumerate(rows):
                             problem = problems[i]
                             text = tok.decode(tokens[r, : lengths[r]].tolist(), skip_special_tokens=True)
                             ok, pred = is_correct(text, problem["answer"])
-                            counts = cut_off.setdefault((method, cr), [0, 0])
-                            counts[0] += pred is None and lengths[r] >= max_new_tokens and \
-                                int(tokens[r, max_new_tokens - 1]) not in eos
-                            counts[1] += 1
+                            part["cut_off"][0] += bool(pred is None and lengths[r] >= max_new_tokens and
+                                                       int(tokens[r, max_new_tokens - 1]) not in eos)
+                            part["cut_off"][1] += 1
                             correct[i].append(ok)
                             lines[i].append(json.dumps(dict(method=method, cr=cr, budget=budget, benchmark=bench,
                                                             id=problem["id"], rollout=rollout, answer=problem["answer"],
@@ -421,8 +482,10 @@ def run_accuracy(
                                         correct=correct[i]), lines[i])
                     bar.update(len(group))
                 for i in sorted(done):  # in the benchmark's order, however the lengths were grouped
-                    records.append(done[i][0])
-                    samples.writelines(done[i][1])
+                    part["records"].append(done[i][0])
+                    part["samples"].extend(done[i][1])
+            journal.add(part)
+            take(journal.parts[-1])  # as a resumed run reads it back: one report either way
         bar.close()
 
         # The up-front check bounds completions by max_new_tokens; answers usually end far sooner.
@@ -476,6 +539,7 @@ def run_accuracy(
                                                               not_held_out=not_held_out, retargeted=retargeted,
                                                               settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
+    journal.remove()  # the report is whole: a rerun decodes again
     return rows
 
 

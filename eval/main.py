@@ -194,6 +194,9 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
     parser.add_argument("--no_compile_ahead", dest="compile_ahead", action="store_false",
                         help="compile each method x CR's decode when it starts, not in a worker thread while the one "
                              "before decodes (the same completions either way)")
+    parser.add_argument("--noresume", dest="resume", action="store_false",
+                        help="decode every method x CR again, even those a killed run into --out_dir finished with "
+                             "the same inputs (kept in OUT/.accuracy-journal.jsonl; by default only the rest run)")
     parser.add_argument("--out_dir", required=True, type=out_dir_arg)
     args = parser.parse_args(argv)
     checkpoints = parse_checkpoints(args.checkpoints)
@@ -213,6 +216,7 @@ def cmd_accuracy(argv: Sequence[str]) -> None:
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p), out_dir=args.out_dir,
         sinks=args.sinks, limit=args.limit, split=args.split, chat_template=args.chat_template, seed=args.seed,
         problem_batch=args.problem_batch, stream_prompt=args.stream_prompt, compile_ahead=args.compile_ahead,
+        resume=args.resume,
     )
     print(open(f"{args.out_dir}/accuracy.md").read())
 

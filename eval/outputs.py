@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import inspect
+import json
 import os
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from kvpop_jax.fileio import (check_writable_dir, dead_temporaries, fsync_dir, fsync_file, lock_folder,
+from kvpop_jax.fileio import (atomic_file, check_writable_dir, dead_temporaries, fsync_dir, fsync_file, lock_folder,
                               make_folder)
 
 TMP_PREFIX = ".tmp-"  # `.tmp-PID-NAME`
@@ -112,6 +114,62 @@ def staged_outputs(out_dir: str | os.PathLike, names: Sequence[str] = ()) -> Ite
     except BaseException:
         stage.discard()
         raise
+
+
+def journal_file(name: str) -> str:
+    return f".{name}-journal.jsonl"
+
+
+class Journal:
+    """The finished parts of a report, kept across a kill, so that a rerun with the same inputs does only the
+    rest: OUT/.NAME-journal.jsonl, a header line holding a hash of `inputs` (everything the report's numbers
+    depend on), then one JSON line per finished part, synced as it is written. A rerun whose inputs differ
+    (`stale`), or one told not to resume, starts it over; a line the kill cut short is dropped. The caller
+    removes it once the report is committed. Its folder is the report's, locked (`holds_out_dir`)."""
+
+    def __init__(self, out_dir: str | os.PathLike, name: str, inputs: Mapping[str, Any], *, resume: bool = True):
+        self.path = os.path.join(os.fspath(out_dir), journal_file(name))
+        self.header = {"journal": name, "inputs": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
+                       .hexdigest()}
+        self.parts: list[dict] = []
+        self.stale = False
+        if os.path.exists(self.path):
+            parts = self._read()
+            self.stale = parts is None
+            if resume and parts is not None:
+                self.parts = parts
+        with atomic_file(self.path, "w") as f:  # without the torn line, which an append would run into
+            f.writelines(json.dumps(line) + "\n" for line in [self.header, *self.parts])
+
+    def _read(self) -> list[dict] | None:
+        """The parts of a journal of these inputs, or None (another report's, other inputs, unreadable)."""
+        try:
+            with open(self.path, "rb") as f:
+                lines = f.read().split(b"\n")[:-1]  # the last piece has no newline: empty, or cut by the kill
+            header, *rest = [json.loads(line) for line in lines[:1]] + lines[1:]
+        except (OSError, ValueError):
+            return None
+        if header != self.header:
+            return None
+        parts = []
+        for line in rest:
+            try:
+                parts.append(json.loads(line))
+            except ValueError:  # a disk that filled mid-line: what follows it is not trusted either
+                break
+        return parts
+
+    def add(self, part: Mapping[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            line = json.dumps(part)
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.parts.append(json.loads(line))  # as a rerun reads it back
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
 
 
 def lock_out_dir(out_dir: str | os.PathLike) -> contextlib.AbstractContextManager[None]:

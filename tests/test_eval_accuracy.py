@@ -333,11 +333,91 @@ def test_a_failed_rerun_leaves_the_previous_report_whole(tmp_path, monkeypatch, 
     fail_at = len(calls) + 3  # the rerun dies after some samples are written
     with pytest.raises(RuntimeError, match="killed while decoding"):
         run_accuracy(["dense", "tova"], {"dense": dense}, str(bench), **kw)
-    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # no truncated samples, no temporaries
+    report = lambda: {f: (out / f).read_bytes() for f in os.listdir(out) if f != ".accuracy-journal.jsonl"}
+    assert report() == before  # no truncated samples, no temporaries
+    assert os.path.isfile(out / ".accuracy-journal.jsonl")  # what the rerun finished, for the next one
     fail_at = None  # a method that cannot run: the same
     with pytest.raises(ValueError, match="needs a KVpop or DMS checkpoint"):
         run_accuracy(["dense", "kvpop-x"], {"dense": dense, "kvpop-x": dense}, str(bench), **kw)
-    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert report() == before
+
+
+def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbroken_report(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A kill (an OOM, a preempted node) hours into a run threw away every finished method x CR: the rerun
+    decoded them all again. Now each setting is journaled when it finishes and a rerun with the same inputs
+    decodes only the rest, into the report an unbroken run writes, byte for byte."""
+    import eval.accuracy as accuracy
+
+    dense, _ = _dense_checkpoint(tmp_path / "dense")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(dict(problem=p, answer=a)) + "\n"
+                             for p, a in (("x3y5\nask x\n", "3"), ("p7q1\nask q\n", "1"), ("m2n8\nask m\n", "2"))))
+    real_generate, calls, fail_at = accuracy.generate, [], [None]
+
+    def counted_generate(model, params, prompt_ids, **kwargs):
+        calls.append(kwargs["cache"])
+        if fail_at[0] is not None and len(calls) > fail_at[0]:
+            raise RuntimeError("killed while decoding")
+        return real_generate(model, params, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(accuracy, "generate", counted_generate)
+    methods, checkpoints = ["dense", "streaming", "tova"], {"dense": dense}
+    kw = dict(n_rollouts=2, compression_ratios=(0.5,), context_len=16, max_new_tokens=4, progress=False,
+              sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0))  # sampled: the keys must match too
+
+    def report(out):
+        return {f: (out / f).read_bytes() for f in sorted(os.listdir(out)) if f != LOCK_FILE}
+
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(tmp_path / "whole"), **kw)
+    whole, per_setting = report(tmp_path / "whole"), len(calls) // 3
+    assert set(whole) == {"accuracy.md", "accuracy.json", "accuracy.png", "samples.jsonl"}  # no journal left
+    out = tmp_path / "out"
+    calls.clear()
+    fail_at[0] = per_setting + 1  # dies in the second setting, after the first is done
+    with pytest.raises(RuntimeError, match="killed while decoding"):
+        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **kw)
+    assert set(os.listdir(out)) - {LOCK_FILE} == {".accuracy-journal.jsonl"}  # no report, no temporaries
+    capsys.readouterr()
+    calls.clear()
+    fail_at[0] = None
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **kw)
+    assert len(calls) == 2 * per_setting and "dense" not in calls  # only streaming and tova decoded
+    assert "1 of 3 method x CR settings are done" in capsys.readouterr().err
+    assert report(out) == whole
+
+    # killed in the last setting with a line the kill cut short: the two whole ones are kept
+    calls.clear()
+    fail_at[0] = 2 * per_setting + 1
+    with pytest.raises(RuntimeError, match="killed while decoding"):
+        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **kw)
+    with open(out / ".accuracy-journal.jsonl", "a") as f:
+        f.write('{"method": "tova", "cr": 0.5, "reco')
+    calls.clear()
+    fail_at[0] = None
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **kw)
+    assert len(calls) == per_setting
+    assert report(out) == whole
+
+    # other inputs (another seed; a checkpoint rewritten) or --noresume: everything decodes again
+    for change, note in ((dict(seed=1), "held a killed run of other inputs"),
+                         (dict(resume=False), None), ("touch", "held a killed run of other inputs")):
+        calls.clear()
+        fail_at[0] = per_setting + 1
+        with pytest.raises(RuntimeError):
+            run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **kw)
+        calls.clear()
+        fail_at[0] = None
+        if change == "touch":
+            weights = os.path.join(dense, "model.safetensors")
+            os.utime(weights, ns=(os.stat(weights).st_atime_ns, os.stat(weights).st_mtime_ns + 10**9))
+        capsys.readouterr()
+        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **{**kw, **(change if change != "touch"
+                                                                                    else {})})
+        assert len(calls) == 3 * per_setting, change
+        err = capsys.readouterr().err
+        assert (note in err) if note else "resuming" not in err, change
+        assert not os.path.exists(out / ".accuracy-journal.jsonl")
 
 
 def test_a_folder_named_like_a_report_file_is_refused_before_the_first_decode(tmp_path, monkeypatch):
@@ -964,13 +1044,13 @@ def test_bad_inputs_are_refused_before_the_first_decode(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "out") == [LOCK_FILE]  # nothing written but the report folder's lock
 
 
-def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
+def test_cli_compile_ahead_and_noresume_flags_reach_run_accuracy(tmp_path, monkeypatch):
     import eval.main as cli
 
     seen = []
 
-    def fake_run_accuracy(*args, out_dir, compile_ahead, **kwargs):
-        seen.append(compile_ahead)
+    def fake_run_accuracy(*args, out_dir, compile_ahead, resume, **kwargs):
+        seen.append((compile_ahead, resume))
         os.makedirs(out_dir, exist_ok=True)
         open(os.path.join(out_dir, "accuracy.md"), "w").close()  # what the CLI prints after the run
 
@@ -979,7 +1059,8 @@ def test_cli_compile_ahead_flag_reaches_run_accuracy(tmp_path, monkeypatch):
             "--out_dir", str(tmp_path / "out")]
     cli.main(base)
     cli.main(base + ["--no_compile_ahead"])
-    assert seen == [True, False]
+    cli.main(base + ["--noresume"])
+    assert seen == [(True, True), (False, True), (True, False)]
     # "a, b" as --checkpoints reads it: ' demo:reuse' went to the hub as a dataset name, ' tova' had no checkpoint
     lists = []
     monkeypatch.setattr(cli, "run_accuracy", lambda methods, checkpoints, benchmarks, **kwargs: lists.append(

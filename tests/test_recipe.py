@@ -392,12 +392,16 @@ def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch,
     assert "the retrofits were trained" not in capsys.readouterr().err  # no retrofit evaluated: nothing to say
     assert {"reuse", "read_once", "long", "summary.md"} <= set(os.listdir(out))
     os.makedirs(os.path.join(out, "recall_kvpop-mlp_B40"))  # an earlier run's recall, with a variant now dropped
+    os.makedirs(os.path.join(out, "read_twice"))  # an earlier run's task, killed before its report: its journal
+    with open(os.path.join(out, "read_twice", ".accuracy-journal.jsonl"), "w") as f:
+        f.write("{}\n")
     with open(os.path.join(out, "notes.txt"), "w") as f:  # the user's own file
         f.write("mine")
     fewer = parse(tiny_flags(run, arch, eval_tasks="reuse", **flags))
     recipe.evaluate(fewer, "init", "tok", {})
     (stamp,) = os.listdir(os.path.join(out, "earlier"))
-    assert sorted(os.listdir(os.path.join(out, "earlier", stamp))) == ["long", "read_once", "recall_kvpop-mlp_B40"]
+    assert sorted(os.listdir(os.path.join(out, "earlier", stamp))) == ["long", "read_once", "read_twice",
+                                                                       "recall_kvpop-mlp_B40"]
     assert sorted(os.listdir(out)) == ["earlier", "notes.txt", "reuse", "summary.md"]
     with open(os.path.join(out, "earlier", stamp, "read_once", "accuracy.json")) as f:
         assert "read_once" in json.load(f)["spec"]  # moved whole, not rewritten

@@ -44,9 +44,10 @@ import numpy as np
 
 from demo.oracles import oracle_recovery
 from demo.task import generate_dataset, make_config, write_jsonl
-from eval.accuracy import run_accuracy
+from eval.accuracy import JOURNAL_NAME, run_accuracy
 from eval.benchmarks import DemoSpec
 from eval.dms_patterns import run_dms_patterns
+from eval.outputs import journal_file
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, memory_words
@@ -189,11 +190,12 @@ EARLIER_DIR = "earlier"  # RUN_DIR/eval/earlier/STAMP/: an earlier evaluation's 
 
 def _is_report(path: str) -> bool:
     """Whether an entry of RUN_DIR/eval is one the recipe writes: a task's (or the long pass's) accuracy
-    folder, a recall folder or its problems, the DMS patterns."""
+    folder (or the journal of a killed one), a recall folder or its problems, the DMS patterns."""
     name = os.path.basename(path)
     if os.path.isdir(path):
         return (name.startswith("recall_") or name == "dms_patterns"
-                or any(os.path.isfile(os.path.join(path, f)) for f in ("accuracy.json", "accuracy.md")))
+                or any(os.path.isfile(os.path.join(path, f))
+                       for f in ("accuracy.json", "accuracy.md", journal_file(JOURNAL_NAME))))
     return name.startswith("recall_") and name.endswith(".jsonl")
 
 
