@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvpop_jax import load_pretrained
-from helpers import REPO, parse, tiny_flags, train_cmd, train_env
+from helpers import REPO, hold_lock, parse, tiny_flags, train_cmd, train_env
 from train import recipe
 from train.config import FlagError, load_model_config, variant_kvpop, variant_retrofit
 from train.recipe_report import check_targets, length_generalization, paper_ordering, scores_at
@@ -397,8 +397,20 @@ def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch,
         f.write("{}\n")
     with open(os.path.join(out, "notes.txt"), "w") as f:  # the user's own file
         f.write("mine")
+    live = os.path.join(out, "mine")  # an `eval.main accuracy --out_dir RUN_DIR/eval/mine` rerun, writing now:
+    os.makedirs(live)
+    with open(os.path.join(live, "accuracy.json"), "w") as f:
+        f.write("{}")
+    holder = hold_lock(live)  # moved, its report would land where its user does not look
     fewer = parse(tiny_flags(run, arch, eval_tasks="reuse", **flags))
-    recipe.evaluate(fewer, "init", "tok", {})
+    try:
+        recipe.evaluate(fewer, "init", "tok", {})
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert f"left in place: {live}, a report another process (PID {holder.pid}) writes now" in capsys.readouterr().err
+    shutil.rmtree(live)
     (stamp,) = os.listdir(os.path.join(out, "earlier"))
     assert sorted(os.listdir(os.path.join(out, "earlier", stamp))) == ["long", "read_once", "read_twice",
                                                                        "recall_kvpop-mlp_B40"]

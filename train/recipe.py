@@ -51,6 +51,7 @@ from eval.outputs import journal_file
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, memory_words
+from kvpop_jax.fileio import LOCK_FILE, locked_elsewhere
 from kvpop_jax.sampling import SamplingConfig
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
@@ -202,8 +203,15 @@ def _is_report(path: str) -> bool:
 def set_aside_earlier_reports(out: str, ours: set[str]) -> str | None:
     """Moves the reports in `out` that this evaluation did not write (an earlier run's with other --eval_tasks,
     --eval_long_len, --eval_crs or variants) into OUT/earlier/STAMP/, so that OUT holds only what its
-    summary.md describes; nothing is deleted. Returns that folder (relative to `out`), or None."""
+    summary.md describes; nothing is deleted; a folder another process holds (its run.lock) stays, with a line.
+    Returns that folder (relative to `out`), or None."""
     stale = sorted(n for n in os.listdir(out) if n not in ours and _is_report(os.path.join(out, n)))
+    # A folder an `eval.main --out_dir RUN_DIR/eval/X` is writing now: moving it would send that report elsewhere.
+    live = {n: pid for n in stale if (pid := locked_elsewhere(os.path.join(out, n, LOCK_FILE))) is not None}
+    for name, pid in live.items():
+        info(f"left in place: {os.path.join(out, name)}, a report another process (PID {pid or '?'}) writes now; "
+             "it is not this evaluation's")
+    stale = [n for n in stale if n not in live]
     if not stale:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
