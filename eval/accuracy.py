@@ -208,7 +208,7 @@ def _problems_digest(problems: Sequence[Mapping], encoded: Sequence[Sequence[int
     return digest.hexdigest()
 
 
-@holds_out_dir
+@holds_out_dir(*REPORT_FILES)
 def run_accuracy(
     methods: Sequence[str],
     checkpoints: Mapping[str, Any],

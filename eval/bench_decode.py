@@ -218,7 +218,7 @@ def _models(checkpoint, model_config: Qwen3Config | None, kvpop: KVpopConfig | N
     return config, params, dense_config, dense_params
 
 
-@holds_out_dir
+@holds_out_dir("bench_decode.png", "bench_decode.json", "bench_decode.md")
 def run_bench_decode(
     checkpoint=None,
     *,

@@ -286,7 +286,7 @@ STAGE_FNS: dict[str, Callable[[Plan], Stage]] = {
 }
 
 
-@holds_out_dir
+@holds_out_dir("bench_gpu.md")
 def run_bench_gpu(*, stages: Sequence[str] = STAGES, dry: bool | None = None, out_dir: str = "outputs/bench_gpu",
                   benchmarks_md: str | None = "BENCHMARKS.md", timeout_s: int = 600,
                   command: str | None = None) -> list[Stage]:

@@ -228,7 +228,7 @@ class Row:
     first_s: float
 
 
-@holds_out_dir
+@holds_out_dir("bench_train.png", "bench_train.json", "bench_train.md")
 def run_bench_train(
     *,
     seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,

@@ -72,7 +72,7 @@ def _evictions(model: Qwen3ForCausalLM, params, ids_BxS) -> jax.Array:
     return jnp.stack([a["evict"] for a in out.aux["layers"]])
 
 
-@holds_out_dir
+@holds_out_dir("dms_patterns.png", "dms_patterns.md", "dms_patterns.json")
 def run_dms_patterns(checkpoint, data, *, num_sequences: int = 8, seq_len: int | None = None,
                      out_dir: str | os.PathLike, batch: int = 4, dtype=jnp.float32,
                      rows: str = "stream", text_field: str = "auto") -> DMSPatternsResult:

@@ -178,15 +178,24 @@ def lock_out_dir(out_dir: str | os.PathLike) -> contextlib.AbstractContextManage
     return lock_folder(os.fspath(out_dir), "report folder", "--out_dir")
 
 
-def holds_out_dir(run: Writer) -> Writer:
-    """Decorates a report writer with an `out_dir` argument: the whole call holds `lock_out_dir(out_dir)`."""
-    signature = inspect.signature(run)
+def holds_out_dir(*files: str) -> Callable[[Writer], Writer]:
+    """Decorates a report writer with an `out_dir` argument: the whole call holds `lock_out_dir(out_dir)`, and
+    `files`, the report's, are checked first (a folder of one's name is refused before the work, not at the
+    renames after it). The writer's `report_files` names them."""
+    def decorate(run: Writer) -> Writer:
+        signature = inspect.signature(run)
 
-    @functools.wraps(run)
-    def locked(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        with lock_out_dir(bound.arguments["out_dir"]):
-            return run(*args, **kwargs)
+        @functools.wraps(run)
+        def locked(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            out_dir = bound.arguments["out_dir"]
+            with lock_out_dir(out_dir):
+                for name in files:
+                    _check_not_a_folder(os.path.join(os.fspath(out_dir), name))
+                return run(*args, **kwargs)
 
-    return locked
+        locked.report_files = files
+        return locked
+
+    return decorate

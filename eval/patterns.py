@@ -77,7 +77,7 @@ def _tokenize(checkpoint, text_or_ids) -> tuple[np.ndarray, Any]:
     return ids, tokenizer
 
 
-@holds_out_dir
+@holds_out_dir("patterns.png", "head_usage.png", "patterns.md", "patterns.json")
 def run_patterns(
     checkpoint,
     text_or_ids: str | Sequence[int] | np.ndarray,

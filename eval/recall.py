@@ -279,7 +279,7 @@ def _accuracies(correct_NxS: np.ndarray, mask_NxS: np.ndarray, budget: int) -> d
     return {"all": acc(mask_NxS), "saturated": acc(saturated)}
 
 
-@holds_out_dir
+@holds_out_dir("recall.png", "recall.md", "recall.json")
 def run_recall(
     checkpoint,
     data,

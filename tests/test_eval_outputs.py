@@ -92,6 +92,27 @@ WRITERS = {
 }
 
 
+WRITER_FUNCTIONS = {"accuracy": run_accuracy, "recall": run_recall, "patterns": run_patterns,
+                    "dms_patterns": run_dms_patterns, "bench decode": run_bench_decode,
+                    "bench train": run_bench_train, "bench gpu": run_bench_gpu}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_folder_where_any_writers_report_file_goes_is_refused_before_the_work(tmp_path, writer):
+    """Only `accuracy` checked its file names up front; recall, patterns and the benches found a folder named like
+    one of their files at the renames, after the work (minutes to hours of it). Every writer now checks them first."""
+    function = WRITER_FUNCTIONS[writer]
+    module = __import__(function.__module__, fromlist=["_"])
+    with open(module.__file__) as f:  # the names checked are the names written
+        written = set(re.findall(r'out\.path\("([^"]+)"\)|os\.path\.join\(out_dir, "([^"]+)"\)', f.read()))
+    assert {a or b for a, b in written} == set(function.report_files)
+    for name in function.report_files:
+        out = tmp_path / name.replace(".", "_")
+        (out / name).mkdir(parents=True)
+        with pytest.raises(ValueError, match=re.escape(f"{out / name} is a folder, not a file")):
+            WRITERS[writer](str(out))
+
+
 @pytest.mark.parametrize("writer", WRITERS)
 def test_a_report_folder_another_eval_writes_is_refused_at_once(tmp_path, writer):
     """Two eval commands into one --out_dir (the same command launched twice, or two commands sharing a folder)
