@@ -312,6 +312,25 @@ def test_tensorboard_is_imported_only_when_asked_for_and_its_absence_named(tmp_p
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, env=train_env(tmp_path))
 
 
+def test_metrics_of_a_run_with_no_checkpoint_are_replaced_with_a_line_saying_so(tmp_path, capsys):
+    """A rerun whose checkpoints/ was deleted (or that stopped before its first save) started over and replaced
+    the old run's metrics.jsonl without a word; a resume from a checkpoint cuts it back to that step quietly."""
+    from train.loop import MetricsLog
+
+    cfg = dataclasses.make_dataclass("Cfg", ["run_dir", "tensorboard"])(str(tmp_path), False)
+    path = tmp_path / "metrics.jsonl"
+    old = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.2}\n'
+    path.write_text(old)
+    assert MetricsLog(cfg, 2).records == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    assert "starting over" not in capsys.readouterr().err
+    path.write_text(old)
+    assert MetricsLog(cfg, 0).records == [] and path.read_text() == ""
+    assert (f"{path} holds 3 records (to step 3) of a run with no checkpoint to resume from (it stopped before its "
+            "first save, or its checkpoints/ was deleted): starting over from step 0") in capsys.readouterr().err
+    MetricsLog(cfg, 0)  # nothing there: nothing to say
+    assert capsys.readouterr().err == ""
+
+
 def test_every_kvpop_flag_named_by_the_resume_check_exists():
     from absl import flags
 

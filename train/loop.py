@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -90,6 +91,10 @@ class MetricsLog:
         self.records = read_metrics(self.path, start_step)
         if not self.enabled:
             return
+        if start_step == 0 and (old := read_metrics(self.path, sys.maxsize)):  # replaced below: said, not silent
+            info(f"{self.path} holds {len(old)} records (to step {old[-1]['step']}) of a run with no checkpoint to "
+                 "resume from (it stopped before its first save, or its checkpoints/ was deleted): starting over "
+                 "from step 0, replacing them")
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
             tb = os.path.join(cfg.run_dir, "tb")
