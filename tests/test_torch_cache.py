@@ -393,8 +393,9 @@ def test_a_multi_token_continuation_equals_one_token_calls_and_serves_a_multi_tu
         for x, y in zip(chunked.layers, one.layers):  # the priorities (scores read at entry or when leaving), state
             torch.testing.assert_close(x.priority, y.priority, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(x.keys, y.keys, rtol=0, atol=1e-5)  # a layer above reads float-rounded inputs
-            for a, c in zip(x.state or (), y.state or ()):
-                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+            for a, c in zip(x.state or (), y.state or ()):  # two float32 summation orders (a chunk's matrix
+                # product, one outer product per step): 2.9e-5 relative apart at most on an AMD EPYC's kernels
+                torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
         assert chunked.get_seq_length() == one.get_seq_length() == 40
     greedy = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
     chat = make_cache()
