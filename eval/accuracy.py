@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -208,6 +210,31 @@ def _problems_digest(problems: Sequence[Mapping], encoded: Sequence[Sequence[int
     return digest.hexdigest()
 
 
+def _package_version(module: str) -> str | None:
+    """The installed version of the distribution of a module (`transformers.models.x` -> transformers)."""
+    name = module.split(".")[0]
+    for dist in (name, name.replace("_", "-")):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A hash of the code that decodes and grades (kvpop_jax, pallas_kernels, eval, demo: the folders beside this
+    one's): a resumed report is not finished by other code (a `git pull` between the kill and the rerun)."""
+    digest = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in ("kvpop_jax", "pallas_kernels", "eval", "demo"):
+        for name in sorted(os.listdir(os.path.join(root, package))):
+            if name.endswith(".py"):
+                with open(os.path.join(root, package, name), "rb") as f:
+                    digest.update(f"{package}/{name}".encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
 @holds_out_dir(*REPORT_FILES)
 def run_accuracy(
     methods: Sequence[str],
@@ -373,12 +400,39 @@ def run_accuracy(
                   f"max_position_embeddings {config.max_position_embeddings} of {path!r}", file=sys.stderr)
     for line in retargeted if notes else ():  # once every input is checked: a refused run has nothing to note
         print(f"note: {line}", file=sys.stderr)
-    batch = batch_size or n_rollouts
+    batch = int(batch_size or n_rollouts)
 
-    # Every checkpoint's weights are read (and checked finite) now, not when its turn comes; the run
-    # holds them all by its end anyway.
+    # Each setting's results are journaled as it finishes: a killed run's rerun decodes only the rest.
+    setting_paths = [_checkpoint_for(checkpoints, method, cr) for method, cr in settings]
+    inputs = dict(settings=settings, budgets=sorted(budgets.items()), context_len=context_len, n_rollouts=n_rollouts,
+                  batch=batch, max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
+                  sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch, dtype=str(jnp.dtype(dtype)),
+                  # which checkpoint serves which setting (two exports swapped are other inputs), as it is on disk
+                  checkpoints=[[*setting, _folder_identity(path)] for setting, path in zip(settings, setting_paths)],
+                  eos={path: stop_token_ids(path, config) for path, config in configs.items()},
+                  tokenizer=[type(tok).__name__, tok.eos_token_id, _package_version(type(tok).__module__),
+                             _folder_identity(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None],
+                  benchmarks={b: _problems_digest(benchmarks[b], encoded[b]) for b in benchmarks},
+                  checker=[math_verify_available(), _package_version("math_verify")],
+                  device=[jax.default_backend(), jax.devices()[0].device_kind],
+                  versions=[jax.__version__, _package_version("jaxlib"), np.__version__, kvpop_version,
+                            _source_digest()])
+    journal = Journal(out_dir, JOURNAL_NAME, inputs, resume=resume)
+    finished = {(part["method"], part["cr"]): part for part in journal.parts}
+    if journal.stale:
+        why = "of other inputs" if resume else "passed over by resume=False (--noresume)"
+        print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of a killed run {why}: "
+              "replaced when this run finishes its first", file=sys.stderr)
+    if finished:
+        print(f"note: resuming the run killed in {out_dir}: {len(finished)} of {len(settings)} method x CR settings "
+              f"are done ({journal.path}); pass resume=False (--noresume) to decode them again", file=sys.stderr)
+    pending = [k for k, setting in enumerate(settings) if setting not in finished]
+
+    # The checkpoints of the settings to decode are read (and checked finite) now, not when each one's turn
+    # comes; the run holds them all by its end anyway.
+    needed = list(dict.fromkeys(setting_paths[k] for k in pending))
     loaded = {path: load_pretrained(path, dtype=dtype)
-              for path in tqdm(configs, desc="loading checkpoints", disable=not progress or len(configs) < 2)}
+              for path in tqdm(needed, desc="loading checkpoints", disable=not progress or len(needed) < 2)}
     # The shape of each setting's first call: the first problem group of the first benchmark.
     first = next(iter(benchmarks))
     first_group = _problem_groups(encoded[first], problem_batch if n_rollouts == 1 else 1)[0]
@@ -387,7 +441,7 @@ def run_accuracy(
     def prepare(k: int, ahead: bool):
         """Setting k's (model, params, cache, eos); `ahead`: also compile its first decode program."""
         method, cr = settings[k]
-        path = _checkpoint_for(checkpoints, method, cr)
+        path = setting_paths[k]
         config, params = loaded[path]
         model, mparams, cache = method_setup(method, config, params, None if cr is None else budgets[cr],
                                              sinks=sinks, dtype=dtype)
@@ -403,31 +457,12 @@ def run_accuracy(
     cut_off: dict[tuple, list[int]] = {}  # (method, cr) -> [rollouts cut at max_new_tokens with no answer, rollouts]
     reached = dict.fromkeys(crs, 0)  # per CR: the longest prompt + completion a compressing method decoded
     total = len(settings) * sum(len(p) for p in benchmarks.values())
-    inputs = dict(settings=settings, budgets=sorted(budgets.items()), context_len=context_len, n_rollouts=n_rollouts,
-                  batch=batch, max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
-                  sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch, dtype=str(jnp.dtype(dtype)),
-                  eos={path: stop_token_ids(path, config) for path, config in configs.items()},
-                  tokenizer=_folder_identity(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None,
-                  benchmarks={b: _problems_digest(benchmarks[b], encoded[b]) for b in benchmarks},
-                  checkpoints={path: _folder_identity(path) for path in configs},
-                  versions=dict(kvpop_jax=kvpop_version, jax=jax.__version__, numpy=np.__version__))
     # XLA compiles on one core while a decode keeps ~1.5 busy: setting k + 1 compiles in
     # this thread while setting k decodes (the same programs as without it: the results are identical).
     upcoming = None
     # Every output is staged and renamed at the end: a failed rerun leaves the old report whole.
     with staged_outputs(out_dir, REPORT_FILES) as out, open(out.path("samples.jsonl"), "w") as samples, \
             background_worker(compile_ahead, "compile-ahead") as pool:
-        # Each setting's results are journaled as it finishes: a killed run's rerun decodes only the rest.
-        journal = Journal(out.out_dir, JOURNAL_NAME, inputs, resume=resume)
-        finished = {(part["method"], part["cr"]): part for part in journal.parts}
-        if journal.stale:
-            print(f"note: {journal.path} held a killed run of other inputs: started over", file=sys.stderr)
-        if finished:
-            print(f"note: resuming the run killed in {out.out_dir}: {len(finished)} of {len(settings)} method x CR "
-                  f"settings are done ({journal.path}); pass resume=False (--noresume) to decode them again",
-                  file=sys.stderr)
-        pending = [k for k, setting in enumerate(settings) if setting not in finished]
-
         def take(part: dict) -> None:
             """A finished setting's results into the report."""
             records.extend(part["records"])
@@ -437,11 +472,10 @@ def run_accuracy(
                 reached[part["cr"]] = max(reached[part["cr"]], part["reached"])
 
         bar = tqdm(total=total, desc="accuracy", disable=not progress,
-                   initial=len(finished) * sum(len(p) for p in benchmarks.values()))
+                   initial=(len(settings) - len(pending)) * sum(len(p) for p in benchmarks.values()))
         for k, (method, cr) in enumerate(settings):
             if (method, cr) in finished:
-                part = finished[(method, cr)]
-                take(part)
+                take(finished.pop((method, cr)))  # not held after: a long run's samples are large
                 continue
             model, mparams, cache, eos = upcoming.result() if upcoming is not None else prepare(k, False)
             after = [j for j in pending if j > k]
@@ -484,8 +518,7 @@ def run_accuracy(
                 for i in sorted(done):  # in the benchmark's order, however the lengths were grouped
                     part["records"].append(done[i][0])
                     part["samples"].extend(done[i][1])
-            journal.add(part)
-            take(journal.parts[-1])  # as a resumed run reads it back: one report either way
+            take(journal.add(part))  # as a resumed run reads it back: one report either way
         bar.close()
 
         # The up-front check bounds completions by max_new_tokens; answers usually end far sooner.

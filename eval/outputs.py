@@ -117,57 +117,86 @@ def staged_outputs(out_dir: str | os.PathLike, names: Sequence[str] = ()) -> Ite
 
 
 def journal_file(name: str) -> str:
+    """The file name of report NAME's journal (`Journal`) in its folder."""
     return f".{name}-journal.jsonl"
+
+
+JOURNAL_FORMAT = 1  # in the header: a journal of another layout is not read
+
+
+def _json_line(line: bytes) -> Any:
+    """A whole JSON line's value, or None (no newline: cut short; not JSON)."""
+    try:
+        return json.loads(line) if line.endswith(b"\n") else None
+    except ValueError:
+        return None
 
 
 class Journal:
     """The finished parts of a report, kept across a kill, so that a rerun with the same inputs does only the
     rest: OUT/.NAME-journal.jsonl, a header line holding a hash of `inputs` (everything the report's numbers
-    depend on), then one JSON line per finished part, synced as it is written. A rerun whose inputs differ
-    (`stale`), or one told not to resume, starts it over; a line the kill cut short is dropped. The caller
-    removes it once the report is committed. Its folder is the report's, locked (`holds_out_dir`)."""
+    depend on), then one JSON line per finished part, synced as it is written. `parts`: those a rerun with the
+    same inputs finds (a line the kill cut short is dropped). A journal of other inputs (`stale`: how many parts
+    it held), or one `resume=False` passes over, is left as it is until this run's first part replaces it: a
+    rerun stopped at the note loses nothing. The caller removes it once the report is committed. Its folder is
+    the report's, locked (`holds_out_dir`)."""
 
     def __init__(self, out_dir: str | os.PathLike, name: str, inputs: Mapping[str, Any], *, resume: bool = True):
         self.path = os.path.join(os.fspath(out_dir), journal_file(name))
-        self.header = {"journal": name, "inputs": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
-                       .hexdigest()}
+        _check_not_a_folder(self.path)
+        key = json.dumps(inputs, sort_keys=True, default=str).encode()
+        self.header = {"journal": name, "format": JOURNAL_FORMAT, "inputs": hashlib.sha256(key).hexdigest()}
         self.parts: list[dict] = []
-        self.stale = False
-        if os.path.exists(self.path):
-            parts = self._read()
-            self.stale = parts is None
-            if resume and parts is not None:
-                self.parts = parts
-        with atomic_file(self.path, "w") as f:  # without the torn line, which an append would run into
-            f.writelines(json.dumps(line) + "\n" for line in [self.header, *self.parts])
+        self.stale: int | None = None
+        self._started = False  # this run's header is in the file
+        if not os.path.exists(self.path):
+            return
+        parts, end, held = self._read()
+        if parts is None or not resume:
+            self.stale = held
+        else:
+            self.parts = parts
+            if end < os.path.getsize(self.path):  # the torn line, which an append would run into
+                os.truncate(self.path, end)
+            self._started = True
 
-    def _read(self) -> list[dict] | None:
-        """The parts of a journal of these inputs, or None (another report's, other inputs, unreadable)."""
+    def _read(self) -> tuple[list[dict] | None, int, int]:
+        """(the parts of a journal of these inputs, else None; the byte where its last whole part ends; how many
+        whole lines of parts it holds). Read line by line: a journal of hours of samples is not held twice."""
+        parts, end, held = [], 0, 0
         try:
             with open(self.path, "rb") as f:
-                lines = f.read().split(b"\n")[:-1]  # the last piece has no newline: empty, or cut by the kill
-            header, *rest = [json.loads(line) for line in lines[:1]] + lines[1:]
-        except (OSError, ValueError):
-            return None
-        if header != self.header:
-            return None
-        parts = []
-        for line in rest:
-            try:
-                parts.append(json.loads(line))
-            except ValueError:  # a disk that filled mid-line: what follows it is not trusted either
-                break
-        return parts
+                header = f.readline()
+                ours, end = _json_line(header) == self.header, len(header)
+                for line in f:
+                    if not ours:
+                        held += line.endswith(b"\n")
+                        continue
+                    record = _json_line(line)
+                    if record is None:  # cut by the kill (or a disk that filled mid-line: nothing after it trusted)
+                        break
+                    parts.append(record)
+                    end += len(line)
+        except OSError:
+            return None, 0, held
+        return (parts if ours else None), end, len(parts) if ours else held
 
-    def add(self, part: Mapping[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            line = json.dumps(part)
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.parts.append(json.loads(line))  # as a rerun reads it back
+    def add(self, part: Mapping[str, Any]) -> dict:
+        """Journals a finished part (synced); returns it as a rerun reads it back."""
+        line = json.dumps(part) + "\n"
+        if not self._started:  # a stale journal, or none: replaced whole
+            with atomic_file(self.path, "w") as f:
+                f.write(json.dumps(self.header) + "\n" + line)
+            self._started = True
+        else:
+            with open(self.path, "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        return json.loads(line)
 
     def remove(self) -> None:
+        """Deletes the journal (the report it was for is whole)."""
         if os.path.exists(self.path):
             os.unlink(self.path)
 

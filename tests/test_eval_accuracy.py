@@ -364,7 +364,8 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
     monkeypatch.setattr(accuracy, "generate", counted_generate)
     methods, checkpoints = ["dense", "streaming", "tova"], {"dense": dense}
     kw = dict(n_rollouts=2, compression_ratios=(0.5,), context_len=16, max_new_tokens=4, progress=False,
-              sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0))  # sampled: the keys must match too
+              sampling=SamplingConfig(temperature=1.0, top_p=1.0, top_k=0),  # sampled: the keys must match too
+              batch_size=np.int64(2))  # a numpy count, as a script computes it
 
     def report(out):
         return {f: (out / f).read_bytes() for f in sorted(os.listdir(out)) if f != LOCK_FILE}
@@ -400,8 +401,10 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
     assert report(out) == whole
 
     # other inputs (another seed; a checkpoint rewritten) or --noresume: everything decodes again
-    for change, note in ((dict(seed=1), "held a killed run of other inputs"),
-                         (dict(resume=False), None), ("touch", "held a killed run of other inputs")):
+    journal = out / ".accuracy-journal.jsonl"
+    stale = "holds 1 finished method x CR settings of a killed run"
+    for change, note in ((dict(seed=1), f"{stale} of other inputs"), (dict(resume=False), f"{stale} passed over"),
+                         ("touch", f"{stale} of other inputs")):
         calls.clear()
         fail_at[0] = per_setting + 1
         with pytest.raises(RuntimeError):
@@ -411,13 +414,52 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
         if change == "touch":
             weights = os.path.join(dense, "model.safetensors")
             os.utime(weights, ns=(os.stat(weights).st_atime_ns, os.stat(weights).st_mtime_ns + 10**9))
+        changed = {**kw, **(change if change != "touch" else {})}
+        if change != "touch":  # stopped at the note, before its first setting finished: the journal is as it was
+            kept = journal.read_bytes()
+            fail_at[0] = 0
+            with pytest.raises(RuntimeError):
+                run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **changed)
+            assert journal.read_bytes() == kept, change
+            calls.clear()
+            fail_at[0] = None
         capsys.readouterr()
-        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **{**kw, **(change if change != "touch"
-                                                                                    else {})})
+        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **changed)
         assert len(calls) == 3 * per_setting, change
-        err = capsys.readouterr().err
-        assert (note in err) if note else "resuming" not in err, change
-        assert not os.path.exists(out / ".accuracy-journal.jsonl")
+        assert note in capsys.readouterr().err, change
+        assert not journal.exists()
+
+
+def test_a_resume_with_two_checkpoints_swapped_decodes_again(tmp_path, monkeypatch, capsys):
+    """The journal's key held the set of checkpoint folders, not which one served which setting: a run killed
+    with two exports swapped by mistake, rerun with the mapping fixed, kept the rows of the wrong model."""
+    import eval.accuracy as accuracy
+
+    one, _ = _dense_checkpoint(tmp_path / "one")
+    two, _ = _dense_checkpoint(tmp_path / "two", hidden_size=48)
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(dict(problem="x3y5\nask x\n", answer="3")) + "\n")
+    real_generate, calls, kill = accuracy.generate, [], [True]
+
+    def counted_generate(*args, **kwargs):
+        calls.append(1)
+        if kill[0] and len(calls) == 2:
+            raise RuntimeError("killed while decoding")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(accuracy, "generate", counted_generate)
+    kw = dict(n_rollouts=1, compression_ratios=(0.5, 0.25), context_len=16, max_new_tokens=4, progress=False,
+              sampling=SamplingConfig.greedy(), out_dir=str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="killed while decoding"):
+        run_accuracy(["streaming"], {"dense": {0.5: two, 0.25: one}}, str(bench), **kw)
+    calls.clear()
+    kill[0] = False
+    run_accuracy(["streaming"], {"dense": {0.5: one, 0.25: two}}, str(bench), **kw)
+    assert len(calls) == 2 and "finished method x CR settings of a killed run of other inputs" in \
+        capsys.readouterr().err
+    (tmp_path / "folder" / ".accuracy-journal.jsonl").mkdir(parents=True)  # refused before any decode
+    with pytest.raises(ValueError, match="accuracy-journal.jsonl is a folder, not a file"):
+        run_accuracy(["streaming"], {"dense": one}, str(bench), **{**kw, "out_dir": str(tmp_path / "folder")})
 
 
 def test_a_folder_named_like_a_report_file_is_refused_before_the_first_decode(tmp_path, monkeypatch):
