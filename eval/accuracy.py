@@ -419,6 +419,7 @@ def run_accuracy(
                             _source_digest()])
     journal = Journal(out_dir, JOURNAL_NAME, inputs, resume=resume)
     finished = {(part["method"], part["cr"]): part for part in journal.parts}
+    journal.parts.clear()  # held in `finished` until each is taken into the report
     if journal.stale:
         why = "of other inputs" if resume else "passed over by resume=False (--noresume)"
         print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of a killed run {why}: "
