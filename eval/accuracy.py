@@ -197,7 +197,7 @@ def _folder_identity(path: str | os.PathLike) -> list:
     path = os.fspath(path)
     if not os.path.isdir(path):
         return [os.path.realpath(path)]
-    return [os.path.realpath(path)] + sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns]
+    return [os.path.realpath(path)] + sorted([e.name, (st := e.stat()).st_size, st.st_mtime_ns]
                                              for e in os.scandir(path) if e.is_file())
 
 
@@ -404,12 +404,13 @@ def run_accuracy(
 
     # Each setting's results are journaled as it finishes: a killed run's rerun decodes only the rest.
     setting_paths = [_checkpoint_for(checkpoints, method, cr) for method, cr in settings]
+    stop_ids = {path: stop_token_ids(path, config) for path, config in configs.items()}  # read once per checkpoint
     inputs = dict(settings=settings, budgets=sorted(budgets.items()), context_len=context_len, n_rollouts=n_rollouts,
                   batch=batch, max_new_tokens=max_new_tokens, sampling=dataclasses.asdict(sampling), seed=seed,
                   sinks=sinks, stream_prompt=stream_prompt, problem_batch=problem_batch, dtype=str(jnp.dtype(dtype)),
                   # which checkpoint serves which setting (two exports swapped are other inputs), as it is on disk
                   checkpoints=[[*setting, _folder_identity(path)] for setting, path in zip(settings, setting_paths)],
-                  eos={path: stop_token_ids(path, config) for path, config in configs.items()},
+                  eos=stop_ids,
                   tokenizer=[type(tok).__name__, tok.eos_token_id, _package_version(type(tok).__module__),
                              _folder_identity(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None],
                   benchmarks={b: _problems_digest(benchmarks[b], encoded[b]) for b in benchmarks},
@@ -447,7 +448,7 @@ def run_accuracy(
         model, mparams, cache = method_setup(method, config, params, None if cr is None else budgets[cr],
                                              sinks=sinks, dtype=dtype)
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        eos |= set(stop_token_ids(path, config))  # config.json's and generation_config.json's
+        eos |= set(stop_ids[path])  # config.json's and generation_config.json's
         eos = tuple(sorted(eos))
         if ahead:
             compile_generate(model, mparams, first_rows, first_len, max_new_tokens=max_new_tokens, sampling=sampling,

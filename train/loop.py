@@ -88,13 +88,14 @@ class MetricsLog:
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(cfg.run_dir, METRICS_FILE)
         self.writer = None
-        self.records = read_metrics(self.path, start_step)
+        written = read_metrics(self.path, sys.maxsize)
+        self.records = [r for r in written if int(r["step"]) <= start_step]
         if not self.enabled:
             return
-        if start_step == 0 and (old := read_metrics(self.path, sys.maxsize)):  # replaced below: said, not silent
-            info(f"{self.path} holds {len(old)} records (to step {old[-1]['step']}) of a run with no checkpoint to "
-                 "resume from (it stopped before its first save, or its checkpoints/ was deleted): starting over "
-                 "from step 0, replacing them")
+        if start_step == 0 and written:  # replaced below: said, not silent
+            info(f"{self.path} holds {len(written)} records (to step {written[-1]['step']}) of a run with no "
+                 "checkpoint to resume from (it stopped before its first save, or its checkpoints/ was deleted): "
+                 "starting over from step 0, replacing them")
         atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         if cfg.tensorboard:
             tb = os.path.join(cfg.run_dir, "tb")
