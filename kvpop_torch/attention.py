@@ -1,8 +1,11 @@
 """The "kvpop" attention function, registered with transformers' `AttentionInterface` (no remote code).
 
 transformers calls it as `fn(module, query [B, Hq, T, D], key [B, Hkv, K, D], value, attention_mask,
-scaling=..., **kwargs)` with the keys/values `KVpopCache.update` returned and the `kvpop_mask`
-that update put into the same kwargs. Query head `h * G + g` reads KV head h (as `repeat_kv`),
+scaling=..., **kwargs)` with the keys/values `KVpopCache.update` returned, and those keys carry the
+call's `KVpopMask` (`with_mask`): the one channel from the cache to the attention that every
+transformers from 4.56 on keeps (4.56-5.23 call `cache.update` without the attention's kwargs, and
+neither side is handed the other's objects), and one bound to its call, so it cannot go stale or
+reach another model's, cache's or thread's attention. Query head `h * G + g` reads KV head h (as `repeat_kv`),
 so each KV head's G query heads are folded into one query axis and share its mask: keys and
 values are never repeated. The prefill mask is built one query block at a time, so memory is
 O(block x P) per head rather than O(P^2).
@@ -18,6 +21,7 @@ from kvpop_torch import policy
 
 ATTENTION_NAME = "kvpop"
 QUERY_BLOCK = 512
+MASK_ATTRIBUTE = "kvpop_mask"  # the attribute of the keys `KVpopCache.update` returns that holds their mask
 
 
 class KVpopMask:
@@ -34,6 +38,10 @@ class KVpopMask:
         self.sinks, self.window = sinks, window
         self.consumed = False
 
+    @property
+    def is_prefill(self) -> bool:
+        return self.last_kept is not None
+
     def rows(self, q0: int, q1: int) -> torch.Tensor:
         """bool [B, Hkv, q1 - q0, K] for the queries q0..q1-1 of this call."""
         if self.slot_valid is not None:
@@ -45,13 +53,33 @@ class KVpopMask:
         return policy.prefill_mask_block(self.last_kept, q0, q1, sinks=self.sinks, window=self.window)
 
 
+def with_mask(keys: torch.Tensor, mask: KVpopMask) -> torch.Tensor:
+    """keys [B, Hkv, K, D] as a new tensor object on the same storage (autograd sees a view), carrying `mask`."""
+    keys = keys.view_as(keys)
+    setattr(keys, MASK_ATTRIBUTE, mask)
+    return keys
+
+
+def check_prefill_positions(position_ids, length: int) -> None:
+    """A prompt on a fresh cache sits at positions 0..P-1: ValueError otherwise (padding or an offset)."""
+    if position_ids is None:
+        return
+    want = torch.arange(length, device=position_ids.device)
+    if position_ids.shape[-1] != length or not bool((position_ids == want).all()):
+        raise ValueError("KVpopCache needs unpadded prompts of equal length at positions 0..P-1 (padding "
+                         "tokens would take sink and long-range slots); decode ragged prompts one at a time, "
+                         "each with a fresh cache (this one read the prompt into its first layer)")
+
+
 def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """Masked softmax attention under the KVpop cache's mask -> (out [B, T, Hq, D], None)."""
-    mask = kwargs.get("kvpop_mask")
+    mask = getattr(key, MASK_ATTRIBUTE, None)
     if mask is None:
         raise ValueError(f"attn_implementation={ATTENTION_NAME!r} needs a KVpopCache: "
                          "model.generate(ids, cache=KVpopCache.from_pretrained(export_dir, model)) or "
                          "model(ids, cache=cache); for dense attention load the model with 'sdpa'")
+    if mask.is_prefill:
+        check_prefill_positions(kwargs.get("position_ids"), query.shape[2])
     mask.consumed = True
     b, hq, t, d = query.shape
     hkv = key.shape[1]

@@ -21,10 +21,10 @@ what `KVpopHead.prefill` / `decode` do on the JAX side:
   slots by `policy.long_range_steps`); the attention reads the N slots from before the call and
   the L new keys, each query those held right after its own step (`KVpopMask.spans`).
 
-The mask for the attention goes through the attention call's own kwargs dict (the one
-transformers splats into the attention function) as `kvpop_mask`; the attention function
-registered as "kvpop" (`kvpop_torch.attention`) applies it. Memory after the prefill is
-constant: N slots per head and the mLSTM state.
+The mask for the attention rides on the keys `update` returns (`attention.with_mask`), which
+transformers hands straight to the attention function registered as "kvpop"
+(`kvpop_torch.attention`), which applies it. Memory after the prefill is constant: N slots per
+head and the mLSTM state.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_torch import policy
-from kvpop_torch.attention import ATTENTION_NAME, KVpopMask
+from kvpop_torch.attention import ATTENTION_NAME, KVpopMask, with_mask
 from kvpop_torch.checkpoint import load_heads
 from kvpop_torch.config import KVpopSettings
 from kvpop_torch.scorers import KVpopHead, MLSTMState, static_priority
@@ -96,11 +96,10 @@ class KVpopLayer(CacheLayerMixin):
 
     # -- the two steps ------------------------------------------------------------------
 
-    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **_):
-        """key/value_states [B, Hkv, T, D] -> the keys/values this call attends to."""
-        if kwargs is None:
-            raise ValueError("KVpopCache needs the attention call's kwargs (cache.update(k, v, layer_idx, "
-                             "kwargs=kwargs), as transformers' Qwen3 attention passes them)")
+    def update(self, key_states, value_states, *_, **__):
+        """key/value_states [B, Hkv, T, D] -> the keys/values this call attends to, the keys carrying its KVpopMask.
+
+        Whatever else transformers passes (4.56-4.57: a cache_kwargs dict; 5.x: the attention's kwargs) is unread."""
         require_mask_applied(self._pending)
         self._writable()
         if not self.is_initialized or (self.seen == 0 and key_states.shape[0] != self.batch_size):  # fresh or reset
@@ -113,22 +112,12 @@ class KVpopLayer(CacheLayerMixin):
         if length == 1:
             out = self._decode(key_states, value_states)[:3]
         elif self.seen == 0:
-            self._check_positions(kwargs.get("position_ids"), length)
-            out = self._prefill(key_states, value_states)
+            out = self._prefill(key_states, value_states)  # (its positions are checked by the attention)
         else:
             out = self._continue(key_states, value_states)
         self.seen += length
-        kwargs["kvpop_mask"] = self._pending = out[2]
-        return out[0], out[1]
-
-    @staticmethod
-    def _check_positions(position_ids, length: int) -> None:
-        if position_ids is None:
-            return
-        want = torch.arange(length, device=position_ids.device)
-        if not bool((position_ids == want).all()):
-            raise ValueError("KVpopCache needs unpadded prompts of equal length at positions 0..P-1 (padding "
-                             "tokens would take sink and long-range slots); decode ragged prompts one at a time")
+        self._pending = out[2]
+        return with_mask(out[0], out[2]), out[1]
 
     @torch.no_grad()
     def _prefill(self, k, v):
