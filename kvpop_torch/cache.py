@@ -25,6 +25,11 @@ The mask for the attention rides on the keys `update` returns (`attention.with_m
 transformers hands straight to the attention function registered as "kvpop"
 (`kvpop_torch.attention`), which applies it. Memory after the prefill is constant: N slots per
 head and the mLSTM state.
+
+The layer speaks both `CacheLayerMixin` dialects: transformers 4.56-4.57 (`update(k, v,
+cache_kwargs)`, `lazy_initialization(k)`, `get_mask_sizes(cache_position)`, `get_max_cache_shape`)
+and 5.x (`update(k, v, *, kwargs=...)`, `lazy_initialization(k, v)`, `get_mask_sizes(query_length)`,
+`get_max_length`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class KVpopLayer(CacheLayerMixin):
 
     def __init__(self, settings: KVpopSettings, head: KVpopHead):
         super().__init__()
+        self.is_initialized = False  # (transformers 4.56's CacheLayerMixin does not set it)
         self.settings, self.head = settings, head
         self.seen = 0
         self.pos = self.priority = self.state = None
@@ -79,7 +85,9 @@ class KVpopLayer(CacheLayerMixin):
     def num_slots(self) -> int:
         return self.settings.budget
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        # (transformers 4.56-4.57's early_initialization passes the keys only; a Qwen3 value is a key's size)
+        value_states = key_states if value_states is None else value_states
         b, h, _, d = key_states.shape
         n = self.num_slots
         self.dtype, self.device, self.batch_size = key_states.dtype, key_states.device, b
@@ -289,8 +297,14 @@ class KVpopLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.num_slots
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_max_cache_shape(self) -> int:  # get_max_length's name in transformers 4.56-4.57
+        return self.num_slots
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # Only consulted by transformers' own mask builders; the "kvpop" attention builds its own.
+        # transformers 4.56-4.57 pass the call's cache_position [T], 5.x its length T.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         if self.seen == 0:
             return query_length, 0
         return self.num_slots, self.seen + query_length - self.num_slots
@@ -361,10 +375,13 @@ class KVpopCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Each layer's update first checks that the layer below attended under its KVpop mask, so a model
         loaded with another attention fails within its first forward (a one-call generation included), not
-        at the next call. A cache built without `from_pretrained(d, model)` skips the up-front check."""
+        at the next call. A cache built without `from_pretrained(d, model)` skips the up-front check.
+
+        The layer is called directly, not through `Cache.update`, whose signature changed at 5.0 and 5.24 (this
+        cache has every layer from the start and never offloads, the rest of what `Cache.update` does)."""
         if 0 < layer_idx <= len(self.layers):
             require_mask_applied(self.layers[layer_idx - 1]._pending)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model=None, *, device=None) -> "KVpopCache":
