@@ -75,9 +75,13 @@ def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dro
     """Masked softmax attention under the KVpop cache's mask -> (out [B, T, Hq, D], None)."""
     mask = getattr(key, MASK_ATTRIBUTE, None)
     if mask is None:
+        passed_as_cache = "cache" in kwargs  # a transformers whose forward takes past_key_values passed it on
         raise ValueError(f"attn_implementation={ATTENTION_NAME!r} needs a KVpopCache: "
                          "model.generate(ids, cache=KVpopCache.from_pretrained(export_dir, model)) or "
-                         "model(ids, cache=cache); for dense attention load the model with 'sdpa'")
+                         "model(ids, cache=cache); for dense attention load the model with 'sdpa'"
+                         + ("; this transformers names the model's cache argument past_key_values (a model from "
+                            "kvpop_torch.load or KVpopCache.from_pretrained(export_dir, model) also takes cache=)"
+                            if passed_as_cache else ""))
     if mask.is_prefill:
         check_prefill_positions(kwargs.get("position_ids"), query.shape[2])
     mask.consumed = True

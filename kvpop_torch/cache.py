@@ -29,11 +29,14 @@ head and the mLSTM state.
 The layer speaks both `CacheLayerMixin` dialects: transformers 4.56-4.57 (`update(k, v,
 cache_kwargs)`, `lazy_initialization(k)`, `get_mask_sizes(cache_position)`, `get_max_cache_shape`)
 and 5.x (`update(k, v, *, kwargs=...)`, `lazy_initialization(k, v)`, `get_mask_sizes(query_length)`,
-`get_max_length`).
+`get_max_length`). transformers 4.56-5.23 name the model's cache argument `past_key_values`, 5.24 on
+`cache` (`past_key_values` deprecated): a guarded model (`guard_new_tokens`) takes `cache=` on all of
+them.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
@@ -476,12 +479,49 @@ def check_attention(model) -> None:
 def guard_new_tokens(model) -> None:
     """Installs (once) a forward pre-hook that names a call with no new tokens (`check_new_tokens`), and wraps
     the model's `generate` so that a started KVpopCache is given the conversation it holds
-    (`KVpopCache.check_continues`)."""
+    (`KVpopCache.check_continues`). Where this transformers' forward names its cache `past_key_values`
+    (before 5.24), both also take it as `cache=`, the name 5.24 on use (`rename_cache_argument`)."""
     if not getattr(model, "_kvpop_guarded", False):
+        model._kvpop_cache_argument = cache_argument(model)
+        if model._kvpop_cache_argument != "cache":
+            model.register_forward_pre_hook(rename_cache_argument, with_kwargs=True)
+            # generate() reads its keyword arguments here first; an instance override (these transformers are
+            # released and frozen) also serves `model.generate(ids, cache=KVpopCache.from_pretrained(d, model))`,
+            # whose `model.generate` was looked up before the cache guarded the model.
+            model._prepare_generation_config = types.MethodType(_prepare_generation_config_renamed, model)
         model.register_forward_pre_hook(check_new_tokens, with_kwargs=True)
         model.register_forward_hook(note_read_ids, with_kwargs=True)
         model.generate = types.MethodType(_generate_checked, model)  # a copy of the model rebinds it to itself
         model._kvpop_guarded = True
+
+
+def cache_argument(model) -> str:
+    """The name the model's forward takes its cache by: "cache" (transformers >= 5.24) or "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _renamed(kwargs: dict, name: str) -> dict:
+    """kwargs with `cache=` passed as `name=`; the same dict where there is nothing to rename."""
+    if name == "cache" or "cache" not in kwargs:
+        return kwargs
+    if kwargs.get(name) is not None:
+        raise ValueError(f"the cache is passed twice, as cache= and as {name}=: pass one")
+    kwargs = dict(kwargs)
+    kwargs[name] = kwargs.pop("cache")
+    return kwargs
+
+
+def _prepare_generation_config_renamed(self, generation_config, *args, **kwargs):
+    """`GenerationMixin._prepare_generation_config` (transformers < 5.24), with `cache=` passed as past_key_values."""
+    kwargs = _renamed(kwargs, self._kvpop_cache_argument)
+    return type(self)._prepare_generation_config(self, generation_config, *args, **kwargs)
+
+
+def rename_cache_argument(module, args, kwargs):
+    """A forward pre-hook: `model(ids, cache=c)` on a transformers whose forward takes `past_key_values` (it would
+    run without the cache: its forward passes an unknown `cache` on to the attention, unread)."""
+    renamed = _renamed(kwargs, module._kvpop_cache_argument)
+    return None if renamed is kwargs else (args, renamed)
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, transformers, sys.modules[__package__]))

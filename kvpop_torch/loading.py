@@ -81,9 +81,9 @@ def load(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32, de
                          f"{_shown(sorted(info['missing_keys']))}, mismatched {_shown(list(info['mismatched_keys']))}, "
                          f"unexpected {_shown(unexpected)}")
     model = model.to(device).eval() if device is not None else model.eval()
+    guard_new_tokens(model)  # (a dense model too: it takes cache= on every transformers)
     if not kvpop:
         return model, lambda: DynamicCache(config=model.config)
     device = next(model.parameters()).device
     settings, heads = load_heads(directory, device=device)
-    guard_new_tokens(model)
     return model, lambda: KVpopCache(settings, heads)

@@ -6,14 +6,16 @@ keys, so every decode on them failed. Both call forms give the same attention he
 tests run on.
 """
 
+import inspect
 import threading
 import types
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import kvpop_torch
-from helpers import kvpop_export
+from helpers import REPO, kvpop_export
 from kvpop_jax import KVpopConfig, Qwen3Config
 from kvpop_torch import KVpopCache, kvpop_attention
 from kvpop_torch.checkpoint import load_heads
@@ -22,6 +24,11 @@ BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidd
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0)
 KV = KVpopConfig(scorer="mlstm", sinks=1, window=3, topk=4, mlstm_chunk=4)
 STEPS = (6, 1, 1, 5, 1, 1)  # a prompt, decode steps, a later turn of 5 tokens, decode steps: tokens per call
+
+
+def takes_past_key_values(model) -> bool:
+    """Whether this transformers' forward names its cache past_key_values (before 5.24), not cache."""
+    return "cache" not in inspect.signature(type(model).forward).parameters
 
 
 def attend(cache, layer_idx: int, q, k, v, *, hands_kwargs: bool):
@@ -122,3 +129,34 @@ def test_keys_without_a_mask_or_a_prompt_off_position_zero_are_named(tmp_path, r
     ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 6)))
     with torch.no_grad(), pytest.raises(ValueError, match=r"at positions 0\.\.P-1"):
         model(ids, position_ids=torch.arange(3, 9)[None], cache=make_cache())
+
+
+def test_the_cache_argument_on_every_transformers(tmp_path, rng):
+    """`cache=` (the name from 5.24 on) and `past_key_values=` reach the model's cache on every supported
+    transformers, for a KVpop and a dense model; a model kvpop_torch has not seen, on a transformers whose forward
+    takes past_key_values, passes an unknown `cache` on to the attention, which names the fix."""
+    kvpop_export(tmp_path, BASE, KV, rng)
+    ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 7)))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="kvpop").eval()
+    with torch.no_grad():
+        if takes_past_key_values(plain):
+            with pytest.raises(ValueError, match="names the model's cache argument past_key_values"):
+                plain(ids, cache=KVpopCache.from_pretrained(tmp_path))
+        want = plain(ids, past_key_values=KVpopCache.from_pretrained(tmp_path)).logits
+        model, make_cache = kvpop_torch.load(tmp_path)
+        cache = make_cache()
+        torch.testing.assert_close(model(ids, cache=cache).logits, want, rtol=0, atol=0)
+        assert cache.get_seq_length() == 7
+        if takes_past_key_values(model):  # (5.24 on, transformers' own deprecation handles both)
+            with pytest.raises(ValueError, match="passed twice"):
+                model(ids, cache=make_cache(), past_key_values=make_cache())
+
+        dense, make_dense = kvpop_torch.load(f"{REPO}/checkpoints/demo-teacher")
+        for call in ("forward", "generate"):
+            cache = make_dense()
+            if call == "forward":
+                dense(ids, cache=cache)
+            else:
+                dense.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+            assert cache.get_seq_length() == (7 if call == "forward" else 9), call  # read, not a fresh one made
