@@ -7,15 +7,18 @@ Needs only torch, transformers and safetensors (never kvpop_jax or jax):
     out = model.generate(ids, cache=make_cache(), max_new_tokens=64, do_sample=False)
 
 Importing the package registers the "kvpop" attention implementation with transformers. It needs
-transformers >= 5.24, whose attention layers hand the cache the attention call's kwargs (the channel the KVpop
-mask takes) and whose `generate` takes `cache=`; an older one is refused on import, by version.
+transformers >= 4.56, the first whose `Cache` is a list of `CacheLayerMixin` layers built by the caller
+(`Cache(layers=[...])`; 4.55 builds its own from `layer_classes`); an older one is refused on import, by
+version. The KVpop mask rides on the keys the cache returns (`attention.with_mask`), which every one of them
+hands to the attention unchanged. A model from `load` or `KVpopCache.from_pretrained(d, model)` takes the
+cache as `cache=` (the name from 5.24 on) on all of them, and as `past_key_values=` (deprecated from 5.24).
 """
 
 import re
 
 import transformers
 
-MIN_TRANSFORMERS = (5, 24)
+MIN_TRANSFORMERS = (4, 56)
 
 
 def check_transformers_version(version: str) -> None:
@@ -23,9 +26,9 @@ def check_transformers_version(version: str) -> None:
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or tuple(map(int, found.groups())) < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
-        raise ImportError(f"kvpop_torch needs transformers >= {need} (its Qwen3 attention hands the cache the "
-                          f"attention call's kwargs, where the KVpop mask goes; older ones call the cache without "
-                          f"them), found {version}: pip install -U 'transformers>={need}'")
+        raise ImportError(f"kvpop_torch needs transformers >= {need} (a Cache built from its own CacheLayerMixin "
+                          f"layers, Cache(layers=[...]); older ones build their layers from classes), found "
+                          f"{version}: pip install -U 'transformers>={need}'")
 
 
 check_transformers_version(transformers.__version__)

@@ -1,8 +1,10 @@
 """kvpop_torch's scorers and settings equal kvpop_jax's: same parameters, same scores and states."""
 
 import dataclasses
+import os
 import subprocess
 import sys
+import tomllib
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import torch
 import transformers
 from flax import traverse_util
 
+from helpers import REPO
 from kvpop_jax import KVpopConfig
 from kvpop_jax import config as jax_config
 from kvpop_jax.kvpop import KVpopHead as JaxHead
@@ -34,20 +37,24 @@ SCORERS = [
 ]
 
 
-def test_transformers_older_than_5_24_is_refused_by_version():
-    """On transformers 4.57 every decode failed with "Can't instantiate abstract class KVpopLayer", on 5.0-5.23 with
-    "attn_implementation='kvpop' needs a KVpopCache" given one: their attention calls the cache without the kwargs
-    the KVpop mask travels in. The package now names the version and the fix on import."""
-    for old in ("4.57.6", "5.0.0", "5.23.0", "5.23.1.dev0", "nightly"):
-        with pytest.raises(ImportError, match=f"kvpop_torch needs transformers >= 5.24 .*found {old}: pip install"):
+def test_transformers_older_than_4_56_is_refused_by_version():
+    """transformers < 4.56 build a Cache's layers from classes (no Cache(layers=[...])), so KVpopCache cannot be
+    one: the package names the version and the fix on import. 4.56 to 5.23 are served since the mask rides on the
+    keys (on 4.57 every decode had failed with "Can't instantiate abstract class KVpopLayer", on 5.0-5.23 with
+    "attn_implementation='kvpop' needs a KVpopCache" given one), and are no longer refused."""
+    for old in ("4.55.4", "4.53.0", "3.5.1", "4.55.99.dev0", "nightly"):
+        with pytest.raises(ImportError, match=f"kvpop_torch needs transformers >= 4.56 .*found {old}: pip install"):
             kvpop_torch.check_transformers_version(old)
-    for new in ("5.24.0", "5.25.0.dev0", "5.100.1", "6.0"):
+    for new in ("4.56.0", "4.57.6", "5.0.0", "5.23.0", "5.23.1.dev0", "5.24.0", "5.25.0.dev0", "5.100.1", "6.0"):
         kvpop_torch.check_transformers_version(new)
     kvpop_torch.check_transformers_version(transformers.__version__)  # the one these tests run on
-    old = subprocess.run([sys.executable, "-c", "import transformers; transformers.__version__ = '5.23.0'; "
+    old = subprocess.run([sys.executable, "-c", "import transformers; transformers.__version__ = '4.55.4'; "
                           "import kvpop_torch"], capture_output=True, text=True)
     assert old.returncode != 0 and old.stderr.strip().splitlines()[-1].startswith(
-        "ImportError: kvpop_torch needs transformers >= 5.24"), old.stderr[-400:]
+        "ImportError: kvpop_torch needs transformers >= 4.56"), old.stderr[-400:]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:  # the torch extra installs what the import accepts
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
+    assert [r for r in extra if r.startswith("transformers")] == ["transformers>=4.56"]
 
 
 def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
