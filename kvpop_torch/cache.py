@@ -26,12 +26,12 @@ transformers hands straight to the attention function registered as "kvpop"
 (`kvpop_torch.attention`), which applies it. Memory after the prefill is constant: N slots per
 head and the mLSTM state.
 
-The layer speaks both `CacheLayerMixin` dialects: transformers 4.56-4.57 (`update(k, v,
-cache_kwargs)`, `lazy_initialization(k)`, `get_mask_sizes(cache_position)`, `get_max_cache_shape`)
-and 5.x (`update(k, v, *, kwargs=...)`, `lazy_initialization(k, v)`, `get_mask_sizes(query_length)`,
-`get_max_length`). transformers 4.56-5.23 name the model's cache argument `past_key_values`, 5.24 on
-`cache` (`past_key_values` deprecated): a guarded model (`guard_new_tokens`) takes `cache=` on all of
-them.
+The layer answers every form of `CacheLayerMixin` from transformers 4.56 on: `update(k, v)` then a
+cache_kwargs dict (to 5.0), nothing (5.5-5.23) or `kwargs=` the attention's (5.24 on), all unread;
+`lazy_initialization(k)` (4.56-4.57) or `(k, v)`; `get_mask_sizes(cache_position)` (to 5.0) or
+`(query_length)`; `get_max_cache_shape` (abstract to 5.10 at least) and `get_max_length` (5.15 on).
+transformers 4.56-5.23 name the model's cache argument `past_key_values`, 5.24 on `cache`
+(`past_key_values` deprecated): a guarded model (`guard_new_tokens`) takes `cache=` on all of them.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class KVpopLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *_, **__):
         """key/value_states [B, Hkv, T, D] -> the keys/values this call attends to, the keys carrying its KVpopMask.
 
-        Whatever else transformers passes (4.56-4.57: a cache_kwargs dict; 5.x: the attention's kwargs) is unread."""
+        Whatever else transformers passes (a cache_kwargs dict, the attention's kwargs or nothing) is unread."""
         require_mask_applied(self._pending)
         self._writable()
         if not self.is_initialized or (self.seen == 0 and key_states.shape[0] != self.batch_size):  # fresh or reset
