@@ -300,12 +300,12 @@ class KVpopLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.num_slots
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's name in transformers 4.56-4.57
+    def get_max_cache_shape(self) -> int:  # get_max_length's name, abstract in transformers 4.56-5.10 at least
         return self.num_slots
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # Only consulted by transformers' own mask builders; the "kvpop" attention builds its own.
-        # transformers 4.56-4.57 pass the call's cache_position [T], 5.x its length T.
+        # transformers 4.56-5.0 pass the call's cache_position [T], later ones its length T.
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         if self.seen == 0:
@@ -380,8 +380,9 @@ class KVpopCache(Cache):
         loaded with another attention fails within its first forward (a one-call generation included), not
         at the next call. A cache built without `from_pretrained(d, model)` skips the up-front check.
 
-        The layer is called directly, not through `Cache.update`, whose signature changed at 5.0 and 5.24 (this
-        cache has every layer from the start and never offloads, the rest of what `Cache.update` does)."""
+        The layer is called directly, not through `Cache.update`, whose signature changed (4.56-5.0: cache_kwargs;
+        5.5 on: *args, **kwargs); this cache has every layer from the start and never offloads, the rest of what
+        `Cache.update` does."""
         if 0 < layer_idx <= len(self.layers):
             require_mask_applied(self.layers[layer_idx - 1]._pending)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)

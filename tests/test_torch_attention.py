@@ -1,9 +1,9 @@
 """The KVpop mask reaches the "kvpop" attention on the keys `KVpopCache.update` returns, on every transformers.
 
-transformers 4.56-5.23 call `cache.update(k, v, layer_idx, cache_kwargs)` and never hand the cache the attention's
-kwargs (5.24 on: `cache.update(k, v, layer_idx, kwargs=kwargs)`); the mask took that kwargs dict until it rode on the
-keys, so every decode on them failed. Both call forms give the same attention here, whatever the transformers these
-tests run on.
+transformers 4.56-5.23 never hand the cache the attention's kwargs: 4.56-5.0 call `cache.update(k, v, layer_idx,
+cache_kwargs)`, 5.5-5.23 `cache.update(k, v, layer_idx)`, 5.24 on `cache.update(k, v, layer_idx, kwargs=kwargs)`. The
+mask took that kwargs dict until it rode on the keys, so every decode before 5.24 failed. All three call forms give
+the same attention here, whatever the transformers these tests run on.
 """
 
 import inspect
@@ -31,13 +31,18 @@ def takes_past_key_values(model) -> bool:
     return "cache" not in inspect.signature(type(model).forward).parameters
 
 
-def attend(cache, layer_idx: int, q, k, v, *, hands_kwargs: bool):
+CALL_FORMS = ("cache_kwargs", "nothing", "attention_kwargs")  # what update gets: 4.56-5.0, 5.5-5.23, 5.24 on
+
+
+def attend(cache, layer_idx: int, q, k, v, *, form: str):
     """One attention call of a layer as transformers makes it -> out [B, T, Hq, D]: the cache gets a cache_kwargs
-    dict (4.56-5.23) or the attention's kwargs (5.24 on), which the attention function then receives."""
+    dict, nothing, or the attention's kwargs (CALL_FORMS), which the attention function receives in every form."""
     first = cache.layers[layer_idx].seen
     kwargs = {"position_ids": torch.arange(first, first + q.shape[2])[None]}
-    if hands_kwargs:
+    if form == "attention_kwargs":
         keys, values = cache.update(k, v, layer_idx, kwargs=kwargs)
+    elif form == "nothing":
+        keys, values = cache.update(k, v, layer_idx)
     else:
         keys, values = cache.update(k, v, layer_idx, {"sin": None, "cos": None,
                                                      "cache_position": kwargs["position_ids"][0]})
@@ -53,24 +58,27 @@ def random_steps(seed: int, batch: int = 2):
              for _ in range(BASE.num_hidden_layers)] for t in STEPS]
 
 
-def run(cache, steps, *, hands_kwargs: bool):
-    return [[attend(cache, i, *qkv, hands_kwargs=hands_kwargs) for i, qkv in enumerate(layers)] for layers in steps]
+def run(cache, steps, *, form: str):
+    return [[attend(cache, i, *qkv, form=form) for i, qkv in enumerate(layers)] for layers in steps]
 
 
 def test_the_mask_reaches_the_attention_whether_or_not_update_gets_the_attention_kwargs(tmp_path, rng):
-    """A prompt, decode steps and a multi-token turn, through both layers and past the cache's budget: the 4.56-5.23
-    call form gives what the 5.24 one gives (it failed: "KVpopCache needs the attention call's kwargs"), and keeps
-    the same slots."""
+    """A prompt, decode steps and a multi-token turn, through both layers and past the cache's budget: the 4.56-5.0
+    and 5.5-5.23 call forms give what the 5.24 one gives (they failed: "KVpopCache needs the attention call's
+    kwargs"), and keep the same slots."""
     kvpop_export(tmp_path, BASE, KV, rng)
     settings, heads = load_heads(tmp_path)
     steps = random_steps(0)
-    old, new = KVpopCache(settings, heads), KVpopCache(settings, heads)
-    for got, want in zip(run(old, steps, hands_kwargs=False), run(new, steps, hands_kwargs=True)):
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(old.positions(), new.positions()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert old.get_seq_length() == sum(STEPS) > settings.budget
+    new = KVpopCache(settings, heads)
+    want = run(new, steps, form="attention_kwargs")
+    for form in CALL_FORMS[:2]:
+        old = KVpopCache(settings, heads)
+        for got_step, want_step in zip(run(old, steps, form=form), want):
+            for a, b in zip(got_step, want_step):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=form)
+        for a, b in zip(old.positions(), new.positions()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=form)
+        assert old.get_seq_length() == sum(STEPS) > settings.budget
 
 
 def test_interleaved_caches_and_threads_keep_their_own_masks(tmp_path, rng):
@@ -80,13 +88,13 @@ def test_interleaved_caches_and_threads_keep_their_own_masks(tmp_path, rng):
     kvpop_export(tmp_path, BASE, KV, rng)
     settings, heads = load_heads(tmp_path)
     steps_a, steps_b = random_steps(1), random_steps(2, batch=1)
-    alone_a = run(KVpopCache(settings, heads), steps_a, hands_kwargs=False)
-    alone_b = run(KVpopCache(settings, heads), steps_b, hands_kwargs=False)
+    alone_a = run(KVpopCache(settings, heads), steps_a, form="nothing")
+    alone_b = run(KVpopCache(settings, heads), steps_b, form="nothing")
     a, b = KVpopCache(settings, heads), KVpopCache(settings, heads)
     for step, (layers_a, layers_b) in enumerate(zip(steps_a, steps_b)):
         for i, (qkv_a, qkv_b) in enumerate(zip(layers_a, layers_b)):
-            keys_a, values_a = a.update(*qkv_a[1:], i, {})  # both updates before either attention
-            keys_b, values_b = b.update(*qkv_b[1:], i, {})
+            keys_a, values_a = a.update(*qkv_a[1:], i)  # both updates before either attention
+            keys_b, values_b = b.update(*qkv_b[1:], i)
             module = types.SimpleNamespace(layer_idx=i)
             out_b = kvpop_attention(module, qkv_b[0], keys_b, values_b, None, scaling=BASE.head_dim**-0.5)[0]
             out_a = kvpop_attention(module, qkv_a[0], keys_a, values_a, None, scaling=BASE.head_dim**-0.5)[0]
@@ -121,7 +129,7 @@ def test_keys_without_a_mask_or_a_prompt_off_position_zero_are_named(tmp_path, r
     kvpop_export(tmp_path, BASE, KV, rng)
     settings, heads = load_heads(tmp_path)
     (q, k, v), _ = random_steps(3)[0]
-    keys, values = KVpopCache(settings, heads).update(k, v, 0, {})
+    keys, values = KVpopCache(settings, heads).update(k, v, 0)
     module = types.SimpleNamespace(layer_idx=0)
     with pytest.raises(ValueError, match="needs a KVpopCache"):
         kvpop_attention(module, q, keys.clone(), values, None)
