@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -55,6 +56,22 @@ def test_transformers_older_than_4_56_is_refused_by_version():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:  # the torch extra installs what the import accepts
         extra = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
     assert [r for r in extra if r.startswith("transformers")] == ["transformers>=4.56"]
+
+
+def test_ci_tests_kvpop_torch_at_the_floors_the_torch_extra_declares():
+    """.ci/run's run 4 installs exactly the `torch` extra's floors (transformers, torch): a floor raised or lowered in
+    one place and not the other would be declared without being tested."""
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
+    found = [re.fullmatch(r"([a-z]+)>=([0-9.]+)", r) for r in extra]
+    assert all(found), f"the torch extra declares floors, not pins (a user's own torch stays): {extra}"
+    floors = dict(m.groups() for m in found)
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = f.read()
+    tested = dict(transformers=re.search(r"TORCH_FLOOR=\$\{TORCH_FLOOR:-([0-9.]+)\}", ci).group(1),
+                  torch=re.search(r"TORCH_VERSION=\$\{TORCH_VERSION:-([0-9.]+)\}", ci).group(1))
+    assert {name: tested[name].removesuffix(".0") for name in tested} == floors, (floors, tested)
+    assert tuple(int(x) for x in floors["transformers"].split(".")) == kvpop_torch.MIN_TRANSFORMERS
 
 
 def test_settings_read_every_serving_field_with_kvpop_jax_defaults():
