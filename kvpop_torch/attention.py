@@ -60,15 +60,17 @@ def with_mask(keys: torch.Tensor, mask: KVpopMask) -> torch.Tensor:
     return keys
 
 
-def check_prefill_positions(position_ids, length: int) -> None:
-    """A prompt on a fresh cache sits at positions 0..P-1: ValueError otherwise (padding or an offset)."""
+def check_prefill_positions(position_ids, length: int, *, cache_read: bool = True) -> None:
+    """A prompt on a fresh cache sits at positions 0..P-1: ValueError otherwise (padding or an offset).
+    `cache_read`: whether the cache already read the prompt into its first layer (the attention's check)."""
     if position_ids is None:
         return
     want = torch.arange(length, device=position_ids.device)
     if position_ids.shape[-1] != length or not bool((position_ids == want).all()):
         raise ValueError("KVpopCache needs unpadded prompts of equal length at positions 0..P-1 (padding "
-                         "tokens would take sink and long-range slots); decode ragged prompts one at a time, "
-                         "each with a fresh cache (this one read the prompt into its first layer)")
+                         "tokens would take sink and long-range slots); decode ragged prompts one at a time"
+                         + (", each with a fresh cache (this one read the prompt into its first layer)"
+                            if cache_read else ""))
 
 
 def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):

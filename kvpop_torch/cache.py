@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-import types
 import warnings
 from typing import Sequence
 
@@ -48,7 +47,7 @@ import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_torch import policy
-from kvpop_torch.attention import ATTENTION_NAME, KVpopMask, with_mask
+from kvpop_torch.attention import ATTENTION_NAME, KVpopMask, check_prefill_positions, with_mask
 from kvpop_torch.checkpoint import load_heads
 from kvpop_torch.config import KVpopSettings
 from kvpop_torch.scorers import KVpopHead, MLSTMState, static_priority
@@ -489,11 +488,25 @@ def guard_new_tokens(model) -> None:
             # generate() reads its keyword arguments here first; an instance override (these transformers are
             # released and frozen) also serves `model.generate(ids, cache=KVpopCache.from_pretrained(d, model))`,
             # whose `model.generate` was looked up before the cache guarded the model.
-            model._prepare_generation_config = types.MethodType(_prepare_generation_config_renamed, model)
+            model._prepare_generation_config = BoundToModel(_prepare_generation_config_renamed, model)
         model.register_forward_pre_hook(check_new_tokens, with_kwargs=True)
         model.register_forward_hook(note_read_ids, with_kwargs=True)
-        model.generate = types.MethodType(_generate_checked, model)  # a copy of the model rebinds it to itself
+        model.generate = BoundToModel(_generate_checked, model)  # a copy of the model rebinds it to itself
         model._kvpop_guarded = True
+
+
+class BoundToModel:
+    """`fn` bound to `model`, set as one of its instance attributes: as types.MethodType, but pickle (torch.save of
+    the whole model) can rebuild it too (a bound method pickles as getattr(model, fn.__name__), which the model being
+    unpickled does not have). copy.deepcopy and pickle bind it to the copy."""
+
+    def __init__(self, fn, model):
+        self.__func__, self.__self__ = fn, model
+        self.__name__ = self.__qualname__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
 
 
 def cache_argument(model) -> str:
@@ -540,7 +553,7 @@ def _callers_level() -> int:
 
 def note_read_ids(module, args, kwargs, output):
     """After a forward: the ids a KVpopCache read (`KVpopCache.note_read`; None: embeddings)."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (given both, transformers 5.24 on use cache=)
     if isinstance(cache, KVpopCache):
         cache.note_read(kwargs.get("input_ids", args[0] if args else None))
 
@@ -560,7 +573,7 @@ def check_new_tokens(module, args, kwargs):
     attention ("cannot reshape tensor of 0 elements"). Also named: a padding `attention_mask` (the
     KVpop attention does not read it, and padding would take sink and long-range slots) and
     `use_cache=False` with a KVpopCache (generate would resend the whole sequence every step)."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (given both, transformers 5.24 on use cache=)
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
@@ -582,6 +595,8 @@ def check_new_tokens(module, args, kwargs):
                              f"(padding; row: zeros {rows}), which the KVpop attention does not read; decode ragged "
                              "prompts one at a time. Passed no attention_mask? transformers made this one from "
                              "pad_token_id: if those ids are tokens, pass attention_mask=torch.ones_like(ids)")
+        if held == 0 and ids is not None and ids.shape[1] > 1:  # before any layer reads it (the attention checks too)
+            check_prefill_positions(kwargs.get("position_ids"), ids.shape[1], cache_read=False)
         if kwargs.get("use_cache") is False:
             raise ValueError("use_cache=False with a KVpopCache: the bounded cache is filled one call at a time "
                              "(a prompt, then the tokens of each later call); pass use_cache=True or leave it out")

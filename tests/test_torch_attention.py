@@ -7,8 +7,10 @@ the same attention here, whatever the transformers these tests run on.
 """
 
 import inspect
+import io
 import threading
 import types
+import warnings
 
 import pytest
 import torch
@@ -150,12 +152,15 @@ def test_the_cache_argument_on_every_transformers(tmp_path, rng):
         if takes_past_key_values(plain):
             with pytest.raises(ValueError, match="names the model's cache argument past_key_values"):
                 plain(ids, cache=KVpopCache.from_pretrained(tmp_path))
-        want = plain(ids, past_key_values=KVpopCache.from_pretrained(tmp_path)).logits
+        with warnings.catch_warnings(record=True) as caught:  # deprecated from 5.24 on, the model's own name before
+            warnings.simplefilter("always")
+            want = plain(ids, past_key_values=KVpopCache.from_pretrained(tmp_path)).logits
+        assert any(issubclass(w.category, FutureWarning) for w in caught) != takes_past_key_values(plain)
         model, make_cache = kvpop_torch.load(tmp_path)
         cache = make_cache()
         torch.testing.assert_close(model(ids, cache=cache).logits, want, rtol=0, atol=0)
         assert cache.get_seq_length() == 7
-        if takes_past_key_values(model):  # (5.24 on, transformers' own deprecation handles both)
+        if takes_past_key_values(model):  # (5.24 on, transformers use cache= and warn; so do the guards)
             with pytest.raises(ValueError, match="passed twice"):
                 model(ids, cache=make_cache(), past_key_values=make_cache())
 
@@ -168,3 +173,35 @@ def test_the_cache_argument_on_every_transformers(tmp_path, rng):
                 dense.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                eos_token_id=None)
             assert cache.get_seq_length() == (7 if call == "forward" else 9), call  # read, not a fresh one made
+
+
+def test_a_loaded_model_pickles_and_an_offset_prompt_leaves_the_cache_fresh(tmp_path, rng):
+    """torch.save of a whole model from kvpop_torch.load (KVpop or dense) loads back, its checked generate bound to
+    the copy (a bound method pickled as getattr(model, '_generate_checked'), which failed on load). A prompt off
+    position 0 is refused before the cache reads it, so the same cache serves the corrected call; a model
+    kvpop_torch has not seen is refused by the attention instead."""
+    kvpop_export(tmp_path, BASE, KV, rng)
+    ids = torch.as_tensor(rng.integers(1, BASE.vocab_size, size=(2, 6)))
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for directory in (tmp_path, f"{REPO}/checkpoints/demo-teacher"):
+        model, make_cache = kvpop_torch.load(directory)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.generate.__self__ is loaded
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.generate(ids, cache=make_cache(), **greedy),
+                                       model.generate(ids, cache=make_cache(), **greedy), rtol=0, atol=0)
+    model, make_cache = kvpop_torch.load(tmp_path)
+    cache = make_cache()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"at positions 0\.\.P-1 .*one at a time$"):
+            model(ids, position_ids=torch.arange(3, 9)[None], cache=cache)
+        assert cache.get_seq_length() == 0
+        torch.testing.assert_close(model(ids, cache=cache).logits, model(ids, cache=make_cache()).logits,
+                                   rtol=0, atol=0)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="kvpop").eval()
+        with pytest.raises(ValueError, match=r"at positions 0\.\.P-1 .*read the prompt into its first layer"):
+            name = "past_key_values" if takes_past_key_values(plain) else "cache"  # this transformers' own name
+            plain(ids, position_ids=torch.arange(3, 9)[None], **{name: KVpopCache.from_pretrained(tmp_path)})
