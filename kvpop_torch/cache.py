@@ -518,10 +518,13 @@ def _renamed(kwargs: dict, name: str) -> dict:
     """kwargs with `cache=` passed as `name=`; the same dict where there is nothing to rename."""
     if name == "cache" or "cache" not in kwargs:
         return kwargs
+    kwargs = dict(kwargs)
+    cache = kwargs.pop("cache")
+    if cache is None:  # cache=None names no cache: past_key_values= (or none) stands
+        return kwargs
     if kwargs.get(name) is not None:
         raise ValueError(f"the cache is passed twice, as cache= and as {name}=: pass one")
-    kwargs = dict(kwargs)
-    kwargs[name] = kwargs.pop("cache")
+    kwargs[name] = cache
     return kwargs
 
 

@@ -163,6 +163,9 @@ def test_the_cache_argument_on_every_transformers(tmp_path, rng):
         if takes_past_key_values(model):  # (5.24 on, transformers use cache= and warn; so do the guards)
             with pytest.raises(ValueError, match="passed twice"):
                 model(ids, cache=make_cache(), past_key_values=make_cache())
+            cache = make_cache()  # cache=None names no cache
+            torch.testing.assert_close(model(ids, cache=None, past_key_values=cache).logits, want, rtol=0, atol=0)
+            assert cache.get_seq_length() == 7
 
         dense, make_dense = kvpop_torch.load(f"{REPO}/checkpoints/demo-teacher")
         for call in ("forward", "generate"):
