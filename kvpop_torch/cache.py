@@ -554,9 +554,15 @@ def _callers_level() -> int:
     return level
 
 
+def _passed_cache(kwargs: dict):
+    """The cache a forward call was given: `cache=`, else `past_key_values=` (given both, transformers 5.24 on use
+    cache=; before, `rename_cache_argument` leaves only past_key_values)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def note_read_ids(module, args, kwargs, output):
     """After a forward: the ids a KVpopCache read (`KVpopCache.note_read`; None: embeddings)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (given both, transformers 5.24 on use cache=)
+    cache = _passed_cache(kwargs)
     if isinstance(cache, KVpopCache):
         cache.note_read(kwargs.get("input_ids", args[0] if args else None))
 
@@ -576,7 +582,7 @@ def check_new_tokens(module, args, kwargs):
     attention ("cannot reshape tensor of 0 elements"). Also named: a padding `attention_mask` (the
     KVpop attention does not read it, and padding would take sink and long-range slots) and
     `use_cache=False` with a KVpopCache (generate would resend the whole sequence every step)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (given both, transformers 5.24 on use cache=)
+    cache = _passed_cache(kwargs)
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")

@@ -6,7 +6,6 @@ mask took that kwargs dict until it rode on the keys, so every decode before 5.2
 the same attention here, whatever the transformers these tests run on.
 """
 
-import inspect
 import io
 import threading
 import types
@@ -20,6 +19,7 @@ import kvpop_torch
 from helpers import REPO, kvpop_export
 from kvpop_jax import KVpopConfig, Qwen3Config
 from kvpop_torch import KVpopCache, kvpop_attention
+from kvpop_torch.cache import cache_argument
 from kvpop_torch.checkpoint import load_heads
 
 BASE = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -30,7 +30,7 @@ STEPS = (6, 1, 1, 5, 1, 1)  # a prompt, decode steps, a later turn of 5 tokens, 
 
 def takes_past_key_values(model) -> bool:
     """Whether this transformers' forward names its cache past_key_values (before 5.24), not cache."""
-    return "cache" not in inspect.signature(type(model).forward).parameters
+    return cache_argument(model) == "past_key_values"
 
 
 CALL_FORMS = ("cache_kwargs", "nothing", "attention_kwargs")  # what update gets: 4.56-5.0, 5.5-5.23, 5.24 on
