@@ -26,7 +26,8 @@ Outputs in out_dir: accuracy.md (table), accuracy.png (bars), accuracy.json (all
 samples.jsonl (every completion with its extracted answer); written under temporary names and
 renamed together at the end, so a failed rerun leaves the previous report as it was. Each method × CR
 is journaled as it finishes (OUT/.accuracy-journal.jsonl): the rerun of a killed run with the same
-inputs decodes only the rest (`resume`).
+inputs decodes only the rest (`resume`); with `keep_journal` it stays after the report is written, and a rerun
+of a whole report decodes nothing.
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ def run_accuracy(
     compile_ahead: bool = True,
     notes: bool = True,
     resume: bool = True,
+    keep_journal: bool = False,
 ) -> list[dict]:
     """Runs every method × CR on every benchmark, writes the report, returns the table rows.
 
@@ -294,6 +296,8 @@ def run_accuracy(
     resume: a run killed in out_dir left the settings it finished in a journal (`eval.outputs.Journal`,
     OUT/.accuracy-journal.jsonl); a rerun with the same inputs (methods, CRs, problems, checkpoint files,
     sampling, ...) decodes only the others, and writes the report an unbroken run writes. False: decode all.
+    keep_journal: keep the journal once the report is written (default: removed), so that a rerun with the same
+    inputs decodes nothing and writes the same report again (the demo recipe's reruns after a later crash).
     notes: print on stderr each export run at a memory other than its trained one (`accuracy.md` names them
     either way; the demo recipe, which trains once and runs at two budgets, says it once itself).
     """
@@ -423,9 +427,12 @@ def run_accuracy(
     journal.parts.clear()  # held in `finished` until each is taken into the report
     if journal.stale:
         why = "of other inputs" if resume else "passed over by resume=False (--noresume)"
-        print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of a killed run {why}: "
+        print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of an earlier run {why}: "
               "replaced when this run finishes its first", file=sys.stderr)
-    if finished:
+    if len(finished) == len(settings):
+        print(f"note: every method x CR setting of {out_dir} is done for these inputs ({journal.path}): the report is "
+              "written again without decoding; pass resume=False (--noresume) to decode them again", file=sys.stderr)
+    elif finished:
         print(f"note: resuming the run killed in {out_dir}: {len(finished)} of {len(settings)} method x CR settings "
               f"are done ({journal.path}); pass resume=False (--noresume) to decode them again", file=sys.stderr)
     pending = [k for k, setting in enumerate(settings) if setting not in finished]
@@ -574,7 +581,8 @@ def run_accuracy(
                                                               not_held_out=not_held_out, retargeted=retargeted,
                                                               settings=settings_json), indent=1))
         plot_bars(rows, out.path("accuracy.png"))
-    journal.remove()  # the report is whole: a rerun decodes again
+    if not keep_journal:
+        journal.remove()  # the report is whole: a rerun decodes again
     return rows
 
 

@@ -402,7 +402,7 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
 
     # other inputs (another seed; a checkpoint rewritten) or --noresume: everything decodes again
     journal = out / ".accuracy-journal.jsonl"
-    stale = "holds 1 finished method x CR settings of a killed run"
+    stale = "holds 1 finished method x CR settings of an earlier run"
     for change, note in ((dict(seed=1), f"{stale} of other inputs"), (dict(resume=False), f"{stale} passed over"),
                          ("touch", f"{stale} of other inputs")):
         calls.clear()
@@ -428,6 +428,25 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
         assert len(calls) == 3 * per_setting, change
         assert note in capsys.readouterr().err, change
         assert not journal.exists()
+
+    # keep_journal (the demo recipe, rerun after a crash in a later task): a whole report's rerun decodes nothing
+    # and writes the same report; other inputs decode again
+    whole = report(tmp_path / "whole")  # a new checkpoint mtime, above: the report names no mtime, but redo it
+    calls.clear()
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)
+    assert len(calls) == 3 * per_setting and journal.exists()
+    first = report(out)
+    assert {f: b for f, b in first.items() if f != journal.name} == whole
+    calls.clear()
+    capsys.readouterr()
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)
+    assert calls == [] and report(out) == first
+    assert "every method x CR setting of" in capsys.readouterr().err
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **{**kw, "seed": 1})
+    assert len(calls) == 3 * per_setting and journal.exists()
+    calls.clear()
+    run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), **{**kw, "seed": 1})  # its journal's last run
+    assert calls == [] and not journal.exists()
 
 
 def test_a_resume_with_two_checkpoints_swapped_decodes_again(tmp_path, monkeypatch, capsys):
@@ -455,7 +474,7 @@ def test_a_resume_with_two_checkpoints_swapped_decodes_again(tmp_path, monkeypat
     calls.clear()
     kill[0] = False
     run_accuracy(["streaming"], {"dense": {0.5: one, 0.25: two}}, str(bench), **kw)
-    assert len(calls) == 2 and "finished method x CR settings of a killed run of other inputs" in \
+    assert len(calls) == 2 and "finished method x CR settings of an earlier run of other inputs" in \
         capsys.readouterr().err
     (tmp_path / "folder" / ".accuracy-journal.jsonl").mkdir(parents=True)  # refused before any decode
     with pytest.raises(ValueError, match="accuracy-journal.jsonl is a folder, not a file"):

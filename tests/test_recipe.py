@@ -240,7 +240,7 @@ def test_a_quick_run_says_so_first(tmp_path, arch, monkeypatch, capsys):
 
 
 @pytest.mark.long
-def test_variants_then_comparison_end_to_end(tmp_path, arch):
+def test_variants_then_comparison_end_to_end(tmp_path, arch, monkeypatch):
     run = str(tmp_path / "run")
     argv = tiny_flags(run, arch, steps=3, checkpoint_every=3, variants="kvpop-mlp,streamingllm+",
                       eval_methods="dense,streaming,tova,streamingllm+,kvpop-mlp", eval_problems=3,
@@ -283,6 +283,21 @@ def test_variants_then_comparison_end_to_end(tmp_path, arch):
     assert re.search(r"- kvpop-mlp: [01]\.\d{3} at CR 50% \(B 80\), [01]\.\d{3} at CR 75% \(B 40\)", summary)
     assert os.path.getsize(os.path.join(out, "training.png")) > 1000
     assert os.path.getsize(os.path.join(out, "read_once", "accuracy.png")) > 1000
+
+    # The same command again (after a crash in a later part of the evaluation): the tasks whose reports are whole
+    # for these inputs decode nothing (a rerun decoded every task again) and the reports are the same.
+    reports = {t: {f: open(os.path.join(out, t, f), "rb").read() for f in ("accuracy.json", "samples.jsonl")}
+               for t in ("read_once", "long")}
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr("eval.accuracy.generate", no_decode)
+    recipe.run(parse(argv))
+    assert {t: {f: open(os.path.join(out, t, f), "rb").read() for f in ("accuracy.json", "samples.jsonl")}
+            for t in ("read_once", "long")} == reports
+    assert open(os.path.join(out, "summary.md")).read() == summary
+    monkeypatch.undo()
 
     # Rerun after a crash (in process, no evaluation): a finished variant is skipped, one killed during its
     # export resumes from its last checkpoint and exports; the run-folder lock and --overwrite rules allow it.

@@ -248,7 +248,9 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
                             context_len=prompt_len, max_new_tokens=completion, sampling=SamplingConfig.greedy(),
                             out_dir=os.path.join(out, name), tokenizer=tokenizer_dir, sinks=cfg.kvpop.sinks,
                             problem_batch=ev.batch, dtype=jnp.float32, progress=cfg.progress,
-                            stream_prompt=ev.stream_prompt, notes=False)
+                            stream_prompt=ev.stream_prompt, notes=False,
+                            # a rerun after a crash decodes only what no report of these inputs holds yet
+                            resume=cfg.resume and not cfg.overwrite, keep_journal=True)
 
     memory = cfg.kvpop.memory(cfg.head_dim)
     others = [f"CR {cr:.0%} (B {b})" for cr, b in budgets.items() if b != memory]
