@@ -419,7 +419,8 @@ def run_accuracy(
                              _folder_identity(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None],
                   benchmarks={b: _problems_digest(benchmarks[b], encoded[b]) for b in benchmarks},
                   checker=[math_verify_available(), _package_version("math_verify")],
-                  device=[jax.default_backend(), jax.devices()[0].device_kind],
+                  # XLA's flags change the last bits (e.g. FMA contraction at -O0), and so a greedy tie's winner
+                  device=[jax.default_backend(), jax.devices()[0].device_kind, os.environ.get("XLA_FLAGS", "")],
                   versions=[jax.__version__, _package_version("jaxlib"), np.__version__, kvpop_version,
                             _source_digest()])
     journal = Journal(out_dir, JOURNAL_NAME, inputs, resume=resume)

@@ -442,6 +442,11 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
     run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)
     assert calls == [] and report(out) == first
     assert "every method x CR setting of" in capsys.readouterr().err
+    with monkeypatch.context() as m:  # other XLA flags: decoded again
+        m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+        run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)
+    assert len(calls) == 3 * per_setting
+    calls.clear()
     run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **{**kw, "seed": 1})
     assert len(calls) == 3 * per_setting and journal.exists()
     calls.clear()
