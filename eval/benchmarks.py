@@ -24,12 +24,18 @@ import os
 import re
 
 import yaml
+from tqdm.auto import tqdm
 
 from demo.task import DIFFICULTY, SEED_LIMIT, SPLITS, TASKS, extract_answer, generate_dataset, make_config
 from kvpop_jax.documents import reader_cause
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
 DEMO_PREFIX = "demo:"
+# The generator is Python (~0.5 M tokens a second on one core): a spec past these, e.g. a typed extra digit, ran
+# for minutes without a word before any check of the model saw it.
+LEN_LIMIT = 2**20  # tokens per prompt: past any model's context
+TOKENS_LIMIT = 2**28  # n x len: ~10 minutes of generating, GBs of prompt text
+GENERATE_CHUNK_TOKENS = 2**20  # problems generated between two updates of the progress bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,10 @@ class DemoSpec:
         if not (1 <= self.n <= SEED_LIMIT and 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"demo spec needs 1 <= n <= 2**32 and 0 <= seed < 2**32, got n={self.n}, "
                              f"seed={self.seed}")
+        if self.len > LEN_LIMIT or self.n * self.len > TOKENS_LIMIT:
+            raise ValueError(f"demo spec asks for n={self.n} problems of len={self.len} tokens, "
+                             f"{self.n * self.len:,} in all; the generator makes len <= {LEN_LIMIT:,} "
+                             f"(2**20) and at most {TOKENS_LIMIT:,} (2**28) tokens per spec")
 
     @property
     def name(self) -> str:
@@ -78,11 +88,18 @@ class DemoSpec:
         except ValueError as e:
             raise ValueError(f"len={self.len}: {e}") from None  # make_config names the shortest length
 
-    def problems(self) -> list[dict]:
+    def problems(self, progress: bool = True) -> list[dict]:
+        """The spec's problems; a progress bar where they are more than a few seconds of generating."""
         self.config()
-        examples = generate_dataset(self.n, self.seed, self.split, task=self.task, difficulty=self.difficulty,
-                                    seq_len=self.len)
-        return [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
+        chunk, out = max(1, GENERATE_CHUNK_TOKENS // self.len), []
+        with tqdm(total=self.n, desc=f"generating {self}", unit="problem", leave=False,
+                  disable=not progress or self.n * self.len < 8 * GENERATE_CHUNK_TOKENS) as bar:
+            for start in range(0, self.n, chunk):  # problem i is the same, however many are drawn at once
+                examples = generate_dataset(min(chunk, self.n - start), self.seed, self.split, start=start,
+                                            task=self.task, difficulty=self.difficulty, seq_len=self.len)
+                out += [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
+                bar.update(len(examples))
+        return out
 
 
 def parse_demo_spec(source: str) -> DemoSpec:

@@ -238,12 +238,33 @@ def test_demo_benchmark_spec_generates_fresh_problems():
                           r"len=300: .*too short.*: the shortest seq_len for task 'reuse', .* is 959$")):
         with pytest.raises(ValueError, match=message):
             load_benchmark(bad)
+    for bad in ("demo:reuse:len=1048577", "demo:reuse:n=262145:len=1024"):  # ran for minutes without a word
+        with pytest.raises(ValueError, match=r"generator makes len <= 1,048,576 \(2\*\*20\) and at most 268,435,456"):
+            load_benchmark(bad)
+    with pytest.raises(ValueError, match=r"n=262145 problems of len=1024 tokens, 268,436,480 in all"):
+        parse_demo_spec("demo:reuse:n=262145")
+    assert parse_demo_spec("demo:reuse:n=262144").n == 262144  # the limit itself is taken
     with pytest.raises(ValueError, match="a demo spec names its own split"):
         load_benchmark("demo:reuse:n=2", split="validation")
     with pytest.raises(ValueError, match="note the colon"):
         load_benchmark("demo")
     with pytest.raises(ValueError, match="limit must be >= 1"):
         load_benchmark(spec, limit=0)
+
+
+def test_a_demo_spec_generated_in_chunks_is_the_same_problems(monkeypatch, capsys):
+    """Large specs are generated a chunk at a time under a progress bar: problem i is the same either way."""
+    import eval.benchmarks as benchmarks
+    from demo.task import generate_dataset
+
+    spec = benchmarks.parse_demo_spec("demo:read_once:validation:seed=7:n=5:len=1024")
+    whole = [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"])
+             for ex in generate_dataset(5, 7, "validation", task="read_once", seq_len=1024)]
+    assert spec.problems() == whole
+    monkeypatch.setattr(benchmarks, "GENERATE_CHUNK_TOKENS", 512)  # one problem a chunk; the bar from 4 KiB on
+    assert spec.problems() == whole
+    assert "generating demo:read_once:validation:seed=7:n=5:len=1024" in capsys.readouterr().err
+    assert spec.problems(progress=False) == whole and capsys.readouterr().err == ""
 
 
 def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
