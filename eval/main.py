@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +39,8 @@ from kvpop_jax.checkpoint import chat_prompt_ids, checkpoint_tokenizer, load_tok
 from kvpop_jax.generate import check_seed, generate
 from kvpop_jax.config import Qwen3Config
 from kvpop_jax.modeling import Qwen3ForCausalLM, check_token_ids
-from kvpop_jax.runtime import exit_at_once_on_interrupt, interrupt_outside_gc_callbacks, report_backend
+from kvpop_jax.runtime import (exit_at_once_on_interrupt, interrupt_outside_gc_callbacks, out_of_memory,
+                               report_backend)
 from kvpop_jax.sampling import SamplingConfig
 
 
@@ -404,6 +406,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as e:  # a full, read-only or failing disk: reports are staged, so none is left half-written
         print(f"error: {e}; eval.main {argv[0]} stopped, and the reports it had not finished were not written (those "
               "there before are unchanged)", file=sys.stderr)
+        sys.exit(2)
+    except jax.errors.JaxRuntimeError as e:  # an out-of-memory traceback, hundreds of lines, said in one
+        if (line := out_of_memory(e)) is None:
+            raise
+        print(f"error: {line} on {jax.default_backend()}: eval.main {argv[0]} stopped. Ask for less at once: "
+              "fewer --problem_batch or rollouts per batch, a lower --max_new_tokens, shorter prompts or --seq_len",
+              file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # reports are staged: one being rewritten is left as it was
         print(f"\ninterrupted: eval.main {argv[0]} stopped; reports it had not finished were not written",

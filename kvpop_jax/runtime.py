@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import signal
 import sys
 import threading
@@ -46,6 +47,16 @@ def backend_line() -> str:
     if jax.process_count() > 1:
         line += f"; process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all"
     return line
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """The first line of XLA's out-of-memory error (`RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`) with
+    the bytes asked for in GiB, or None for any other error."""
+    if not isinstance(error, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in str(error):
+        return None
+    line = str(error).strip().splitlines()[0]
+    asked = re.search(r"(\d{7,}) bytes", line)
+    return line + (f" ({int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else "")
 
 
 def report_backend(gpu_reasons: list[str] | tuple[str, ...] = (), *, what: str = "this job",

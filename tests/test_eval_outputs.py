@@ -80,6 +80,31 @@ def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_old_report(tmp_path,
     assert os.listdir(out) == ["patterns.md"] and (out / "patterns.md").read_text() == "old"
 
 
+def test_out_of_memory_is_one_line_naming_what_was_asked_and_what_to_lower(monkeypatch, capsys):
+    """`accuracy --max_new_tokens 1000000000` (a typed extra digit) ended in a 40-line traceback of XLA's
+    RESOURCE_EXHAUSTED. Now one line with the GiB asked for and the flags that ask for less (exit 2); any other
+    runtime error still raises."""
+    import jax
+
+    def decode(message):
+        def run(argv):
+            raise jax.errors.JaxRuntimeError(message)
+        return run
+
+    monkeypatch.setitem(eval_main.COMMANDS, "accuracy", decode("RESOURCE_EXHAUSTED: Out of memory allocating "
+                                                              "2080002135440 bytes.\nmore lines"))
+    with pytest.raises(SystemExit) as stop:
+        eval_main.main(["accuracy"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: RESOURCE_EXHAUSTED: Out of memory allocating 2080002135440 bytes. (1,937.2 GiB) on "
+        f"{jax.default_backend()}: eval.main accuracy stopped. Ask for less at once: fewer --problem_batch or "
+        "rollouts per batch, a lower --max_new_tokens, shorter prompts or --seq_len")
+    monkeypatch.setitem(eval_main.COMMANDS, "accuracy", decode("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        eval_main.main(["accuracy"])
+
+
 # One call per eval writer of --out_dir; arguments that would fail (or run) only after the lock is taken.
 WRITERS = {
     "accuracy": lambda out: run_accuracy(["dense"], {}, "missing.jsonl", out_dir=out),

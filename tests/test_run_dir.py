@@ -885,6 +885,33 @@ def test_train_main_tells_a_disk_error_in_one_line_with_advice_only_for_a_full_o
                                 "saved steps and export are whole")
 
 
+def test_train_main_tells_out_of_memory_in_one_line_with_what_to_lower(tmp_path, monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED (a micro batch too large for the GPU) was a traceback of hundreds of lines."""
+    import jax
+    import train.main as tm
+
+    for message in ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 85899345920 bytes.", "INTERNAL: x"):
+        def fail(*args, message=message, **kwargs):
+            raise jax.errors.JaxRuntimeError(message)
+
+        monkeypatch.setattr(tm, "config_from_flags", fail)
+        tm.FLAGS(["train", f"--run_dir={tmp_path}"])
+        try:
+            if message.startswith("INTERNAL"):  # any other runtime error is not dressed up as this one
+                with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: x"):
+                    tm.main(["train"])
+                continue
+            with pytest.raises(SystemExit) as stop:
+                tm.main(["train"])
+        finally:
+            tm.FLAGS.unparse_flags()
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {message} (80.0 GiB) on {jax.default_backend()}. Lower --micro_batch (--global_batch stays, by "
+            "gradient accumulation), set --remat or --loss_chunk, or run on more devices; the same command then "
+            f"resumes from the last checkpoint in {tmp_path}")
+
+
 def test_a_leading_tilde_in_a_path_flag_is_the_home_folder_not_a_folder_named_tilde(tmp_path, arch, monkeypatch):
     """`--run_dir=~/runs/x` (the shell expands no `~` after `=`, a flagfile none at all) made a folder named `~`
     in the working directory, while --data's `~` was expanded; now every path flag's is, and eval's --out_dir."""

@@ -20,11 +20,12 @@ import logging
 import os
 import sys
 
+import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
 from kvpop_jax import sharding as shd
-from kvpop_jax.runtime import (ctrl_c_kills, exit_at_once_on_interrupt, gpu_workload_reasons,
+from kvpop_jax.runtime import (ctrl_c_kills, exit_at_once_on_interrupt, gpu_workload_reasons, out_of_memory,
                                interrupt_outside_gc_callbacks, report_backend)
 from train import recipe
 from train.config import FlagError, parse_flags
@@ -79,6 +80,14 @@ def main(argv):
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir  # --quick runs in RUN_DIR-quick
         print(f"\n{resume_advice(FLAGS.resume, FLAGS.overwrite, run_dir)}", file=sys.stderr)
         sys.exit(130)
+    except jax.errors.JaxRuntimeError as e:  # an out-of-memory traceback, hundreds of lines, said in one
+        if (line := out_of_memory(e)) is None:
+            raise
+        run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir
+        print(f"error: {line} on {jax.default_backend()}. Lower --micro_batch (--global_batch stays, by gradient "
+              "accumulation), set --remat or --loss_chunk, or run on more devices; the same command then "
+              f"resumes from the last checkpoint in {run_dir}", file=sys.stderr)
+        _quiet_exit(2)
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
