@@ -372,7 +372,7 @@ def run_accuracy(
             raise ValueError(f"benchmarks {named[name]!r} and {source!r} share the name {name!r} that reports, "
                              "samples and records are keyed by: rename one of the files")
         named[name] = source
-        benchmarks[name] = load_benchmark(source, split=split, limit=limit)
+        benchmarks[name] = load_benchmark(source, split=split, limit=limit, progress=progress)
     # Said now, not after the decodes: a train-split spec scores what the demo models learned from.
     not_held_out = [note for note in map(held_out_note, named.values()) if note is not None]
     for line in not_held_out:

@@ -88,14 +88,16 @@ class DemoSpec:
         except ValueError as e:
             raise ValueError(f"len={self.len}: {e}") from None  # make_config names the shortest length
 
-    def problems(self, progress: bool = True) -> list[dict]:
-        """The spec's problems; a progress bar where they are more than a few seconds of generating."""
+    def problems(self, progress: bool = True, limit: int | None = None) -> list[dict]:
+        """The spec's problems (the first `limit`); a progress bar where they are more than a few seconds of
+        generating."""
         self.config()
+        n = self.n if limit is None else min(self.n, limit)
         chunk, out = max(1, GENERATE_CHUNK_TOKENS // self.len), []
-        with tqdm(total=self.n, desc=f"generating {self}", unit="problem", leave=False,
-                  disable=not progress or self.n * self.len < 8 * GENERATE_CHUNK_TOKENS) as bar:
-            for start in range(0, self.n, chunk):  # problem i is the same, however many are drawn at once
-                examples = generate_dataset(min(chunk, self.n - start), self.seed, self.split, start=start,
+        with tqdm(total=n, desc=f"generating {self}", unit="problem", leave=False,
+                  disable=not progress or n * self.len < 8 * GENERATE_CHUNK_TOKENS) as bar:
+            for start in range(0, n, chunk):  # problem i is the same, however many are drawn at once
+                examples = generate_dataset(min(chunk, n - start), self.seed, self.split, start=start,
                                             task=self.task, difficulty=self.difficulty, seq_len=self.len)
                 out += [dict(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
                 bar.update(len(examples))
@@ -137,11 +139,13 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")  # read here, not by `datasets`
 
 
-def load_benchmark(source: str, *, split: str | None = None, limit: int | None = None) -> list[dict]:
+def load_benchmark(source: str, *, split: str | None = None, limit: int | None = None,
+                   progress: bool = True) -> list[dict]:
     """Problems as dicts (id, prompt, answer) from a demo spec, a JSONL/JSON or CSV file, a local
     parquet file (`datasets` reads it), a local folder of split files (`split`; see `_folder_rows`), or a
     HF hub dataset name (`split`, default "test"; a demo spec names its own split). limit: the first
-    `limit` problems (>= 1; None: all)."""
+    `limit` problems (>= 1; None: all; a demo spec generates only those). progress: a bar while a large demo
+    spec generates."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every problem), got {limit}")
     places = None
@@ -149,7 +153,7 @@ def load_benchmark(source: str, *, split: str | None = None, limit: int | None =
         if split is not None:
             raise ValueError(f"{source!r}: a demo spec names its own split (demo:TASK:SPLIT:...); "
                              f"got split={split!r} beside it")
-        rows = parse_demo_spec(source).problems()
+        rows = parse_demo_spec(source).problems(progress=progress, limit=limit)
     elif source.rstrip("/") in ("demo", "demo.task"):
         raise ValueError(f"benchmark {source!r}: a demo benchmark is a spec such as demo:reuse or "
                          "demo:reuse:test:seed=123:n=100:len=2048 (note the colon)")

@@ -265,6 +265,9 @@ def test_a_demo_spec_generated_in_chunks_is_the_same_problems(monkeypatch, capsy
     assert spec.problems() == whole
     assert "generating demo:read_once:validation:seed=7:n=5:len=1024" in capsys.readouterr().err
     assert spec.problems(progress=False) == whole and capsys.readouterr().err == ""
+    assert spec.problems(limit=2) == whole[:2] and spec.problems(limit=9) == whole  # only those are generated
+    assert benchmarks.load_benchmark(str(spec), limit=3, progress=False) == whole[:3]
+    assert capsys.readouterr().err == ""
 
 
 def test_run_accuracy_decodes_a_dms_export_in_its_pool(tmp_path):
