@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from fractions import Fraction
 
+import jax
 import numpy as np
 import pytest
 
@@ -446,3 +447,37 @@ def test_a_rerun_with_fewer_tasks_sets_the_earlier_reports_aside(tmp_path, arch,
     recipe.evaluate(with_retrofit, "init", "tok", {"kvpop-mlp": "export"})
     assert capsys.readouterr().err.count("the retrofits were trained at memory B 36 per KV head; at CR 75% (B 256) "
                                          "each runs with the slots that memory leaves") == 1
+
+
+def test_a_rerun_after_the_teacher_or_the_demo_generator_changed_does_not_reuse_finished_variants(tmp_path, arch):
+    """A `git pull` that replaced the shipped teacher (or changed the demo generator) left the finished variants
+    "already trained": their exports, distilled from the old teacher on the old traces, were evaluated beside dense
+    and the baselines on the new teacher, in one table, with no word. Both are now refused until --overwrite."""
+    from demo.task import read_jsonl
+    from kvpop_jax import save_pretrained
+    from kvpop_jax.modeling import init_params
+
+    run = str(tmp_path / "run")
+    flags = tiny_flags(run, arch, steps=2, checkpoint_every=2, variants="streamingllm+")
+    recipe.run(parse(flags))
+    assert recipe.run(parse(flags))["train_seconds"] == {}  # unchanged: skipped
+    data = parse(flags).data.data
+    kept = open(data).read()
+    rows = read_jsonl(data)
+    rows[0]["text"] = rows[0]["text"].replace(">", "\n")  # as an older generator wrote it
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with pytest.raises(FlagError, match=r"demo_train_read_once_24x256_seed0.jsonl holds traces the demo generator no "
+                                        r"longer writes \(the library changed since\), and streamingllm\+ trained on "
+                                        r"them: pass --overwrite"):
+        recipe.run(parse(flags))
+    with open(data, "w") as f:
+        f.write(kept)
+    init = os.path.join(run, "init")  # the teacher, replaced by other weights of the same shape
+    config, _ = load_pretrained(init)
+    save_pretrained(config, init_params(config, jax.random.key(7)), init)
+    with pytest.raises(FlagError, match=r"run/streamingllm\+ holds a finished run distilled from other weights than "
+                                        r"--init_checkpoint=.*/run/init holds now .* Pass --overwrite"):
+        recipe.run(parse(flags))
+    assert recipe.run(parse(flags + ["--overwrite"]))["train_seconds"].keys() == {"streamingllm+"}
+    assert recipe.run(parse(flags))["train_seconds"] == {}

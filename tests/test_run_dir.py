@@ -14,6 +14,7 @@ from helpers import REPO, TINY_ARCH, hold_lock, parse, tiny_flags, train_cmd, tr
 from kvpop_jax.config import Qwen3Config
 from train.config import FlagError
 from train.loop import train
+from train.setup import stale_demo_data
 from train.run_dir import LOCK_FILE, check_resume, lock_run_dir, prepare_run_dir, read_metrics, resume_advice
 
 
@@ -1025,3 +1026,44 @@ def test_a_run_folder_whose_checkpoints_folder_cannot_be_written_is_refused_befo
             parse(tiny_flags(str(run), arch))
     monkeypatch.setattr(os, "access", access)
     parse(tiny_flags(str(run), arch))
+
+
+def test_demo_data_an_older_generator_wrote_is_refused_on_resume_and_written_again_on_a_fresh_run(tmp_path, arch,
+                                                                                                   capsys):
+    """RUN_DIR/data/demo_train_*.jsonl is named by the flags that shape it, not by the code: after a `git pull` that
+    changed the demo generator (the trace format), a resume, a rerun and even --overwrite trained on the old traces
+    without a word. Now a resume is refused (its data would change mid-run), and a fresh run or --overwrite writes
+    the file again, with a line."""
+    from demo.task import generate_mixture, read_jsonl
+
+    run = str(tmp_path / "run")
+    cfg = parse(tiny_flags(run, arch, steps=2, checkpoint_every=2))
+    train(cfg)
+    path = cfg.data.data
+    current = open(path).read()
+    assert read_jsonl(path) == [{k: ex[k] for k in ("id", "prompt", "answer", "text")}
+                                for ex in generate_mixture(24, 0, "train", ("read_once",), seq_len=256)]
+
+    def as_an_older_generator_wrote_it():
+        rows = read_jsonl(path)
+        rows[0]["text"] = rows[0]["text"].replace(">", "\n")  # e.g. stop 16's lookups, `l0\ns3` for `>l0>s3`
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    as_an_older_generator_wrote_it()
+    old = open(path).read()
+    assert old != current
+    with pytest.raises(FlagError, match=r"--data=demo:24: .*demo_train_read_once_24x256_seed0.jsonl holds traces the "
+                                        r"demo generator no longer writes .* resume with the code that started it, "
+                                        r"or pass --overwrite"):
+        train(parse(tiny_flags(run, arch, steps=4, checkpoint_every=2)))
+    assert open(path).read() == old  # left as the run trained on it
+    capsys.readouterr()
+    train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2, overwrite=True)))
+    assert open(path).read() == current and "written again with the current one" in capsys.readouterr().err
+    fresh = str(tmp_path / "fresh")  # no checkpoint: nothing trained on it
+    os.makedirs(os.path.join(fresh, "data"))
+    with open(os.path.join(fresh, "data", os.path.basename(path)), "w") as f:
+        f.write(old)
+    assert stale_demo_data(parse(tiny_flags(fresh, arch)))
+    assert not stale_demo_data(cfg)

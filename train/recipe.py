@@ -50,14 +50,16 @@ from eval.dms_patterns import run_dms_patterns
 from eval.outputs import journal_file
 from eval.recall import run_recall
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
+from kvpop_jax.checkpoint import checkpoint_fingerprint
 from kvpop_jax.config import KVpopConfig, memory_words
 from kvpop_jax.fileio import LOCK_FILE, locked_elsewhere
 from kvpop_jax.sampling import SamplingConfig
+from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
 from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, held_run, lock_run_dir, training_changes
-from train.setup import info, prepare_init_checkpoint, run_tokenizer
+from train.setup import info, prepare_init_checkpoint, run_tokenizer, stale_demo_data
 from train.teacher_cache import write_teacher_logits
 
 SHARED_TEACHER_MAX_BYTES = 1 << 30  # teacher top-k files the recipe writes once and shares between variants
@@ -116,6 +118,15 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
         if held:
             raise FlagError(f"--noresume would start over in {', '.join(held)}; pass --overwrite to retrain every "
                             "variant, resume without --noresume, or choose another --run_dir")
+    if cfg.variants and not cfg.overwrite and stale_demo_data(cfg):
+        trained = [n for n in cfg.variants if held_run(dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, n)))]
+        topk = shared_teacher_dir(cfg)
+        if trained or (topk and os.path.isdir(topk) and any(f.startswith("step_") for f in os.listdir(topk))):
+            raise FlagError(f"--data=demo:{cfg.demo_examples}: {cfg.data.data} holds traces the demo generator no "
+                            "longer writes (the library changed since), and "
+                            + (f"{', '.join(trained)} trained" if trained else f"the teacher top-k in {topk} was "
+                               "computed") + " on them: pass --overwrite to retrain every variant on the new traces, "
+                            "or choose another --run_dir")
     init_dir = prepare_init_checkpoint(cfg)
     _, tokenizer_dir = run_tokenizer(cfg, init_dir)
     exports, times, teacher_seconds = {}, {}, None
@@ -164,7 +175,8 @@ def quick_notice(cfg: TrainConfig) -> str:
 def finished(cfg: TrainConfig) -> bool:
     """Whether a run's last checkpoint is its final step and its export is written; a FlagError
     when that run was trained under other settings than `cfg` (its export is not this one's)."""
-    done = max(checkpoint_steps(cfg), default=-1) >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
+    last = max(checkpoint_steps(cfg), default=-1)
+    done = last >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
     saved = os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE)
     if done and os.path.isfile(saved):
         with open(saved) as f:
@@ -173,6 +185,17 @@ def finished(cfg: TrainConfig) -> bool:
             raise FlagError(f"{cfg.run_dir} holds a finished run trained with other settings: {'; '.join(changes)}. "
                             "Rerun with the old values to reuse its export, pass --overwrite to retrain every "
                             "variant, or choose another --run_dir")
+    if done and os.path.isdir(os.path.join(cfg.checkpoint_dir, str(last), "meta")):  # the teacher's weights, which
+        # its settings do not show (a `git pull` replaces the shipped teacher)
+        try:
+            trained_from = Checkpointer(cfg.checkpoint_dir, read_only=True).restore_meta(last).get("init_fingerprint")
+        except ValueError as e:  # a damaged meta item: named, as a resume names it
+            raise FlagError(f"{cfg.checkpoint_dir}/{last}: {e}") from e
+        if trained_from and trained_from != checkpoint_fingerprint(cfg.init_checkpoint):
+            raise FlagError(f"{cfg.run_dir} holds a finished run distilled from other weights than "
+                            f"--init_checkpoint={cfg.init_checkpoint} holds now (the teacher changed since, e.g. by a "
+                            "git pull): its export would be compared with the new teacher's. Pass --overwrite to "
+                            "retrain every variant, or choose another --run_dir")
     return done
 
 
@@ -269,10 +292,10 @@ def evaluate(cfg: TrainConfig, init_dir: str, tokenizer_dir: str, exports: dict[
     recall = {}
     if ev.recall_sequences:
         data = os.path.join(out, f"recall_{ev.tasks[0]}_s{cfg.seed}_{ev.prompt_len}.jsonl")
-        if not os.path.isfile(data):
-            os.makedirs(out, exist_ok=True)
-            examples = generate_dataset(ev.recall_sequences, cfg.seed, "test", task=ev.tasks[0], seq_len=ev.prompt_len)
-            write_jsonl(data, examples)  # atomic
+        # written each time (a few problems): a file an older demo generator wrote was measured on without a word
+        os.makedirs(out, exist_ok=True)
+        examples = generate_dataset(ev.recall_sequences, cfg.seed, "test", task=ev.tasks[0], seq_len=ev.prompt_len)
+        write_jsonl(data, examples)  # atomic
         for name in (m for m in ev.methods if m in exports and m != "dms"
                      and variant_retrofit(cfg, m).topk > 0):
             recall[name] = {}

@@ -4,6 +4,7 @@ checkpoint, tokenizer and data (shared by the loop, the teacher-logit cache and 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from demo.task import generate_mixture, write_jsonl
+from demo.task import JSONL_KEYS as DEMO_DATA_KEYS, generate_mixture, write_jsonl
 from demo.tokenizer import save_tokenizer
 from kvpop_jax import fileio, modeling, save_pretrained
 from kvpop_jax import sharding as shd
@@ -21,6 +22,7 @@ from kvpop_jax.config import Qwen3Config
 from train import step as st
 from train.config import DTYPES, FlagError, TrainConfig, check_devices, load_model_config
 from train.packing import PackedBatchIterator
+from train.run_dir import checkpoint_steps
 
 
 def step_config(cfg: TrainConfig, model_config: Qwen3Config) -> st.StepConfig:
@@ -138,11 +140,45 @@ def run_tokenizer(cfg: TrainConfig, init_dir: str):
         raise FlagError(f"--tokenizer: {e} (pass --tokenizer=DIR, or --tokenizer=demo for the demo task)") from e
 
 
+DEMO_DATA_PROBES = 2  # the first examples of a demo data file, compared with what the generator writes now
+
+
+def stale_demo_data(cfg: TrainConfig) -> bool:
+    """Whether the run's demo data file (--data=demo:N) exists and holds other traces than the demo generator
+    writes now: the file is named by the flags that shape it, not by the code, and a `git pull` that changed the
+    generator (the trace format, a task) left the old traces in use without a word. Its first examples are
+    compared, which any change of format shows in."""
+    path = cfg.data.data
+    if not cfg.demo_examples or not os.path.isfile(path):
+        return False
+    fresh = generate_mixture(min(cfg.demo_examples, DEMO_DATA_PROBES), cfg.seed, "train", cfg.demo_tasks,
+                             seq_len=cfg.demo_seq_len)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = [f.readline() for _ in fresh]
+    written = [json.loads(json.dumps({k: ex[k] for k in DEMO_DATA_KEYS if k in ex})) for ex in fresh]
+    try:
+        return [json.loads(line) for line in head] != written
+    except ValueError:  # not JSON: damaged, so not the generator's either
+        return True
+
+
 def prepare_data(cfg: TrainConfig, tokenizer) -> PackedBatchIterator:
-    """The packed-batch iterator of the run (writes the generated demo data first for demo:N)."""
+    """The packed-batch iterator of the run (writes the generated demo data first for demo:N; a demo data file of
+    an older generator is written again, or refused when this run already trained on it)."""
     data_config = dataclasses.replace(cfg.data, process_index=jax.process_index(), process_count=jax.process_count())
     if cfg.demo_examples:
-        if not os.path.isfile(data_config.data) and jax.process_index() == 0:
+        stale = stale_demo_data(cfg)  # every process, before any writes
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("demo data checked")
+        if stale and cfg.resume and not cfg.overwrite and checkpoint_steps(cfg):
+            raise FlagError(f"--data=demo:{cfg.demo_examples}: {data_config.data} holds traces the demo generator no "
+                            "longer writes (the library changed since this run started on them), so a resume would "
+                            "change its data mid-run: resume with the code that started it, or pass --overwrite to "
+                            "start over on the new traces")
+        if (stale or not os.path.isfile(data_config.data)) and jax.process_index() == 0:
+            if stale:
+                info(f"--data=demo:{cfg.demo_examples}: {data_config.data} holds traces an older demo generator "
+                     "wrote; written again with the current one")
             os.makedirs(os.path.dirname(data_config.data), exist_ok=True)
             write_jsonl(data_config.data, generate_mixture(cfg.demo_examples, cfg.seed, "train", cfg.demo_tasks,
                                                            seq_len=cfg.demo_seq_len))  # atomic
