@@ -481,3 +481,9 @@ def test_a_rerun_after_the_teacher_or_the_demo_generator_changed_does_not_reuse_
         recipe.run(parse(flags))
     assert recipe.run(parse(flags + ["--overwrite"]))["train_seconds"].keys() == {"streamingllm+"}
     assert recipe.run(parse(flags))["train_seconds"] == {}
+    # the run folder moved (another disk): its finished variants are still its own (the paths of its init, data and
+    # tokenizer, recorded where they were, were read as other settings, with the advice to rerun with the old ones)
+    moved = str(tmp_path / "elsewhere" / "run")
+    shutil.move(run, moved)
+    assert recipe.run(parse(tiny_flags(moved, arch, steps=2, checkpoint_every=2,
+                                       variants="streamingllm+")))["train_seconds"] == {}

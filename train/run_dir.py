@@ -257,7 +257,32 @@ def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     now = json.loads(json.dumps(cfg.to_json(), default=str))
     new = {k: _same_path(v) for k, v in flat({k: v for k, v in now.items() if k not in skip})}
     old = {k: _same_path(v) for k, v in flat({k: v for k, v in saved.items() if k not in skip})}
-    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k]]
+    moves = _moves(saved.get("run_dir"), cfg.run_dir)
+    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
+            if k in old and old[k] != new[k] and _moved(old[k], moves) != new[k]]
+
+
+def _moves(old_run_dir: Any, run_dir: str) -> list[tuple[str, str]]:
+    """(old, new) folder pairs of a run folder moved or copied elsewhere (and of its parent, where a recipe keeps
+    the init, tokenizer and data its variants share: RUN_DIR/NAME moved with RUN_DIR), longest first."""
+    if not isinstance(old_run_dir, str) or not old_run_dir:
+        return []
+    old, new = os.path.abspath(old_run_dir), os.path.abspath(run_dir)
+    if old == new:
+        return []
+    moves = [(old, new)]
+    if os.path.basename(old) == os.path.basename(new) and os.path.dirname(old) != os.path.dirname(new):
+        moves.append((os.path.dirname(old), os.path.dirname(new)))
+    return moves
+
+
+def _moved(value: Any, moves: list[tuple[str, str]]) -> Any:
+    """A path inside a moved folder (`_moves`), as it lies now; other values as they are."""
+    if isinstance(value, str) and os.path.isabs(value):
+        for old, new in moves:
+            if value == old or value.startswith(old.rstrip(os.sep) + os.sep):
+                return _same_path(new + value[len(old):])
+    return value
 
 
 def read_metrics(path: str, upto_step: int) -> list[dict[str, Any]]:
