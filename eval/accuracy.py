@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import hashlib
 import importlib.metadata
 import json
@@ -62,7 +61,7 @@ from kvpop_jax.checkpoint import (chat_prompt_ids, check_checkpoint, checkpoint_
 from kvpop_jax.config import KVpopConfig
 from kvpop_jax.generate import check_seed, compile_generate, generate
 from kvpop_jax.modeling import Qwen3ForCausalLM, strip_kvpop
-from kvpop_jax.runtime import background_worker
+from kvpop_jax.runtime import background_worker, source_digest
 from kvpop_jax.sampling import FLOAT32_TINY, SamplingConfig
 
 REPORT_FILES = ("samples.jsonl", "accuracy.md", "accuracy.json", "accuracy.png")  # the order they are renamed in
@@ -222,18 +221,10 @@ def _package_version(module: str) -> str | None:
     return None
 
 
-@functools.cache
 def _source_digest() -> str:
-    """A hash of the code that decodes and grades (kvpop_jax, pallas_kernels, eval, demo: the folders beside this
-    one's): a resumed report is not finished by other code (a `git pull` between the kill and the rerun)."""
-    digest = hashlib.sha256()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for package in ("kvpop_jax", "pallas_kernels", "eval", "demo"):
-        for name in sorted(os.listdir(os.path.join(root, package))):
-            if name.endswith(".py"):
-                with open(os.path.join(root, package, name), "rb") as f:
-                    digest.update(f"{package}/{name}".encode() + b"\0" + f.read())
-    return digest.hexdigest()
+    """A hash of the code that decodes and grades (kvpop_jax, pallas_kernels, eval, demo): a resumed report is not
+    finished by other code (a `git pull` between the kill and the rerun)."""
+    return source_digest(("kvpop_jax", "pallas_kernels", "eval", "demo"))
 
 
 @holds_out_dir(*REPORT_FILES)
@@ -427,7 +418,8 @@ def run_accuracy(
     finished = {(part["method"], part["cr"]): part for part in journal.parts}
     journal.parts.clear()  # held in `finished` until each is taken into the report
     if journal.stale:
-        why = "of other inputs" if resume else "passed over by resume=False (--noresume)"
+        changed = f" ({', '.join(journal.changed)})" if journal.changed else ""
+        why = f"of other inputs{changed}" if resume else "passed over by resume=False (--noresume)"
         print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of an earlier run {why}: "
               "replaced when this run finishes its first", file=sys.stderr)
     if len(finished) == len(settings):

@@ -145,9 +145,13 @@ class Journal:
         self.path = os.path.join(os.fspath(out_dir), journal_file(name))
         _check_not_a_folder(self.path)
         key = json.dumps(inputs, sort_keys=True, default=str).encode()
-        self.header = {"journal": name, "format": JOURNAL_FORMAT, "inputs": hashlib.sha256(key).hexdigest()}
+        fields = {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
+                  for k, v in inputs.items()}  # to name which inputs another run's journal differs in
+        self.header = {"journal": name, "format": JOURNAL_FORMAT, "inputs": hashlib.sha256(key).hexdigest(),
+                       "fields": fields}
         self.parts: list[dict] = []
         self.stale: int | None = None
+        self.changed: list[str] = []  # the inputs a stale journal of this layout was written for with other values
         self._started = False  # this run's header is in the file
         if not os.path.exists(self.path):
             return
@@ -167,7 +171,10 @@ class Journal:
         try:
             with open(self.path, "rb") as f:
                 header = f.readline()
-                ours, end = _json_line(header) == self.header, len(header)
+                theirs = _json_line(header)
+                ours, end = theirs == self.header, len(header)
+                if not ours and isinstance(theirs, dict) and isinstance(theirs.get("fields"), dict):
+                    self.changed = sorted(k for k, v in self.header["fields"].items() if theirs["fields"].get(k) != v)
                 for line in f:
                     if not ours:
                         held += line.endswith(b"\n")

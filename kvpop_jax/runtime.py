@@ -12,7 +12,9 @@ recipe silently trains on CPU. The start-up line names the backend and the devic
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import hashlib
 import os
 import re
 import signal
@@ -47,6 +49,21 @@ def backend_line() -> str:
     if jax.process_count() > 1:
         line += f"; process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices in all"
     return line
+
+
+@functools.cache
+def source_digest(packages: tuple[str, ...]) -> str:
+    """A sha256 of the Python files of this repository's top-level `packages` (folders beside kvpop_jax): what a
+    resumed run or report was begun with, so that finishing it with other code (a `git pull` between a kill and
+    the rerun) is noticed."""
+    digest = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in packages:
+        for name in sorted(os.listdir(os.path.join(root, package))):
+            if name.endswith(".py"):
+                with open(os.path.join(root, package, name), "rb") as f:
+                    digest.update(f"{package}/{name}".encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 def out_of_memory(error: BaseException) -> str | None:

@@ -428,8 +428,9 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
     # other inputs (another seed; a checkpoint rewritten) or --noresume: everything decodes again
     journal = out / ".accuracy-journal.jsonl"
     stale = "holds 1 finished method x CR settings of an earlier run"
-    for change, note in ((dict(seed=1), f"{stale} of other inputs"), (dict(resume=False), f"{stale} passed over"),
-                         ("touch", f"{stale} of other inputs")):
+    for change, note in ((dict(seed=1), f"{stale} of other inputs (seed)"),
+                         (dict(resume=False), f"{stale} passed over"),
+                         ("touch", f"{stale} of other inputs (checkpoints)")):  # which: the library's code is one
         calls.clear()
         fail_at[0] = per_setting + 1
         with pytest.raises(RuntimeError):

@@ -1067,3 +1067,23 @@ def test_demo_data_an_older_generator_wrote_is_refused_on_resume_and_written_aga
         f.write(old)
     assert stale_demo_data(parse(tiny_flags(fresh, arch)))
     assert not stale_demo_data(cfg)
+
+
+def test_a_resume_by_other_code_says_so_and_keeps_it_in_the_run_history(tmp_path, arch, monkeypatch, capsys):
+    """A run killed, then resumed after a `git pull`, continued with other numerics without a word (a probe resumed a
+    run of 800 commits back: every step from the resume on differed in the last bits from either code's own run)."""
+    import train.loop as loop
+
+    run = str(tmp_path / "run")
+    train(parse(tiny_flags(run, arch, steps=2, checkpoint_every=2)))
+    capsys.readouterr()
+    train(parse(tiny_flags(run, arch, steps=3, checkpoint_every=1)))  # the same code: nothing said
+    assert "library's code" not in capsys.readouterr().err
+    monkeypatch.setattr(loop, "source_digest", lambda packages: "another")
+    train(parse(tiny_flags(run, arch, steps=4, checkpoint_every=2)))
+    line = ("the library's code (kvpop_jax, pallas_kernels, train, demo; e.g. a git pull): from here its numbers may "
+            "differ in the last bits from an uninterrupted run's")
+    assert line in capsys.readouterr().err
+    with open(os.path.join(run, "train_config.json")) as f:
+        assert json.load(f)["resume_changes"] == [{"step": 2, "changes": ["optim.steps 2 -> 3"]},
+                                                  {"step": 3, "changes": ["optim.steps 3 -> 4", line]}]

@@ -211,7 +211,7 @@ def _put(x: np.ndarray, sharding) -> jax.Array:
 
 GUARD_META_KEY = "divergence_history"  # a checkpoint's meta: train.loop.DivergenceGuard.saved()
 # The meta item's fields that train.export and a resume read -> the types a run saves (None: not set).
-META_TYPES = {"model_config": dict, "train_config": dict, "tokenizer_dir": (str, type(None))}
+META_TYPES = {"model_config": dict, "train_config": dict, "tokenizer_dir": (str, type(None)), "code": str}
 TRAIN_CONFIG_TYPES = {"kvpop": (dict, type(None)), "dms": (dict, type(None)), "optim": (dict, type(None)),
                       "data": (dict, type(None)), "init_checkpoint": (str, type(None))}
 

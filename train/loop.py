@@ -28,6 +28,7 @@ from kvpop_jax import load_pretrained, modeling
 from kvpop_jax import sharding as shd
 from kvpop_jax.checkpoint import check_checkpoint, checkpoint_fingerprint
 from kvpop_jax.fileio import atomic_write_bytes, make_folder
+from kvpop_jax.runtime import source_digest
 from train import optim
 from train import step as st
 from train.checkpointing import GUARD_META_KEY, Checkpointer
@@ -189,6 +190,9 @@ class DivergenceGuard:
         self.add(metrics)
 
 
+TRAINING_CODE = ("kvpop_jax", "pallas_kernels", "train", "demo")  # a resume by other code is said (`source_digest`)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Runs (or resumes) training in a run folder it owns (`train/run_dir.py`); returns a summary dict."""
     with lock_run_dir(cfg.run_dir):
@@ -285,6 +289,10 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
     saved_run = restored_meta.get("train_config") or {}
     history = list(saved_run.get(RESUME_CHANGES_KEY) or [])
     changes = training_changes(saved_run, cfg) if latest is not None else []
+    code = source_digest(TRAINING_CODE)
+    if latest is not None and restored_meta.get("code", code) != code:  # one saved by older code records none
+        changes.append(f"the library's code ({', '.join(TRAINING_CODE)}; e.g. a git pull): from here its numbers may "
+                       "differ in the last bits from an uninterrupted run's")
     if changes:  # accepted changes (check_resume refused the rest): said, and kept with the run
         info(f"resuming {cfg.checkpoint_dir}/{latest} with changed training settings (its first {start} steps ran "
              f"with the old ones): {'; '.join(changes)}")
@@ -297,7 +305,7 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
     # started from, so that a resume from other weights of the same shape is refused (check_resume).
     meta = {"model_config": kv_config.to_hf(), "param_dtype": cfg.param_dtype,
             "tokenizer_dir": os.path.abspath(tokenizer_dir) if tokenizer_dir else tokenizer_dir,
-            "train_config": run_json, "init_fingerprint": init_fingerprint}
+            "train_config": run_json, "init_fingerprint": init_fingerprint, "code": code}
 
     log = MetricsLog(cfg, start)
     guard = DivergenceGuard(cfg.divergence_factor, cfg.divergence_warmup, log.records,
