@@ -422,12 +422,14 @@ def run_accuracy(
         why = f"of other inputs{changed}" if resume else "passed over by resume=False (--noresume)"
         print(f"note: {journal.path} holds {journal.stale} finished method x CR settings of an earlier run {why}: "
               "replaced when this run finishes its first", file=sys.stderr)
+    # A kept journal is the demo recipe's, which refuses --noresume over its trained variants: there, it goes.
+    again = f"delete {journal.path}" if keep_journal else "pass resume=False (--noresume)"
     if len(finished) == len(settings):
-        print(f"note: every method x CR setting of {out_dir} is done for these inputs ({journal.path}): the report is "
-              "written again without decoding; pass resume=False (--noresume) to decode them again", file=sys.stderr)
+        print(f"note: every method x CR setting of {out_dir} is done for these inputs: the report is written again "
+              f"without decoding; {again} to decode them again", file=sys.stderr)
     elif finished:
         print(f"note: resuming the run killed in {out_dir}: {len(finished)} of {len(settings)} method x CR settings "
-              f"are done ({journal.path}); pass resume=False (--noresume) to decode them again", file=sys.stderr)
+              f"are done ({journal.path}); {again} to decode them again", file=sys.stderr)
     pending = [k for k, setting in enumerate(settings) if setting not in finished]
 
     # The checkpoints of the settings to decode are read (and checked finite) now, not when each one's turn

@@ -55,7 +55,7 @@ def backend_line() -> str:
 def source_digest(packages: tuple[str, ...]) -> str:
     """A sha256 of the Python files of this repository's top-level `packages` (folders beside kvpop_jax): what a
     resumed run or report was begun with, so that finishing it with other code (a `git pull` between a kill and
-    the rerun) is noticed."""
+    the rerun) is noticed. Every .py file there counts, a scratch file too."""
     digest = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for package in packages:

@@ -467,7 +467,8 @@ def test_a_killed_run_resumes_with_the_settings_it_finished_and_writes_the_unbro
     capsys.readouterr()
     run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)
     assert calls == [] and report(out) == first
-    assert "every method x CR setting of" in capsys.readouterr().err
+    assert f"every method x CR setting of {out} is done for these inputs: the report is written again without " \
+           f"decoding; delete {journal} to decode them again" in capsys.readouterr().err
     with monkeypatch.context() as m:  # other XLA flags: decoded again
         m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
         run_accuracy(methods, checkpoints, str(bench), out_dir=str(out), keep_journal=True, **kw)

@@ -476,8 +476,16 @@ def test_a_rerun_after_the_teacher_or_the_demo_generator_changed_does_not_reuse_
     init = os.path.join(run, "init")  # the teacher, replaced by other weights of the same shape
     config, _ = load_pretrained(init)
     save_pretrained(config, init_params(config, jax.random.key(7)), init)
-    with pytest.raises(FlagError, match=r"run/streamingllm\+ holds a finished run distilled from other weights than "
-                                        r"--init_checkpoint=.*/run/init holds now .* Pass --overwrite"):
+    refused = (r"run/streamingllm\+ holds a finished run distilled from other weights than "
+               r"--init_checkpoint=.*/run/init holds now .* Pass --overwrite")
+    with pytest.raises(FlagError, match=refused):
+        recipe.run(parse(flags))
+    saved = os.path.join(run, "streamingllm+", "train_config.json")
+    with open(saved) as f:
+        older = {k: v for k, v in json.load(f).items() if k != "init_fingerprint"}
+    with open(saved, "w") as f:  # a run from before train_config.json recorded it: read from its checkpoint
+        json.dump(older, f)
+    with pytest.raises(FlagError, match=refused):
         recipe.run(parse(flags))
     assert recipe.run(parse(flags + ["--overwrite"]))["train_seconds"].keys() == {"streamingllm+"}
     assert recipe.run(parse(flags))["train_seconds"] == {}
@@ -487,3 +495,35 @@ def test_a_rerun_after_the_teacher_or_the_demo_generator_changed_does_not_reuse_
     shutil.move(run, moved)
     assert recipe.run(parse(tiny_flags(moved, arch, steps=2, checkpoint_every=2,
                                        variants="streamingllm+")))["train_seconds"] == {}
+
+
+def test_a_recipe_folder_moved_or_copied_reruns_as_itself_relative_and_through_a_symlink(tmp_path, arch, monkeypatch):
+    """The README's --run_dir is relative: its variants record `runs/a/init`, `runs/a/data/...`, which no longer
+    exist after a `mv`, and a folder reached through a symlink records resolved paths (review of stop 70)."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("real")
+    os.symlink(str(tmp_path / "real"), "link")
+
+    def rerun(run_dir):
+        return recipe.run(parse(tiny_flags(run_dir, arch, steps=2, checkpoint_every=2, variants="streamingllm+")))
+
+    assert rerun("link/a")["train_seconds"].keys() == {"streamingllm+"}
+    shutil.move("link/a", "link/b")
+    assert rerun("link/b")["train_seconds"] == {}
+    shutil.copytree("link/b", "link/c", symlinks=True)
+    assert rerun("link/c")["train_seconds"] == {}
+    assert rerun("link/b")["train_seconds"] == {}  # the original, beside its copy
+
+
+def test_evaluation_sizes_past_the_demo_generator_are_refused_by_flag(tmp_path, arch):
+    """--eval_long_len=20000000 (a digit too many) passed the flags, trained every variant, then failed in the
+    evaluation with a traceback from the demo generator's limits."""
+    flags = dict(variants="kvpop-mlp", eval_methods="dense,kvpop-mlp", eval_prompt_len=1024)
+    for overrides, message in (
+            (dict(eval_long_len=20_000_000), r"--eval_problems=100 at --eval_long_len=20000000: demo spec asks for "
+                                             r"n=100 problems of len=20000000 tokens"),
+            (dict(eval_problems=300_000), r"--eval_problems=300000 at --eval_prompt_len=1024: .*307,200,000 in all"),
+            (dict(eval_recall_sequences=300_000), r"--eval_recall_sequences=300000 at --eval_prompt_len=1024")):
+        with pytest.raises(FlagError, match=message):
+            parse(tiny_flags(str(tmp_path), arch, **flags, **overrides))
+    assert parse(tiny_flags(str(tmp_path), arch, **flags, eval_problems=262_144)).evaluation.problems == 262_144

@@ -908,9 +908,10 @@ def test_train_main_tells_out_of_memory_in_one_line_with_what_to_lower(tmp_path,
             tm.FLAGS.unparse_flags()
         assert stop.value.code == 2
         assert capsys.readouterr().err.strip() == (
-            f"error: {message} (80.0 GiB) on {jax.default_backend()}. Lower --micro_batch (--global_batch stays, by "
-            "gradient accumulation), set --remat or --loss_chunk, or run on more devices; the same command then "
-            f"resumes from the last checkpoint in {tmp_path}")
+            f"error: {message} (80.0 GiB) on {jax.default_backend()}. A step needs less with --remat or --loss_chunk, "
+            f"or on more devices, and resumes from the last checkpoint in {tmp_path} with them; a smaller "
+            "--micro_batch (--global_batch stays, by gradient accumulation) starts over (--overwrite: a resume keeps "
+            "it); a recipe's evaluation needs less with a smaller --eval_batch")
 
 
 def test_a_leading_tilde_in_a_path_flag_is_the_home_folder_not_a_folder_named_tilde(tmp_path, arch, monkeypatch):
@@ -1087,3 +1088,6 @@ def test_a_resume_by_other_code_says_so_and_keeps_it_in_the_run_history(tmp_path
     with open(os.path.join(run, "train_config.json")) as f:
         assert json.load(f)["resume_changes"] == [{"step": 2, "changes": ["optim.steps 2 -> 3"]},
                                                   {"step": 3, "changes": ["optim.steps 3 -> 4", line]}]
+    monkeypatch.setattr(loop, "source_digest", lambda packages: "a third")
+    train(parse(tiny_flags(run, arch, steps=4, checkpoint_every=2)))  # finished: no step runs, nothing to say
+    assert "library's code" not in capsys.readouterr().err

@@ -9,6 +9,7 @@ import jax
 from absl import flags
 
 from demo.task import SEED_LIMIT, TASKS, make_config
+from eval.benchmarks import DemoSpec
 from kvpop_jax.baselines import METHODS as TRAINING_FREE
 from kvpop_jax.config import KVpopConfig, Qwen3Config
 from kvpop_jax.documents import resolve_source
@@ -311,6 +312,16 @@ def evaluation_from_flags(f, kvpop: KVpopConfig, variants: tuple[str, ...], head
     if f.eval_problems < 1 or f.eval_batch < 1 or f.eval_recall_sequences < 0:
         raise FlagError("--eval_problems and --eval_batch must be >= 1, --eval_recall_sequences >= 0")
     problems = max(1, f.eval_problems // 4) if f.quick else f.eval_problems
+    # The demo generator's limits (len <= 2**20, 2**28 tokens a spec), here and not after every variant has trained.
+    for flag, n, length in ((f"--eval_problems={f.eval_problems} at --eval_prompt_len", problems, f.eval_prompt_len),
+                            (f"--eval_problems={f.eval_problems} at --eval_long_len", problems, f.eval_long_len),
+                            (f"--eval_recall_sequences={f.eval_recall_sequences} at --eval_prompt_len",
+                             f.eval_recall_sequences, f.eval_prompt_len)):
+        try:
+            if n and length:
+                DemoSpec(tasks[0], "test", f.seed, n, length)
+        except ValueError as e:
+            raise FlagError(f"{flag}={length}: {e}") from e
     asked = tuple(dict.fromkeys(m for m in (x.strip() for x in f.eval_long_methods) if m))
     default = list(f["eval_long_methods"].default)  # both KVpop variants: those of them that run here
     explicit = [m.strip() for m in f.eval_long_methods] != default  # tiny_cpu.flags spells the default out

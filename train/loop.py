@@ -35,8 +35,9 @@ from train.checkpointing import GUARD_META_KEY, Checkpointer
 from train.config import FlagError, TrainConfig, check_export_dir, load_model_config
 from train.export import export_params
 from train.packing import DamagedDataState
-from train.run_dir import (METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE, check_no_live_run_inside,
-                           check_resume, lock_run_dir, prepare_run_dir, read_metrics, training_changes)
+from train.run_dir import (INIT_FINGERPRINT_KEY, METRICS_FILE, RESUME_CHANGES_KEY, TRAIN_CONFIG_FILE,
+                           check_no_live_run_inside, check_resume, lock_run_dir, prepare_run_dir, read_metrics,
+                           training_changes)
 from train.setup import (build_mesh, info, jitted_step, next_rows, prepare_data, prepare_init_checkpoint,
                          run_tokenizer, step_config, to_global)
 from train.teacher_cache import check_teacher_dir, read_teacher_topk
@@ -290,7 +291,8 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
     history = list(saved_run.get(RESUME_CHANGES_KEY) or [])
     changes = training_changes(saved_run, cfg) if latest is not None else []
     code = source_digest(TRAINING_CODE)
-    if latest is not None and restored_meta.get("code", code) != code:  # one saved by older code records none
+    # (a finished run rerun trains no step: nothing to say; one saved by older code records no digest)
+    if latest is not None and start < cfg.steps and restored_meta.get("code", code) != code:
         changes.append(f"the library's code ({', '.join(TRAINING_CODE)}; e.g. a git pull): from here its numbers may "
                        "differ in the last bits from an uninterrupted run's")
     if changes:  # accepted changes (check_resume refused the rest): said, and kept with the run
@@ -299,6 +301,7 @@ def _run(cfg, mesh, init_dir, init_fingerprint, model_config, sc, kv_config, tx,
         history.append({"step": start, "changes": changes})
     if history:
         run_json[RESUME_CHANGES_KEY] = history
+    run_json[INIT_FINGERPRINT_KEY] = init_fingerprint  # a recipe rerun reads it without opening a checkpoint
     if jax.process_index() == 0:  # only now: a refused or failed resume leaves the old one in place
         atomic_write_bytes(os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE), json.dumps(run_json, indent=2).encode())
     # The tokenizer's folder as an absolute path (train.export may run elsewhere), and what the run

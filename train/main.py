@@ -84,9 +84,10 @@ def main(argv):
         if (line := out_of_memory(e)) is None:
             raise
         run_dir = cfg.run_dir if cfg is not None else FLAGS.run_dir
-        print(f"error: {line} on {jax.default_backend()}. Lower --micro_batch (--global_batch stays, by gradient "
-              "accumulation), set --remat or --loss_chunk, or run on more devices; the same command then "
-              f"resumes from the last checkpoint in {run_dir}", file=sys.stderr)
+        print(f"error: {line} on {jax.default_backend()}. A step needs less with --remat or --loss_chunk, or on more "
+              f"devices, and resumes from the last checkpoint in {run_dir} with them; a smaller --micro_batch "
+              "(--global_batch stays, by gradient accumulation) starts over (--overwrite: a resume keeps it); a "
+              "recipe's evaluation needs less with a smaller --eval_batch", file=sys.stderr)
         _quiet_exit(2)
     except TrainingAborted as e:  # NaN/inf or divergence: stopped before saving that state
         print(f"error: {e}", file=sys.stderr)

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from absl import logging as absl_logging
 
 from demo.oracles import oracle_recovery
 from demo.task import generate_dataset, make_config, write_jsonl
@@ -58,7 +59,8 @@ from train.checkpointing import Checkpointer
 from train.config import FlagError, TrainConfig, variant_kvpop, variant_retrofit
 from train.loop import train
 from train.recipe_report import plot_training, write_summary
-from train.run_dir import TRAIN_CONFIG_FILE, checkpoint_steps, held_run, lock_run_dir, training_changes
+from train.run_dir import (INIT_FINGERPRINT_KEY, TRAIN_CONFIG_FILE, checkpoint_steps, held_run, lock_run_dir,
+                           training_changes)
 from train.setup import info, prepare_init_checkpoint, run_tokenizer, stale_demo_data
 from train.teacher_cache import write_teacher_logits
 
@@ -174,29 +176,50 @@ def quick_notice(cfg: TrainConfig) -> str:
 
 def finished(cfg: TrainConfig) -> bool:
     """Whether a run's last checkpoint is its final step and its export is written; a FlagError
-    when that run was trained under other settings than `cfg` (its export is not this one's)."""
+    when that run was trained under other settings than `cfg`, or from other teacher weights (its export is not
+    this one's)."""
     last = max(checkpoint_steps(cfg), default=-1)
     done = last >= cfg.steps and os.path.isfile(os.path.join(cfg.export_dir, "config.json"))
+    if not done:
+        return False
     saved = os.path.join(cfg.run_dir, TRAIN_CONFIG_FILE)
-    if done and os.path.isfile(saved):
+    run = {}
+    if os.path.isfile(saved):
         with open(saved) as f:
-            changes = training_changes(json.load(f), cfg)
+            run = json.load(f)
+        changes = training_changes(run, cfg)
         if changes:
             raise FlagError(f"{cfg.run_dir} holds a finished run trained with other settings: {'; '.join(changes)}. "
                             "Rerun with the old values to reuse its export, pass --overwrite to retrain every "
                             "variant, or choose another --run_dir")
-    if done and os.path.isdir(os.path.join(cfg.checkpoint_dir, str(last), "meta")):  # the teacher's weights, which
-        # its settings do not show (a `git pull` replaces the shipped teacher)
+    # The teacher's weights, which the settings do not show (a `git pull` replaces the shipped teacher).
+    trained_from = run.get(INIT_FINGERPRINT_KEY) or _checkpoint_init_fingerprint(cfg, last)
+    if trained_from and trained_from != checkpoint_fingerprint(cfg.init_checkpoint):
+        raise FlagError(f"{cfg.run_dir} holds a finished run distilled from other weights than "
+                        f"--init_checkpoint={cfg.init_checkpoint} holds now (the teacher changed since, e.g. by a "
+                        "git pull): its export would be compared with the new teacher's. Pass --overwrite to "
+                        "retrain every variant, or choose another --run_dir")
+    return True
+
+
+def _checkpoint_init_fingerprint(cfg: TrainConfig, step: int) -> str | None:
+    """The teacher fingerprint in checkpoint `step`'s meta item (runs whose train_config.json predates it);
+    None where it has none."""
+    if not os.path.isdir(os.path.join(cfg.checkpoint_dir, str(step), "meta")):
+        return None
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's "Given directory is read only", once per variant
+    try:
+        ckpt = Checkpointer(cfg.checkpoint_dir, read_only=True)
         try:
-            trained_from = Checkpointer(cfg.checkpoint_dir, read_only=True).restore_meta(last).get("init_fingerprint")
-        except ValueError as e:  # a damaged meta item: named, as a resume names it
-            raise FlagError(f"{cfg.checkpoint_dir}/{last}: {e}") from e
-        if trained_from and trained_from != checkpoint_fingerprint(cfg.init_checkpoint):
-            raise FlagError(f"{cfg.run_dir} holds a finished run distilled from other weights than "
-                            f"--init_checkpoint={cfg.init_checkpoint} holds now (the teacher changed since, e.g. by a "
-                            "git pull): its export would be compared with the new teacher's. Pass --overwrite to "
-                            "retrain every variant, or choose another --run_dir")
-    return done
+            return ckpt.restore_meta(step).get("init_fingerprint")
+        except FlagError as e:
+            raise FlagError(f"{cfg.run_dir} holds a finished run whose last checkpoint cannot be read ({e}); pass "
+                            "--overwrite to retrain every variant, or choose another --run_dir") from e
+        finally:
+            ckpt.manager.close()
+    finally:
+        absl_logging.set_verbosity(verbosity)
 
 
 def oracle_rates(spec: DemoSpec, budgets: dict[float, int], sinks: int, window: int) -> dict[float, dict[str, float]]:

@@ -29,6 +29,7 @@ from train.config import FlagError, TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_CONFIG_FILE = "train_config.json"
+INIT_FINGERPRINT_KEY = "init_fingerprint"  # in train_config.json: the teacher a finished run distilled from
 # train_config.json's record of settings changed at resumes: [{"step": N, "changes": ["FIELD OLD -> NEW", ...]}].
 RESUME_CHANGES_KEY = "resume_changes"
 # What a run writes into its folder and --overwrite deletes (init/, data/ and tokenizer/ are inputs).
@@ -256,32 +257,42 @@ def training_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 
     now = json.loads(json.dumps(cfg.to_json(), default=str))
     new = {k: _same_path(v) for k, v in flat({k: v for k, v in now.items() if k not in skip})}
-    old = {k: _same_path(v) for k, v in flat({k: v for k, v in saved.items() if k not in skip})}
+    raw = dict(flat({k: v for k, v in saved.items() if k not in skip}))
+    old = {k: _same_path(v) for k, v in raw.items()}
     moves = _moves(saved.get("run_dir"), cfg.run_dir)
     return [f"{k} {old[k]!r} -> {new[k]!r}" for k in new
-            if k in old and old[k] != new[k] and _moved(old[k], moves) != new[k]]
+            if k in old and old[k] != new[k] and new[k] not in (_moved(raw[k], moves), _moved(old[k], moves))]
+
+
+def _spellings(path: str) -> set[str]:
+    """A folder as a run may have recorded it: as given (relative to where it ran), absolute, and resolved."""
+    spelled = {os.path.normpath(path), os.path.abspath(path)}
+    return spelled | {os.path.realpath(path)} if os.path.exists(path) else spelled
 
 
 def _moves(old_run_dir: Any, run_dir: str) -> list[tuple[str, str]]:
-    """(old, new) folder pairs of a run folder moved or copied elsewhere (and of its parent, where a recipe keeps
-    the init, tokenizer and data its variants share: RUN_DIR/NAME moved with RUN_DIR), longest first."""
+    """(old, new) folder pairs of a run folder moved or copied elsewhere, each old one in every spelling a recorded
+    path may start with (and its parent's, where a recipe keeps the init, tokenizer and data its variants share:
+    RUN_DIR/NAME moved with RUN_DIR), the new one resolved; longest first."""
     if not isinstance(old_run_dir, str) or not old_run_dir:
         return []
-    old, new = os.path.abspath(old_run_dir), os.path.abspath(run_dir)
-    if old == new:
+    old, new = os.path.normpath(old_run_dir), os.path.realpath(run_dir)
+    if os.path.realpath(old) == new:
         return []
-    moves = [(old, new)]
-    if os.path.basename(old) == os.path.basename(new) and os.path.dirname(old) != os.path.dirname(new):
-        moves.append((os.path.dirname(old), os.path.dirname(new)))
-    return moves
+    pairs = [(old, new)]
+    if os.path.basename(old) == os.path.basename(new) and os.path.dirname(old) and os.path.dirname(new):
+        pairs.append((os.path.dirname(old), os.path.dirname(new)))
+    moves = {(spelled, to) for was, to in pairs for spelled in _spellings(was)}
+    return sorted(moves, key=lambda move: -len(move[0]))
 
 
 def _moved(value: Any, moves: list[tuple[str, str]]) -> Any:
-    """A path inside a moved folder (`_moves`), as it lies now; other values as they are."""
-    if isinstance(value, str) and os.path.isabs(value):
+    """A path inside a moved folder (`_moves`), resolved where it lies now; other values as they are."""
+    if isinstance(value, str) and value:
+        path = os.path.normpath(value)
         for old, new in moves:
-            if value == old or value.startswith(old.rstrip(os.sep) + os.sep):
-                return _same_path(new + value[len(old):])
+            if path == old or path.startswith(old.rstrip(os.sep) + os.sep):
+                return _same_path(new + path[len(old):])
     return value
 
 

@@ -147,7 +147,7 @@ def stale_demo_data(cfg: TrainConfig) -> bool:
     """Whether the run's demo data file (--data=demo:N) exists and holds other traces than the demo generator
     writes now: the file is named by the flags that shape it, not by the code, and a `git pull` that changed the
     generator (the trace format, a task) left the old traces in use without a word. Its first examples are
-    compared, which any change of format shows in."""
+    compared: a change of the trace format shows there; one confined to rarer traces may not."""
     path = cfg.data.data
     if not cfg.demo_examples or not os.path.isfile(path):
         return False
