@@ -513,17 +513,17 @@ def generate_mixture(n: int, seed: int = 0, split: str = "train", tasks: tuple[s
     return out
 
 
-JSONL_KEYS = ("id", "prompt", "answer", "text")  # what write_jsonl keeps of an example (meta on request)
+def jsonl_record(ex: dict, with_meta: bool = False) -> dict:
+    """What write_jsonl keeps of an example: id, prompt, answer, text (and meta if asked)."""
+    return {k: ex[k] for k in ("id", "prompt", "answer", "text") + (("meta",) if with_meta else ()) if k in ex}
 
 
 def write_jsonl(path, examples: Iterable[dict], with_meta: bool = False) -> None:
-    """One JSON object per line: id, prompt, answer, text (and meta if asked). Atomic (through a synced
-    PATH.tmp): a run reuses the training data or recall rows it finds under PATH, so a crash must not
-    leave a torn file there."""
-    keys = JSONL_KEYS + (("meta",) if with_meta else ())
+    """One JSON object per line (`jsonl_record`). Atomic (through a synced PATH.tmp): a run reuses the training
+    data or recall rows it finds under PATH, so a crash must not leave a torn file there."""
     with atomic_file(path, "w", tmp=f"{os.fspath(path)}.tmp") as f:
         for ex in examples:
-            f.write(json.dumps({k: ex[k] for k in keys if k in ex}) + "\n")
+            f.write(json.dumps(jsonl_record(ex, with_meta)) + "\n")
 
 
 def read_jsonl(path) -> list[dict]:

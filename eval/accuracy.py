@@ -221,10 +221,9 @@ def _package_version(module: str) -> str | None:
     return None
 
 
-def _source_digest() -> str:
-    """A hash of the code that decodes and grades (kvpop_jax, pallas_kernels, eval, demo): a resumed report is not
-    finished by other code (a `git pull` between the kill and the rerun)."""
-    return source_digest(("kvpop_jax", "pallas_kernels", "eval", "demo"))
+# The code that decodes and grades, in the journal's key: a resumed report is not finished by other code (a `git pull`
+# between the kill and the rerun).
+DECODING_CODE = ("kvpop_jax", "pallas_kernels", "eval", "demo")
 
 
 @holds_out_dir(*REPORT_FILES)
@@ -413,7 +412,7 @@ def run_accuracy(
                   # XLA's flags change the last bits (e.g. FMA contraction at -O0), and so a greedy tie's winner
                   device=[jax.default_backend(), jax.devices()[0].device_kind, os.environ.get("XLA_FLAGS", "")],
                   versions=[jax.__version__, _package_version("jaxlib"), np.__version__, kvpop_version,
-                            _source_digest()])
+                            source_digest(DECODING_CODE)])
     journal = Journal(out_dir, JOURNAL_NAME, inputs, resume=resume)
     finished = {(part["method"], part["cr"]): part for part in journal.parts}
     journal.parts.clear()  # held in `finished` until each is taken into the report

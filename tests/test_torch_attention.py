@@ -206,5 +206,5 @@ def test_a_loaded_model_pickles_and_an_offset_prompt_leaves_the_cache_fresh(tmp_
                                    rtol=0, atol=0)
         plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="kvpop").eval()
         with pytest.raises(ValueError, match=r"at positions 0\.\.P-1 .*read the prompt into its first layer"):
-            name = "past_key_values" if takes_past_key_values(plain) else "cache"  # this transformers' own name
-            plain(ids, position_ids=torch.arange(3, 9)[None], **{name: KVpopCache.from_pretrained(tmp_path)})
+            plain(ids, position_ids=torch.arange(3, 9)[None],  # by this transformers' own name
+                  **{cache_argument(plain): KVpopCache.from_pretrained(tmp_path)})

@@ -62,7 +62,7 @@ from train.recipe_report import plot_training, write_summary
 from train.run_dir import (INIT_FINGERPRINT_KEY, TRAIN_CONFIG_FILE, checkpoint_steps, held_run, lock_run_dir,
                            training_changes)
 from train.setup import info, prepare_init_checkpoint, run_tokenizer, stale_demo_data
-from train.teacher_cache import write_teacher_logits
+from train.teacher_cache import step_files, write_teacher_logits
 
 SHARED_TEACHER_MAX_BYTES = 1 << 30  # teacher top-k files the recipe writes once and shares between variants
 
@@ -113,17 +113,15 @@ def _run(cfg: TrainConfig) -> dict[str, Any]:
     start = time.perf_counter()
     if cfg.quick:  # said first, not only in the summary at the end
         info(quick_notice(cfg))
-    if not cfg.resume and not cfg.overwrite:  # before any work; a finished variant was skipped without a word
-        held = [f"{v.run_dir} (a run's {what})" for v in
-                (dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, n)) for n in cfg.variants)
-                if (what := held_run(v))]
-        if held:
-            raise FlagError(f"--noresume would start over in {', '.join(held)}; pass --overwrite to retrain every "
-                            "variant, resume without --noresume, or choose another --run_dir")
+    held = {n: what for n in cfg.variants
+            if (what := held_run(dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, n))))}
+    if held and not cfg.resume and not cfg.overwrite:  # before any work; a finished variant was skipped without a word
+        runs = [f"{os.path.join(cfg.run_dir, n)} (a run's {what})" for n, what in held.items()]
+        raise FlagError(f"--noresume would start over in {', '.join(runs)}; pass --overwrite to retrain every "
+                        "variant, resume without --noresume, or choose another --run_dir")
     if cfg.variants and not cfg.overwrite and stale_demo_data(cfg):
-        trained = [n for n in cfg.variants if held_run(dataclasses.replace(cfg, run_dir=os.path.join(cfg.run_dir, n)))]
-        topk = shared_teacher_dir(cfg)
-        if trained or (topk and os.path.isdir(topk) and any(f.startswith("step_") for f in os.listdir(topk))):
+        trained, topk = list(held), shared_teacher_dir(cfg)
+        if trained or (topk and step_files(topk)):
             raise FlagError(f"--data=demo:{cfg.demo_examples}: {cfg.data.data} holds traces the demo generator no "
                             "longer writes (the library changed since), and "
                             + (f"{', '.join(trained)} trained" if trained else f"the teacher top-k in {topk} was "

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from demo.task import JSONL_KEYS as DEMO_DATA_KEYS, generate_mixture, write_jsonl
+from demo.task import generate_mixture, jsonl_record, write_jsonl
 from demo.tokenizer import save_tokenizer
 from kvpop_jax import fileio, modeling, save_pretrained
 from kvpop_jax import sharding as shd
@@ -155,7 +155,7 @@ def stale_demo_data(cfg: TrainConfig) -> bool:
                              seq_len=cfg.demo_seq_len)
     with open(path, encoding="utf-8", errors="replace") as f:
         head = [f.readline() for _ in fresh]
-    written = [json.loads(json.dumps({k: ex[k] for k in DEMO_DATA_KEYS if k in ex})) for ex in fresh]
+    written = [json.loads(json.dumps(jsonl_record(ex))) for ex in fresh]
     try:
         return [json.loads(line) for line in head] != written
     except ValueError:  # not JSON: damaged, so not the generator's either

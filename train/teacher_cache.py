@@ -40,6 +40,11 @@ def teacher_file(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}.npz")
 
 
+def step_files(directory: str) -> list[str]:
+    """The step files in a teacher top-k directory (none where there is no directory)."""
+    return sorted(f for f in os.listdir(directory) if f.startswith("step_")) if os.path.isdir(directory) else []
+
+
 def _recorded_fingerprint(directory: str) -> str | None:
     try:
         with open(os.path.join(directory, TEACHER_META)) as f:
@@ -62,7 +67,7 @@ def claim_teacher_dir(directory: str, init_fingerprint: str, init_checkpoint: st
     refusal = (f"--teacher_logits_dir={directory} holds another teacher's top-k (other weights than "
                f"--init_checkpoint={init_checkpoint}); choose another directory or empty it")
     if _same_teacher(directory, init_fingerprint, refusal) is None:
-        older = sorted(f for f in os.listdir(directory) if f.startswith("step_")) if os.path.isdir(directory) else []
+        older = step_files(directory)
         if older:  # written before teacher.json was: nothing says by which teacher
             print(f"warning: --teacher_logits_dir={directory} holds {len(older)} step files without {TEACHER_META}; "
                   f"they are taken as --init_checkpoint={init_checkpoint}'s (empty the directory if not)",
